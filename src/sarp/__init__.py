@@ -1,0 +1,44 @@
+"""sarp: an on-SSD KV-cache prefix index for LLM serving.
+
+>>> import tempfile, sarp
+>>> with sarp.open(tempfile.mkdtemp()) as index:
+...     _ = index.insert([101, 102, 103], holder="w3", medium="GPU")
+...     m = index.match([101, 102, 999])
+...     m.num_blocks, m.by_holder
+(2, {'w3': 2})
+"""
+
+from .errors import (
+    ChainConflictError,
+    CorruptRecordError,
+    FormatVersionError,
+    IndexClosedError,
+    IndexLockedError,
+    NotAnIndexError,
+    ParentNotFoundError,
+    SarpError,
+    StoreError,
+    StoreFullError,
+)
+from .hashing import as_hashes, hash_blocks
+from .index import Index, Match, open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChainConflictError",
+    "CorruptRecordError",
+    "FormatVersionError",
+    "Index",
+    "IndexClosedError",
+    "IndexLockedError",
+    "Match",
+    "NotAnIndexError",
+    "ParentNotFoundError",
+    "SarpError",
+    "StoreError",
+    "StoreFullError",
+    "as_hashes",
+    "hash_blocks",
+    "open",
+]

@@ -1,0 +1,103 @@
+"""The routing directory: the only index state kept in memory besides the holder filters.
+
+One entry per segment: the segment's first block hash -> its segment id.  That is
+enough to route every step of a match exactly, because of how segments are packed
+(:mod:`sarp.index`): each block is stored once, and a block is either the first
+block of its segment or follows its parent inside the same segment.  So after a
+segment's blocks are verified up to position ``L``, the only segment that can hold
+query block ``q[L]`` is the one whose first hash is ``q[L]``: one probe per
+segment step, never per block, and no candidate can be missed.
+
+The entries live in two sorted numpy arrays (``keys`` uint64, ``segs`` uint32),
+which a snapshot stores raw and a restart maps back without a per-entry rebuild,
+plus a small dict of changes since the arrays were last merged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Directory:
+    """First block hash -> segment id, for every live segment.
+
+    >>> d = Directory()
+    >>> d.add(42, 7)
+    >>> d.lookup(42), d.lookup(43), len(d)
+    (7, None, 1)
+    """
+
+    __slots__ = ("keys", "segs", "_added", "_removed", "_count")
+
+    def __init__(self, keys: np.ndarray | None = None, segs: np.ndarray | None = None) -> None:
+        self.keys = np.empty(0, np.uint64) if keys is None else keys
+        self.segs = np.empty(0, np.uint32) if segs is None else segs
+        self._added: dict[int, int] = {}
+        self._removed: set[int] = set()
+        self._count = int(self.keys.size)
+
+    @classmethod
+    def from_entries(cls, keys: np.ndarray, segs: np.ndarray) -> Directory:
+        """Build from unsorted entries (a rebuild). Cost: O(n log n)."""
+        order = np.argsort(keys, kind="stable")
+        return cls(keys[order].astype(np.uint64), segs[order].astype(np.uint32))
+
+    def lookup(self, first_hash: int) -> int | None:
+        """Segment whose first block is ``first_hash``, or ``None``.
+
+        Cost: O(1) for recent entries, O(log n) binary search otherwise.
+        """
+        seg = self._added.get(first_hash)
+        if seg is not None:
+            return seg
+        if first_hash in self._removed:
+            return None
+        i = int(self.keys.searchsorted(np.uint64(first_hash)))
+        if i < self.keys.size and self.keys[i] == first_hash:
+            return int(self.segs[i])
+        return None
+
+    def add(self, first_hash: int, seg_id: int) -> None:
+        if self.lookup(first_hash) is None:
+            self._count += 1
+        self._added[first_hash] = seg_id
+
+    def remove(self, first_hash: int, seg_id: int) -> None:
+        """Drop the entry for ``first_hash`` if it names ``seg_id``."""
+        if self.lookup(first_hash) != seg_id:
+            return
+        self._added.pop(first_hash, None)
+        self._removed.add(first_hash)
+        self._count -= 1
+
+    def compact(self) -> None:
+        """Merge recent changes into the sorted arrays. Cost: O(n log n)."""
+        if not self._added and not self._removed:
+            return
+        changed = np.fromiter(self._removed | self._added.keys(), np.uint64)
+        keep = ~np.isin(self.keys, changed)
+        add_keys = np.fromiter(self._added.keys(), np.uint64, len(self._added))
+        add_segs = np.fromiter(self._added.values(), np.uint32, len(self._added))
+        merged = Directory.from_entries(
+            np.concatenate([self.keys[keep], add_keys]), np.concatenate([self.segs[keep], add_segs])
+        )
+        self.keys, self.segs = merged.keys, merged.segs
+        self._added.clear()
+        self._removed.clear()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def entries(self) -> dict[int, int]:
+        """All entries as a dict (for checks and tests). Cost: O(n)."""
+        out = dict(zip(self.keys.tolist(), self.segs.tolist(), strict=True))
+        for k in self._removed:
+            out.pop(k, None)
+        out.update(self._added)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held: the arrays exactly, the change dict at CPython's per-entry cost."""
+        return int(self.keys.nbytes + self.segs.nbytes) + 100 * (
+            len(self._added) + len(self._removed)
+        )

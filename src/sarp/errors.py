@@ -1,0 +1,49 @@
+"""The exceptions sarp raises.
+
+Every error sarp raises on purpose derives from :class:`SarpError`, except bad
+arguments, which get the builtin :class:`ValueError` / :class:`TypeError` with
+the offending value and the fix in the message (some errors are both: a
+:class:`ParentNotFoundError` is a ``SarpError`` and a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+
+class SarpError(Exception):
+    """Base class of every error specific to sarp."""
+
+
+class NotAnIndexError(SarpError):
+    """The path exists but does not hold a sarp index."""
+
+
+class FormatVersionError(SarpError):
+    """The index on disk was written by a newer sarp with a newer format."""
+
+
+class IndexLockedError(SarpError):
+    """Another process has the index open for writing."""
+
+
+class IndexClosedError(SarpError):
+    """The index was used after ``close()``."""
+
+
+class StoreError(SarpError):
+    """LMDB refused an operation (I/O error, damaged environment)."""
+
+
+class StoreFullError(StoreError):
+    """The LMDB map could not grow to hold a write (disk full or map size limit)."""
+
+
+class CorruptRecordError(SarpError):
+    """A stored record failed its checksum or does not parse."""
+
+
+class ParentNotFoundError(SarpError, ValueError):
+    """``insert(parent=...)`` named a block that no holder has in the index."""
+
+
+class ChainConflictError(SarpError, ValueError):
+    """A hash is already in the index at another position or after another parent."""

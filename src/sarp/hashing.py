@@ -1,0 +1,169 @@
+"""Block hashes: one normalisation point for every form engines send, and chained hashing.
+
+Engines send block hashes as unsigned 64-bit ints (vLLM), signed int64 (SGLang), or
+bytes (vLLM with int hashes off: the low 64 bits, big-endian).  :func:`as_hashes`
+turns all of them into one contiguous ``numpy.uint64`` array; the rest of sarp
+only ever sees that form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+HashesLike = Sequence[int] | Sequence[bytes] | np.ndarray
+
+_U64_MAX = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+
+
+def as_hashes(hashes: HashesLike, *, name: str = "hashes", allow_empty: bool = False) -> np.ndarray:
+    """Normalise block hashes to a contiguous ``uint64`` array.
+
+    Accepts a list/tuple of ints in ``[-2**63, 2**64)`` (negative ints are signed
+    int64 and keep their bit pattern), a list of ``bytes`` (the low 64 bits,
+    big-endian, as vLLM sends them), or a numpy integer array.
+
+    Cost: O(n), vectorised for numpy input and for ints that fit one dtype.
+
+    >>> as_hashes([1, 2, -1]).tolist()
+    [1, 2, 18446744073709551615]
+    >>> as_hashes([b"\\x00" * 7 + b"\\x05"]).tolist()
+    [5]
+    """
+    if isinstance(hashes, np.ndarray):
+        arr = _from_array(hashes, name)
+    elif isinstance(hashes, bytes | bytearray | memoryview | str):
+        raise TypeError(
+            f"{name} must be a sequence of block hashes, got a single {type(hashes).__name__} "
+            f"{bytes(hashes[:16]) if not isinstance(hashes, str) else hashes[:16]!r}; "
+            "wrap it in a list: [h]"
+        )
+    elif isinstance(hashes, Iterable):
+        arr = _from_sequence(list(hashes), name)
+    else:
+        raise TypeError(
+            f"{name} must be a list of ints, a list of bytes or a numpy integer array, "
+            f"got {type(hashes).__name__}"
+        )
+    if arr.size == 0 and not allow_empty:
+        raise ValueError(f"{name} is empty; pass at least one block hash")
+    return arr
+
+
+def as_hash(value: int | bytes | np.integer, *, name: str = "parent") -> int:
+    """Normalise one block hash (int, signed int64 or bytes) to a Python int in [0, 2**64).
+
+    >>> as_hash(-1) == 2**64 - 1
+    True
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or bytes block hash, got bool {value!r}")
+    if isinstance(value, bytes | bytearray):
+        return _bytes_to_int(bytes(value), name)
+    if isinstance(value, int | np.integer):
+        v = int(value)
+        if not _I64_MIN <= v <= _U64_MAX:
+            raise ValueError(
+                f"{name}={v} is outside 64 bits; block hashes are uint64 or signed int64 "
+                "(mask with & (2**64 - 1) if your engine uses wider hashes)"
+            )
+        return v & _U64_MAX
+    raise TypeError(f"{name} must be an int or bytes block hash, got {type(value).__name__}")
+
+
+def _from_array(arr: np.ndarray, name: str) -> np.ndarray:
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}; pass one chain")
+    if arr.dtype == np.uint64:
+        return np.ascontiguousarray(arr)
+    if arr.dtype == np.int64:
+        return np.ascontiguousarray(arr).view(np.uint64)
+    if arr.dtype.kind in "iu":
+        if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+            # Narrow signed types: sign-extend to int64 first, then keep the bit pattern.
+            return arr.astype(np.int64).view(np.uint64)
+        return arr.astype(np.uint64)
+    if arr.dtype == object:
+        return _from_sequence(arr.tolist(), name)
+    raise TypeError(
+        f"{name} has dtype {arr.dtype}; block hashes must be integers "
+        "(uint64, int64) or a list of bytes"
+    )
+
+
+def _from_sequence(items: list, name: str) -> np.ndarray:
+    if not items:
+        return np.empty(0, dtype=np.uint64)
+    first = items[0]
+    if isinstance(first, bytes | bytearray):
+        return np.fromiter(
+            (_bytes_to_int(bytes(b), f"{name}[{i}]") for i, b in enumerate(items)),
+            dtype=np.uint64,
+            count=len(items),
+        )
+    try:
+        arr = np.asarray(items)
+    except (ValueError, OverflowError):
+        arr = np.asarray(items, dtype=object)
+    if arr.dtype.kind in "iu" and arr.ndim == 1:
+        return _from_array(arr, name)
+    # Mixed types, bools, floats, or ints beyond one dtype: check one by one.
+    out = np.empty(len(items), dtype=np.uint64)
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer | bytes | bytearray):
+            raise TypeError(
+                f"{name}[{i}] is {type(v).__name__} {v!r}; block hashes must be ints or bytes"
+            )
+        out[i] = as_hash(v, name=f"{name}[{i}]")
+    return out
+
+
+def _bytes_to_int(b: bytes, name: str) -> int:
+    if not b:
+        raise ValueError(f"{name} is an empty bytes value; a bytes block hash needs 1+ bytes")
+    return int.from_bytes(b[-8:], "big")
+
+
+def hash_blocks(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: int | bytes | None = None,
+    extra: bytes | str | None = None,
+) -> np.ndarray:
+    """Chained xxh3-64 hashes of the full blocks of ``token_ids``.
+
+    Block ``i`` hashes its parent's hash (``parent`` for the first block, 0 when
+    ``None``), ``extra`` (a namespace such as a LoRA name or cache salt) and its
+    ``block_size`` tokens as little-endian uint32.  A trailing partial block is
+    ignored.  Deterministic across processes and machines.
+
+    Cost: O(len(token_ids)), one xxh3 call per block.
+
+    >>> h = hash_blocks(list(range(40)), 16)
+    >>> len(h), bool((h == hash_blocks(list(range(32)), 16)).all())
+    (2, True)
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise TypeError(f"token_ids must be a 1-D sequence of ints, got dtype {tokens.dtype}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+        raise ValueError("token_ids must be in [0, 2**32); got a value outside that range")
+    num_blocks = tokens.size // block_size
+    data = tokens[: num_blocks * block_size].astype("<u4").tobytes()
+    salt = extra.encode() if isinstance(extra, str) else (extra or b"")
+    prev = 0 if parent is None else as_hash(parent)
+    out = np.empty(num_blocks, dtype=np.uint64)
+    step = 4 * block_size
+    for i in range(num_blocks):
+        prev = xxhash.xxh3_64_intdigest(
+            prev.to_bytes(8, "little") + salt + data[i * step : (i + 1) * step]
+        )
+        out[i] = prev
+    return out
+
+

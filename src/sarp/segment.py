@@ -1,0 +1,175 @@
+"""Segment records: up to ``S`` consecutive blocks of one chain in one LMDB value.
+
+Layout (little-endian, every section 8-byte aligned)::
+
+    header    24 B   magic b"SG", version u8, flags u8, n u16, nh u16, start_pos u64, parent u64
+    hashes    8n     the blocks' hashes, in chain order
+    holders   2nh    holder ids (u16) that hold at least one block here, padded to 8
+    presence  nh*n   1 if holder row r holds block i, padded to 8
+    meta      8nh*n  int64 per (holder, block), only when flags & HAS_META; -1 = none
+    checksum  8      xxh3-64 of everything before it
+
+A record is decoded and checked (checksum, sizes) on every read; a bad one raises
+:class:`~sarp.errors.CorruptRecordError` naming the segment.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .errors import CorruptRecordError
+
+MAGIC = b"SG"
+RECORD_VERSION = 1
+HAS_META = 0x01
+IS_ROOT = 0x02
+_HEADER = struct.Struct("<2sBBHHQQ")
+_CHECKSUM = struct.Struct("<Q")
+
+
+def _pad8(nbytes: int) -> int:
+    return (nbytes + 7) & ~7
+
+
+@dataclass(slots=True)
+class Segment:
+    """One segment: ``hashes[i]`` sits at chain position ``start_pos + i``.
+
+    ``parent`` is the hash of the block before ``hashes[0]`` (``None`` for a
+    chain's first block).  ``presence[r, i]`` says whether holder
+    ``holder_ids[r]`` holds block ``i``; ``meta[r, i]`` is that holder's
+    metadata for it (``-1`` when none was given).
+    """
+
+    seg_id: int
+    start_pos: int
+    parent: int | None
+    hashes: np.ndarray
+    holder_ids: np.ndarray
+    presence: np.ndarray
+    meta: np.ndarray | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.hashes.size)
+
+    def row_of(self, holder_id: int) -> int:
+        """Row of ``holder_id`` in ``presence``, adding an empty row if it has none."""
+        rows = np.flatnonzero(self.holder_ids == holder_id)
+        if rows.size:
+            return int(rows[0])
+        n = self.num_blocks
+        self.holder_ids = np.append(self.holder_ids, np.uint16(holder_id))
+        self.presence = np.vstack([self.presence, np.zeros((1, n), dtype=np.uint8)])
+        if self.meta is not None:
+            self.meta = np.vstack([self.meta, np.full((1, n), -1, dtype=np.int64)])
+        return self.holder_ids.size - 1
+
+    def set_meta(self, row: int, offsets: np.ndarray, values: np.ndarray) -> None:
+        if self.meta is None:
+            self.meta = np.full(self.presence.shape, -1, dtype=np.int64)
+        self.meta[row, offsets] = values
+
+    def append(self, hashes: np.ndarray, holder_id: int, meta: np.ndarray | None) -> None:
+        """Append blocks held by ``holder_id`` at the tail (packing a chain's tail)."""
+        k = hashes.size
+        self.hashes = np.concatenate([self.hashes, hashes])
+        row = self.row_of(holder_id)
+        self.presence = np.hstack([self.presence, np.zeros((self.presence.shape[0], k), np.uint8)])
+        self.presence[row, -k:] = 1
+        if self.meta is not None or meta is not None:
+            if self.meta is None:
+                self.meta = np.full((self.presence.shape[0], self.num_blocks - k), -1, np.int64)
+            tail = np.full((self.meta.shape[0], k), -1, dtype=np.int64)
+            if meta is not None:
+                tail[row] = meta
+            self.meta = np.hstack([self.meta, tail])
+
+    def drop_empty_rows(self) -> np.ndarray:
+        """Remove holder rows that hold nothing; return the holder ids removed."""
+        keep = self.presence.any(axis=1)
+        gone = self.holder_ids[~keep]
+        if gone.size:
+            self.holder_ids = self.holder_ids[keep]
+            self.presence = self.presence[keep]
+            if self.meta is not None:
+                self.meta = self.meta[keep]
+        return gone
+
+    def encode(self) -> bytes:
+        """Serialise to the record layout above.
+
+        >>> s = Segment(7, 0, None, np.array([5, 6], np.uint64), np.array([1], np.uint16),
+        ...             np.ones((1, 2), np.uint8))
+        >>> decode(7, s.encode()).hashes.tolist()
+        [5, 6]
+        """
+        n, nh = self.num_blocks, int(self.holder_ids.size)
+        flags = (HAS_META if self.meta is not None else 0) | (IS_ROOT if self.parent is None else 0)
+        parts = [
+            _HEADER.pack(MAGIC, RECORD_VERSION, flags, n, nh, self.start_pos, self.parent or 0),
+            self.hashes.astype("<u8", copy=False).tobytes(),
+            _padded(self.holder_ids.astype("<u2", copy=False).tobytes()),
+            _padded(np.ascontiguousarray(self.presence, dtype=np.uint8).tobytes()),
+        ]
+        if self.meta is not None:
+            parts.append(self.meta.astype("<i8", copy=False).tobytes())
+        body = b"".join(parts)
+        return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _padded(raw: bytes) -> bytes:
+    return raw + b"\0" * (_pad8(len(raw)) - len(raw))
+
+
+def decode(seg_id: int, record: bytes) -> Segment:
+    """Parse and check a record; raise ``CorruptRecordError`` if it is damaged.
+
+    Cost: O(record size): one xxh3 pass and zero-copy numpy views.
+    """
+    size = len(record)
+    if size < _HEADER.size + _CHECKSUM.size:
+        raise CorruptRecordError(f"segment {seg_id}: record of {size} bytes is too short")
+    (checksum,) = _CHECKSUM.unpack_from(record, size - 8)
+    if xxhash.xxh3_64_intdigest(memoryview(record)[: size - 8]) != checksum:
+        raise CorruptRecordError(f"segment {seg_id}: checksum mismatch")
+    magic, version, flags, n, nh, start_pos, parent = _HEADER.unpack_from(record, 0)
+    if magic != MAGIC or version != RECORD_VERSION:
+        raise CorruptRecordError(f"segment {seg_id}: bad magic {magic!r} or version {version}")
+    off = _HEADER.size
+    hid_off = off + 8 * n
+    pres_off = hid_off + _pad8(2 * nh)
+    meta_off = pres_off + _pad8(nh * n)
+    expected = meta_off + (8 * nh * n if flags & HAS_META else 0) + 8
+    if expected != size:
+        raise CorruptRecordError(f"segment {seg_id}: {size} bytes, layout says {expected}")
+    buf = memoryview(record)
+    meta = None
+    if flags & HAS_META:
+        meta = np.frombuffer(buf, "<i8", nh * n, meta_off).reshape(nh, n)
+    return Segment(
+        seg_id=seg_id,
+        start_pos=start_pos,
+        parent=None if flags & IS_ROOT else parent,
+        hashes=np.frombuffer(buf, "<u8", n, off),
+        holder_ids=np.frombuffer(buf, "<u2", nh, hid_off),
+        presence=np.frombuffer(buf, np.uint8, nh * n, pres_off).reshape(nh, n),
+        meta=meta,
+    )
+
+
+def writable(seg: Segment) -> Segment:
+    """A copy of a decoded segment whose arrays can be modified in place."""
+    return Segment(
+        seg.seg_id,
+        seg.start_pos,
+        seg.parent,
+        seg.hashes.copy(),
+        seg.holder_ids.copy(),
+        seg.presence.copy(),
+        None if seg.meta is None else seg.meta.copy(),
+    )

@@ -1,0 +1,377 @@
+"""The LMDB segment store: the source of truth, and the only module that imports lmdb.
+
+Tables (named LMDB databases; integer keys are fixed-width big-endian, so byte
+order is numeric order):
+
+``meta``      format version, index id, id and sequence counters
+``segments``  segment id (u64)  -> segment record (:mod:`sarp.segment`)
+``blocks``    block hash (u64)  -> segment id (u32) + offset (u16); never read by ``match``
+``holders``   ``n:<instance>\\0<medium>`` -> holder id (u16), and ``i:<id>`` -> name
+``log``       sequence (u64)    -> segment id (u32) + its first hash (u64): every
+              segment a write touched, replayed on restart after the snapshot watermark
+
+lmdb errors are translated to :mod:`sarp.errors` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+import numpy as np
+
+from .errors import (
+    CorruptRecordError,
+    FormatVersionError,
+    IndexLockedError,
+    NotAnIndexError,
+    StoreError,
+    StoreFullError,
+)
+from .segment import Segment, decode
+
+FORMAT_VERSION = 1
+DURABILITY_MODES = ("sync", "nosync")
+MAX_SEGMENT_ID = 0xFFFFFFFF
+LOCK_FILE = "sarp.lock"
+
+_U64 = struct.Struct(">Q")
+_BLOCK_VALUE = struct.Struct("<IH")
+_LOG_VALUE = struct.Struct("<IQ")
+T = TypeVar("T")
+
+
+def u64_key(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def hash_keys(hashes: np.ndarray) -> list[bytes]:
+    """Big-endian 8-byte keys for a ``uint64`` array (byte order is numeric order)."""
+    raw = hashes.astype(">u8").tobytes()
+    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+
+
+class Store:
+    """An LMDB environment holding one sarp index, owned by one process at a time.
+
+    Cost: opening is O(1) (LMDB maps the file; nothing is read up front).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        durability: str = "sync",
+        map_size_bytes: int = 1 << 36,
+        create: bool = True,
+    ) -> None:
+        if durability not in DURABILITY_MODES:
+            raise ValueError(
+                f"durability={durability!r} is not one of {DURABILITY_MODES}: 'sync' fsyncs "
+                "every write (survives power loss), 'nosync' survives a process crash only"
+            )
+        if isinstance(map_size_bytes, bool) or not isinstance(map_size_bytes, int) or (
+            map_size_bytes < 1 << 20
+        ):
+            raise ValueError(f"map_size_bytes={map_size_bytes!r}; pass an int of at least 1 MiB")
+        self.path = Path(path)
+        self.durability = durability
+        _check_path(self.path, create)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _take_lock(self.path / LOCK_FILE)
+        try:
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=map_size_bytes,
+                max_dbs=8,
+                max_readers=256,
+                sync=durability == "sync",
+                metasync=durability == "sync",
+                readahead=False,
+                lock=True,
+            )
+            self.meta_db = self.env.open_db(b"meta")
+            self.segments_db = self.env.open_db(b"segments")
+            self.blocks_db = self.env.open_db(b"blocks")
+            self.holders_db = self.env.open_db(b"holders")
+            self.log_db = self.env.open_db(b"log")
+            self._init_meta()
+        except lmdb.Error as exc:
+            self._release_lock()
+            raise NotAnIndexError(f"{self.path}: cannot open as an LMDB environment: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _init_meta(self) -> None:
+        with self.env.begin(write=True) as txn:
+            version = txn.get(b"format_version", db=self.meta_db)
+            if version is None:
+                if txn.stat(self.segments_db)["entries"]:
+                    raise NotAnIndexError(f"{self.path}: LMDB data without sarp metadata")
+                txn.put(b"format_version", _U64.pack(FORMAT_VERSION), db=self.meta_db)
+                txn.put(b"index_id", uuid.uuid4().bytes, db=self.meta_db)
+                for name in (b"next_seg_id", b"next_seq", b"log_trimmed_upto", b"next_holder_id"):
+                    txn.put(name, _U64.pack(0), db=self.meta_db)
+                self.format_version = FORMAT_VERSION
+            else:
+                (self.format_version,) = _U64.unpack(version)
+                if self.format_version > FORMAT_VERSION:
+                    raise FormatVersionError(
+                        f"{self.path}: on-disk format {self.format_version} is newer than this "
+                        f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
+                    )
+            self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+
+    def close(self) -> None:
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()
+            self.env = None
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def files(self) -> list[Path]:
+        """The LMDB files of this index (for size accounting and cache eviction)."""
+        return [self.path / "data.mdb", self.path / "lock.mdb"]
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files() if p.exists())
+
+    # -- transactions ----------------------------------------------------------------------
+
+    def read(self) -> ReadTxn:
+        """A short read transaction: ``with store.read() as r: r.segment(7)``."""
+        return ReadTxn(self)
+
+    def write(self, fn: Callable[[WriteTxn], T]) -> T:
+        """Run ``fn`` in one write transaction and commit it; all or nothing.
+
+        On ``MapFullError`` the transaction is aborted, the map is doubled outside
+        any transaction, and ``fn`` runs again from the start.
+        """
+        for _ in range(8):
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(WriteTxn(self, txn))
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.Error as exc:
+                raise StoreError(f"{self.path}: write failed: {exc}") from exc
+        raise StoreFullError(f"{self.path}: map could not grow enough for one write")
+
+    def _grow(self) -> None:
+        new_size = self.env.info()["map_size"] * 2
+        try:
+            self.env.set_mapsize(new_size)
+        except lmdb.Error as exc:
+            raise StoreFullError(f"{self.path}: cannot grow map to {new_size} bytes: {exc}") from exc
+
+    def counter(self, name: str) -> int:
+        with self.env.begin() as txn:
+            return _U64.unpack(txn.get(name.encode(), db=self.meta_db))[0]
+
+    def num_segments(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self.segments_db)["entries"]
+
+    def iter_segments(self) -> Iterator[Segment]:
+        """Every segment, in id order, from one read transaction (for rebuilds and checks)."""
+        with self.env.begin(buffers=False) as txn:
+            for key, record in txn.cursor(db=self.segments_db):
+                yield decode(_U64.unpack(key)[0], record)
+
+    def iter_raw_segments(self) -> Iterator[tuple[int, bytes]]:
+        with self.env.begin() as txn:
+            for key, record in txn.cursor(db=self.segments_db):
+                yield _U64.unpack(key)[0], record
+
+    def iter_blocks(self) -> Iterator[tuple[int, int, int]]:
+        """(hash, segment id, offset) for every entry of the ``blocks`` table."""
+        with self.env.begin() as txn:
+            for key, value in txn.cursor(db=self.blocks_db):
+                seg_id, offset = _BLOCK_VALUE.unpack(value)
+                yield _U64.unpack(key)[0], seg_id, offset
+
+    def holder_names(self) -> dict[int, str]:
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.holders_db)
+            out = {}
+            if cur.set_range(b"i:"):
+                for key, value in cur:
+                    if not key.startswith(b"i:"):
+                        break
+                    out[struct.unpack(">H", key[2:])[0]] = value.decode()
+            return out
+
+    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
+        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self.log_db)
+            if cur.set_range(_U64.pack(seq + 1)):
+                for key, value in cur:
+                    seg_id, first = _LOG_VALUE.unpack(value)
+                    yield _U64.unpack(key)[0], seg_id, first
+
+    def trim_log(self, upto: int) -> None:
+        """Delete log entries with sequence <= ``upto`` (a durable snapshot covers them)."""
+
+        def trim(w: WriteTxn) -> None:
+            cur = w.txn.cursor(db=self.log_db)
+            if cur.first():
+                while cur.key() and _U64.unpack(cur.key())[0] <= upto:
+                    if not cur.delete():
+                        break
+            w.set_counter("log_trimmed_upto", max(upto, w.counter("log_trimmed_upto")))
+
+        self.write(trim)
+
+
+class ReadTxn:
+    """Read-only view used by ``match``: segments only, never the ``blocks`` table."""
+
+    __slots__ = ("_store", "_txn", "reads")
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._txn = None
+        self.reads = 0
+
+    def __enter__(self) -> ReadTxn:
+        self._txn = self._store.env.begin(db=self._store.segments_db)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._txn.abort()
+        self._txn = None
+
+    def segment(self, seg_id: int) -> Segment | None:
+        record = self._txn.get(_U64.pack(seg_id))
+        self.reads += 1
+        return None if record is None else decode(seg_id, record)
+
+
+class WriteTxn:
+    """The operations a write needs, inside one LMDB write transaction."""
+
+    __slots__ = ("_store", "txn", "log_entries")
+
+    def __init__(self, store: Store, txn: lmdb.Transaction) -> None:
+        self._store = store
+        self.txn = txn
+        self.log_entries: list[tuple[int, int, int]] = []
+
+    def counter(self, name: str) -> int:
+        return _U64.unpack(self.txn.get(name.encode(), db=self._store.meta_db))[0]
+
+    def set_counter(self, name: str, value: int) -> None:
+        self.txn.put(name.encode(), _U64.pack(value), db=self._store.meta_db)
+
+    def segment(self, seg_id: int) -> Segment:
+        record = self.txn.get(_U64.pack(seg_id), db=self._store.segments_db)
+        if record is None:
+            raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
+        return decode(seg_id, record)
+
+    def put_segment(self, seg: Segment) -> None:
+        self.txn.put(_U64.pack(seg.seg_id), seg.encode(), db=self._store.segments_db)
+
+    def delete_segment(self, seg: Segment) -> None:
+        self.txn.delete(_U64.pack(seg.seg_id), db=self._store.segments_db)
+        blocks = self._store.blocks_db
+        for key in hash_keys(seg.hashes):
+            self.txn.delete(key, db=blocks)
+
+    def new_segment_id(self) -> int:
+        seg_id = self.counter("next_seg_id") + 1
+        if seg_id > MAX_SEGMENT_ID:
+            raise StoreFullError(f"{self._store.path}: segment ids exhausted ({MAX_SEGMENT_ID})")
+        self.set_counter("next_seg_id", seg_id)
+        return seg_id
+
+    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment id and offset of each hash (segment id 0 where absent), batched.
+
+        Cost: one LMDB lookup per hash, in one cursor call.
+        """
+        seg_ids = np.zeros(hashes.size, dtype=np.uint32)
+        offsets = np.zeros(hashes.size, dtype=np.uint16)
+        found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
+        if found:
+            where = {key: value for key, value in found}
+            for i, key in enumerate(hash_keys(hashes)):
+                value = where.get(key)
+                if value is not None:
+                    seg_ids[i], offsets[i] = _BLOCK_VALUE.unpack(value)
+        return seg_ids, offsets
+
+    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
+        items = [
+            (key, _BLOCK_VALUE.pack(seg_id, first_offset + i))
+            for i, key in enumerate(hash_keys(hashes))
+        ]
+        self.txn.cursor(db=self._store.blocks_db).putmulti(items)
+
+    def log(self, seg_id: int, first_hash: int) -> None:
+        seq = self.counter("next_seq") + 1
+        self.set_counter("next_seq", seq)
+        self.txn.put(_U64.pack(seq), _LOG_VALUE.pack(seg_id, first_hash), db=self._store.log_db)
+        self.log_entries.append((seq, seg_id, first_hash))
+
+    def holder_id(self, name: str, create: bool) -> int | None:
+        key = b"n:" + name.encode()
+        value = self.txn.get(key, db=self._store.holders_db)
+        if value is not None:
+            return struct.unpack(">H", value)[0]
+        if not create:
+            return None
+        new_id = self.counter("next_holder_id")
+        if new_id > 0xFFFF:
+            raise StoreFullError(f"{self._store.path}: more than 65536 holders")
+        self.set_counter("next_holder_id", new_id + 1)
+        self.txn.put(key, struct.pack(">H", new_id), db=self._store.holders_db)
+        self.txn.put(b"i:" + struct.pack(">H", new_id), name.encode(), db=self._store.holders_db)
+        return new_id
+
+
+def _check_path(path: Path, create: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise NotAnIndexError(f"{path} is a file, not a sarp index directory; pass a directory")
+    if not path.exists():
+        if not create:
+            raise NotAnIndexError(f"{path} does not exist; pass create=True to make a new index")
+        return
+    names = {p.name for p in path.iterdir()} - {LOCK_FILE}
+    if names and "data.mdb" not in names:
+        raise NotAnIndexError(
+            f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
+            "pass a new or empty directory"
+        )
+
+
+def _take_lock(lock_path: Path) -> int:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise IndexLockedError(
+            f"{lock_path.parent} is open in another process (pid {holder}); "
+            "one process owns an index at a time: close it there first"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
