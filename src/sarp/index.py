@@ -40,7 +40,7 @@ from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes
 from .segment import Segment, decode, writable
 from .store import Store, WriteTxn
-from .verify import common_prefix, group_rows, leading_runs
+from .verify import common_prefix, continues, group_rows, leading_runs
 
 log = logging.getLogger("sarp")
 
@@ -332,7 +332,9 @@ class Index:
             )
         parent_hash = None if parent is None else as_hash(parent)
         if parent_hash is not None and (chain == parent_hash).any():
-            raise ValueError(f"parent={parent_hash} also appears in hashes; pass the chain after it")
+            raise ValueError(
+                f"parent={parent_hash} also appears in hashes; pass only the blocks after it"
+            )
         name = _holder_name(holder, medium)
         values = _as_meta(meta, chain.size)
         with self._lock:
@@ -367,10 +369,7 @@ class Index:
             breaks = np.flatnonzero(np.diff(new) != 1) + 1
             for run in np.split(new, breaks):
                 i, j = int(run[0]), int(run[-1]) + 1
-                if i > 0:
-                    prev_at = (int(seg_ids[i - 1]), int(offsets[i - 1]))
-                else:
-                    prev_at = parent_at
+                prev_at = (int(seg_ids[i - 1]), int(offsets[i - 1])) if i > 0 else parent_at
                 self._pack_run(w, touched, chain, i, j, start_pos, parent, prev_at, holder_id, meta)
             plan.new_blocks = int(new.size)
         touched.flush(plan)
@@ -601,7 +600,7 @@ class Index:
                     if seg_id is None:
                         break
                     seg = r.segment(seg_id)
-                    if seg is None:
+                    if seg is None or not continues(seg.start_pos, seg.parent, query, pos):
                         break
                     step = walk.step(seg, common_prefix(seg.hashes, query, pos))
                     pos += step

@@ -17,6 +17,7 @@ file and checks its size, magic, version and checksum; any failure is a
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -123,7 +124,5 @@ def load(folder: Path) -> Snapshot:
 def remove(folder: Path) -> None:
     """Delete the snapshot (it is derived state; the store is the truth)."""
     for name in (SNAPSHOT_FILE, SNAPSHOT_FILE + ".tmp"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(folder / name)
-        except FileNotFoundError:
-            pass

@@ -104,7 +104,7 @@ class Store:
             self._init_meta()
         except lmdb.Error as exc:
             self._release_lock()
-            raise NotAnIndexError(f"{self.path}: cannot open as an LMDB environment: {exc}") from exc
+            raise NotAnIndexError(f"{self.path}: not an LMDB environment: {exc}") from exc
         except BaseException:
             self.close()
             raise
@@ -177,7 +177,7 @@ class Store:
         try:
             self.env.set_mapsize(new_size)
         except lmdb.Error as exc:
-            raise StoreFullError(f"{self.path}: cannot grow map to {new_size} bytes: {exc}") from exc
+            raise StoreFullError(f"{self.path}: cannot grow map to {new_size} B: {exc}") from exc
 
     def counter(self, name: str) -> int:
         with self.env.begin() as txn:

@@ -9,6 +9,20 @@ from __future__ import annotations
 import numpy as np
 
 
+def continues(seg_start: int, seg_parent: int | None, query: np.ndarray, start: int) -> bool:
+    """Whether a segment sits at query position ``start``, right after ``query[start - 1]``.
+
+    Chained hashes make this hold whenever the first hashes agree; checking it keeps
+    the answer exact even for callers whose hashes are not chained.
+
+    >>> continues(1, 7, np.array([7, 8], np.uint64), 1), continues(0, None, np.array([8]), 1)
+    (True, False)
+    """
+    if seg_start != start:
+        return False
+    return seg_parent is None if start == 0 else seg_parent == int(query[start - 1])
+
+
 def common_prefix(seg_hashes: np.ndarray, query: np.ndarray, start: int) -> int:
     """Number of leading blocks of ``seg_hashes`` equal to ``query[start:]``.
 

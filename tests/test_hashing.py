@@ -1,0 +1,77 @@
+import numpy as np
+import pytest
+
+import sarp
+from sarp.hashing import as_hash, as_hashes
+
+
+def test_all_engine_forms_normalise_to_the_same_uint64():
+    big = 2**64 - 5  # uint64 as vLLM sends it
+    signed = big - 2**64  # the same bits as SGLang's signed int64
+    as_bytes = (b"\xaa" * 24) + big.to_bytes(8, "big")  # low 64 bits, big-endian
+    expected = [big, 7]
+    assert as_hashes([big, 7]).tolist() == expected
+    assert as_hashes([signed, 7]).tolist() == expected
+    assert as_hashes([as_bytes, (7).to_bytes(8, "big")]).tolist() == expected
+    assert as_hashes(np.array([signed, 7], np.int64)).tolist() == expected
+    assert as_hashes(np.array([big, 7], np.uint64)).tolist() == expected
+    assert as_hashes(np.array([5, 7], np.int32)).tolist() == [5, 7]
+
+
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        ([], ValueError, "empty"),
+        ([2**64], ValueError, "outside 64 bits"),
+        ([-(2**63) - 1], ValueError, "outside 64 bits"),
+        ([1.5], TypeError, "float"),
+        ([True], TypeError, "bool"),
+        (b"abcdefgh", TypeError, "wrap it in a list"),
+        ("abc", TypeError, "wrap it in a list"),
+        ([b""], ValueError, "empty bytes"),
+        (np.zeros((2, 2), np.uint64), ValueError, "one-dimensional"),
+        (np.array([1.0]), TypeError, "dtype float64"),
+        (42, TypeError, "int"),
+    ],
+)
+def test_bad_hashes_are_refused_with_the_value_named(bad, error, words):
+    with pytest.raises(error, match=words):
+        as_hashes(bad)
+
+
+def test_as_hash_refuses_bool_and_wide_ints():
+    with pytest.raises(TypeError):
+        as_hash(True)
+    with pytest.raises(ValueError, match="outside 64 bits"):
+        as_hash(2**70)
+
+
+def test_hash_blocks_is_chained_deterministic_and_full_blocks_only():
+    tokens = list(range(100))
+    h = sarp.hash_blocks(tokens, 16)
+    assert h.dtype == np.uint64 and h.size == 6  # the 4 trailing tokens are not a block
+    assert (sarp.hash_blocks(tokens[:48], 16) == h[:3]).all()
+    # The hash of block 1 depends on block 0: change one token of block 0.
+    other = sarp.hash_blocks([999] + tokens[1:], 16)
+    assert (other != h).all()
+    # Continuing from a parent gives the same hashes as hashing the whole sequence.
+    assert (sarp.hash_blocks(tokens[32:], 16, parent=int(h[1])) == h[2:]).all()
+    # A namespace (LoRA name, salt) changes every hash.
+    assert (sarp.hash_blocks(tokens, 16, extra="lora-a") != h).all()
+    assert sarp.hash_blocks(tokens, 16).tolist() == h.tolist()
+
+
+def test_hash_blocks_is_stable_across_processes():
+    import subprocess
+    import sys
+
+    code = "import sarp; print(sarp.hash_blocks(list(range(64)), 16).tolist())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(sarp.hash_blocks(list(range(64)), 16).tolist())
+
+
+def test_hash_blocks_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="block_size"):
+        sarp.hash_blocks([1, 2], 0)
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        sarp.hash_blocks([-1] * 16, 16)
