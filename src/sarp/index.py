@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import snapshot as snapshots
+from .check import check
 from .directory import Directory
 from .errors import (
     ChainConflictError,
@@ -658,6 +659,22 @@ class Index:
             for name in _Counters.__slots__:
                 out[name] = getattr(self._counters, name)
             return out
+
+    def check(self) -> list[str]:
+        """Check every invariant against the segments; return the problems found.
+
+        An empty list means the store, directory and holder filters agree.
+
+        Cost: one scan of the segments and the blocks table.
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     _ = index.insert([1, 2], holder="w0")
+        ...     index.check()
+        []
+        """
+        with self._lock:
+            return check(self._live_store(), self.directory, self.holders)
 
     def holders_list(self) -> list[tuple[str, str]]:
         """Every (instance, medium) the index has seen."""

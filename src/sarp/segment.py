@@ -76,15 +76,16 @@ class Segment:
 
     def append(self, hashes: np.ndarray, holder_id: int, meta: np.ndarray | None) -> None:
         """Append blocks held by ``holder_id`` at the tail (packing a chain's tail)."""
-        k = hashes.size
-        self.hashes = np.concatenate([self.hashes, hashes])
+        k, old = hashes.size, self.num_blocks
         row = self.row_of(holder_id)
-        self.presence = np.hstack([self.presence, np.zeros((self.presence.shape[0], k), np.uint8)])
-        self.presence[row, -k:] = 1
-        if self.meta is not None or meta is not None:
-            if self.meta is None:
-                self.meta = np.full((self.presence.shape[0], self.num_blocks - k), -1, np.int64)
-            tail = np.full((self.meta.shape[0], k), -1, dtype=np.int64)
+        rows = self.presence.shape[0]
+        self.hashes = np.concatenate([self.hashes, hashes])
+        self.presence = np.hstack([self.presence, np.zeros((rows, k), np.uint8)])
+        self.presence[row, old:] = 1
+        if self.meta is None and meta is not None:
+            self.meta = np.full((rows, old), -1, dtype=np.int64)
+        if self.meta is not None:
+            tail = np.full((rows, k), -1, dtype=np.int64)
             if meta is not None:
                 tail[row] = meta
             self.meta = np.hstack([self.meta, tail])
