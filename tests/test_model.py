@@ -24,7 +24,9 @@ def make_tree(seed: int) -> list[list[int]]:
     """Paths from the root to every node of a random tree; ids are large and unordered."""
     rng = random.Random(seed)
     ids = list({rng.getrandbits(64) | 1 for _ in range(NUM_NODES * 2)})[:NUM_NODES]
-    parent = [-1] + [rng.randrange(0, i) if rng.random() < 0.3 else i - 1 for i in range(1, NUM_NODES)]
+    parent = [-1] + [
+        rng.randrange(0, i) if rng.random() < 0.3 else i - 1 for i in range(1, NUM_NODES)
+    ]
     # a few independent roots too
     for i in rng.sample(range(1, NUM_NODES), 4):
         parent[i] = -1
