@@ -74,6 +74,6 @@ def test_a_match_reads_about_matched_over_s_plus_a_few_segments(replay):
     # branches one block before the previous turn's end and starts a segment there.
     assert extra.mean() <= 1.0 and np.percentile(extra, 99) <= 8, np.bincount(extra)
     assert reads.sum() <= got.sum() / 4  # a per-block index reads got.sum() + misses
-    long = got >= 2 * S
-    assert long.any()
-    assert (reads[long] < got[long] / 4).all()
+    long = got >= 64  # requests reusing 64+ blocks (32k+ tokens): far from a read per block
+    assert long.sum() > 100
+    assert (reads[long] <= got[long] / 4).all(), (reads[long].max(), got[long].min())

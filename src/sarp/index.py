@@ -45,7 +45,7 @@ from .verify import common_prefix, continues, group_rows, leading_runs
 
 log = logging.getLogger("sarp")
 
-DEFAULT_SEGMENT_BLOCKS = 64
+DEFAULT_SEGMENT_BLOCKS = 256
 MAX_SEGMENT_BLOCKS = 4096
 DEFAULT_MEDIUM = "GPU"
 _SEP = "\0"
@@ -786,11 +786,13 @@ class _Walk:
             return 0
         holder_ids = seg.holder_ids.tolist()
         self._extend(self._holders, holder_ids, runs, any_run)
-        instances = self._instance_of[seg.holder_ids]
-        if np.unique(instances).size == instances.size:
-            self._extend(self._instances, instances.tolist(), runs, any_run)
+        instances = self._instance_of[seg.holder_ids].tolist()
+        if len(set(instances)) == len(instances):
+            self._extend(self._instances, instances, runs, any_run)
         else:
-            inst_ids, inst_presence = group_rows(seg.presence[:, :any_run], instances)
+            inst_ids, inst_presence = group_rows(
+                seg.presence[:, :any_run], np.array(instances, np.int64)
+            )
             _, inst_runs = leading_runs(inst_presence, any_run)
             self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
         if self._with_meta:

@@ -32,8 +32,8 @@ def common_prefix(seg_hashes: np.ndarray, query: np.ndarray, start: int) -> int:
     2
     """
     m = min(seg_hashes.size, query.size - start)
-    diff = np.flatnonzero(seg_hashes[:m] != query[start : start + m])
-    return int(diff[0]) if diff.size else m
+    same = seg_hashes[:m] == query[start : start + m]
+    return m if same.all() else int(same.argmin())
 
 
 def leading_runs(presence: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
@@ -46,9 +46,12 @@ def leading_runs(presence: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
     (2, [2, 1])
     """
     window = presence[:, :limit]
+    if window.shape[0] == 1:  # the common case: one holder has the whole segment
+        row = window[0]
+        run = limit if row.all() else int(row.argmin())
+        return run, [run]
     held = window.any(axis=0)
-    gaps = np.flatnonzero(~held)
-    any_run = int(gaps[0]) if gaps.size else limit
+    any_run = limit if held.all() else int(held.argmin())
     full = window.all(axis=1)
     runs = np.where(full, limit, window.argmin(axis=1)) if limit else np.zeros(len(window), int)
     return any_run, runs.tolist()

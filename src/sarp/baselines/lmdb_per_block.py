@@ -1,0 +1,71 @@
+"""lmdb-per-block: an on-SSD index with one LMDB record per block (hash -> holder bits).
+
+A match probes block by block in batches (one cursor ``getmulti`` per batch) and
+stops at the first miss, as deployed per-block indexers do.  Baselines import
+their storage engine directly; sarp itself reaches lmdb only through ``sarp.store``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import lmdb
+
+from ._common import BaselineMatch, HolderBits, chain_of
+
+BATCH = 32
+_BITS = struct.Struct("<Q")
+
+
+def open(path: str | os.PathLike, durability: str = "sync", **_: object) -> LmdbPerBlockIndex:  # noqa: A001
+    return LmdbPerBlockIndex(Path(path), durability)
+
+
+def _keys(hashes) -> list[bytes]:
+    raw = hashes.astype(">u8").tobytes()
+    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+
+
+class LmdbPerBlockIndex:
+    def __init__(self, path: Path, durability: str) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.env = lmdb.open(str(path), map_size=1 << 36, sync=durability == "sync",
+                             metasync=durability == "sync", readahead=False)
+        self.holders = HolderBits()
+
+    def insert(self, hashes, parent=None, *, holder: str, medium: str = "GPU") -> int:
+        bit = self.holders.bit(holder, medium)
+        keys = _keys(chain_of(hashes))
+        new = 0
+        with self.env.begin(write=True) as txn:
+            for key in keys:
+                old = txn.get(key)
+                bits = _BITS.unpack(old)[0] if old is not None else 0
+                new += old is None
+                txn.put(key, _BITS.pack(bits | bit))
+        return new
+
+    def match(self, hashes) -> BaselineMatch:
+        keys = _keys(chain_of(hashes))
+        n = reads = 0
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            for start in range(0, len(keys), BATCH):
+                batch = keys[start : start + BATCH]
+                found = dict(cursor.getmulti(batch))
+                for key in batch:
+                    reads += 1
+                    value = found.get(key)
+                    if value is None or value == b"\0" * 8:
+                        return BaselineMatch(n, reads)
+                    n += 1
+        return BaselineMatch(n, reads)
+
+    def close(self) -> None:
+        self.env.close()
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks": self.env.stat()["entries"]}
