@@ -187,12 +187,6 @@ class Store:
         with self.env.begin() as txn:
             return txn.stat(self.segments_db)["entries"]
 
-    def iter_segments(self) -> Iterator[Segment]:
-        """Every segment, in id order, from one read transaction (for rebuilds and checks)."""
-        with self.env.begin(buffers=False) as txn:
-            for key, record in txn.cursor(db=self.segments_db):
-                yield decode(_U64.unpack(key)[0], record)
-
     def iter_raw_segments(self) -> Iterator[tuple[int, bytes]]:
         with self.env.begin() as txn:
             for key, record in txn.cursor(db=self.segments_db):

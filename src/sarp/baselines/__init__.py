@@ -10,6 +10,7 @@ that they do the same bookkeeping sarp does.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,33 +18,24 @@ from typing import Any
 NAMES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block", "exact")
 
 
+_MODULES = {
+    "memory-dict": "memory_dict",
+    "memory-radix": "memory_radix",
+    "lmdb-per-block": "lmdb_per_block",
+    "rocksdb-per-block": "rocksdb_per_block",
+    "exact": "exact",
+}
+
+
 def opener(name: str) -> Callable[..., Any]:
-    """The ``open`` function of the index called ``name``."""
+    """The ``open`` function of the index called ``name`` (imported on first use)."""
     if name == "sarp":
         import sarp
 
         return sarp.open
-    if name == "memory-dict":
-        from . import memory_dict
-
-        return memory_dict.open
-    if name == "memory-radix":
-        from . import memory_radix
-
-        return memory_radix.open
-    if name == "lmdb-per-block":
-        from . import lmdb_per_block
-
-        return lmdb_per_block.open
-    if name == "rocksdb-per-block":
-        from . import rocksdb_per_block
-
-        return rocksdb_per_block.open
-    if name == "exact":
-        from . import exact
-
-        return exact.open
-    raise ValueError(f"index {name!r} is unknown; pick from {', '.join(NAMES)}")
+    if name not in _MODULES:
+        raise ValueError(f"index {name!r} is unknown; pick from {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}").open
 
 
 def dir_bytes(path: str | os.PathLike) -> int:

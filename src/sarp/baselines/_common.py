@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hashing import as_hashes
+from ..store import hash_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +33,34 @@ class HolderBits:
 
 def chain_of(hashes) -> np.ndarray:
     return as_hashes(hashes)
+
+
+def keys_of(hashes) -> list[bytes]:
+    """Big-endian 8-byte keys, the same layout sarp's own store uses."""
+    return hash_keys(as_hashes(hashes))
+
+
+class DictBlocks:
+    """Block hash -> holder bits in a Python dict: the in-memory map's insert and match."""
+
+    blocks: dict[int, int]
+    holders: HolderBits
+
+    def insert(self, hashes, parent=None, *, holder: str, medium: str = "GPU") -> int:
+        bit = self.holders.bit(holder, medium)
+        blocks = self.blocks
+        new = 0
+        for h in chain_of(hashes).tolist():
+            old = blocks.get(h, 0)
+            new += old == 0
+            blocks[h] = old | bit
+        return new
+
+    def match(self, hashes) -> BaselineMatch:
+        blocks = self.blocks
+        n = 0
+        for h in chain_of(hashes).tolist():
+            if not blocks.get(h):
+                break
+            n += 1
+        return BaselineMatch(n)

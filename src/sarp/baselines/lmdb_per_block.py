@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lmdb
 
-from ._common import BaselineMatch, HolderBits, chain_of
+from ._common import BaselineMatch, HolderBits, keys_of
 
 BATCH = 32
 _BITS = struct.Struct("<Q")
@@ -22,10 +22,6 @@ _BITS = struct.Struct("<Q")
 def open(path: str | os.PathLike, durability: str = "sync", **_: object) -> LmdbPerBlockIndex:  # noqa: A001
     return LmdbPerBlockIndex(Path(path), durability)
 
-
-def _keys(hashes) -> list[bytes]:
-    raw = hashes.astype(">u8").tobytes()
-    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
 
 
 class LmdbPerBlockIndex:
@@ -38,7 +34,7 @@ class LmdbPerBlockIndex:
 
     def insert(self, hashes, parent=None, *, holder: str, medium: str = "GPU") -> int:
         bit = self.holders.bit(holder, medium)
-        keys = _keys(chain_of(hashes))
+        keys = keys_of(hashes)
         new = 0
         with self.env.begin(write=True) as txn:
             for key in keys:
@@ -49,7 +45,7 @@ class LmdbPerBlockIndex:
         return new
 
     def match(self, hashes) -> BaselineMatch:
-        keys = _keys(chain_of(hashes))
+        keys = keys_of(hashes)
         n = reads = 0
         with self.env.begin() as txn:
             cursor = txn.cursor()

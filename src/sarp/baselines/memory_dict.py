@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import BaselineMatch, HolderBits, chain_of
+from ._common import DictBlocks, HolderBits
 
 SNAPSHOT = "blocks.npz"
 
@@ -17,7 +17,7 @@ def open(path: str | os.PathLike, **_: object) -> MemoryDictIndex:  # noqa: A001
     return MemoryDictIndex(Path(path))
 
 
-class MemoryDictIndex:
+class MemoryDictIndex(DictBlocks):
     def __init__(self, path: Path) -> None:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
@@ -28,25 +28,6 @@ class MemoryDictIndex:
                 self.blocks = dict(zip(data["keys"].tolist(), data["bits"].tolist(), strict=True))
         else:
             self.blocks: dict[int, int] = {}
-
-    def insert(self, hashes, parent=None, *, holder: str, medium: str = "GPU") -> int:
-        bit = self.holders.bit(holder, medium)
-        blocks = self.blocks
-        new = 0
-        for h in chain_of(hashes).tolist():
-            old = blocks.get(h, 0)
-            new += old == 0
-            blocks[h] = old | bit
-        return new
-
-    def match(self, hashes) -> BaselineMatch:
-        blocks = self.blocks
-        n = 0
-        for h in chain_of(hashes).tolist():
-            if not blocks.get(h):
-                break
-            n += 1
-        return BaselineMatch(n)
 
     def close(self) -> None:
         keys = np.fromiter(self.blocks.keys(), np.uint64, len(self.blocks))

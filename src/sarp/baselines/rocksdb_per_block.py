@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteOptions
 
-from ._common import BaselineMatch, HolderBits, chain_of
+from ._common import BaselineMatch, HolderBits, keys_of
 
 BATCH = 32
 _BITS = struct.Struct("<Q")
@@ -20,10 +20,6 @@ _BITS = struct.Struct("<Q")
 def open(path: str | os.PathLike, durability: str = "sync", **_: object) -> RocksPerBlockIndex:  # noqa: A001
     return RocksPerBlockIndex(Path(path), durability)
 
-
-def _keys(hashes) -> list[bytes]:
-    raw = hashes.astype(">u8").tobytes()
-    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
 
 
 class RocksPerBlockIndex:
@@ -38,7 +34,7 @@ class RocksPerBlockIndex:
 
     def insert(self, hashes, parent=None, *, holder: str, medium: str = "GPU") -> int:
         bit = self.holders.bit(holder, medium)
-        keys = _keys(chain_of(hashes))
+        keys = keys_of(hashes)
         old = self.db.get(keys)
         new = 0
         from rocksdict import WriteBatch
@@ -52,7 +48,7 @@ class RocksPerBlockIndex:
         return new
 
     def match(self, hashes) -> BaselineMatch:
-        keys = _keys(chain_of(hashes))
+        keys = keys_of(hashes)
         n = reads = 0
         for start in range(0, len(keys), BATCH):
             batch = keys[start : start + BATCH]
