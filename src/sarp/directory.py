@@ -15,7 +15,11 @@ plus a small dict of changes since the arrays were last merged.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+_INT_BYTES = sys.getsizeof(2**62)  # a hash or segment id held as a Python int
 
 
 class Directory:
@@ -97,7 +101,13 @@ class Directory:
         return out
 
     def nbytes(self) -> int:
-        """Bytes held: the arrays exactly, the change dict at CPython's per-entry cost."""
-        return int(self.keys.nbytes + self.segs.nbytes) + 100 * (
-            len(self._added) + len(self._removed)
+        """Bytes held: the arrays exactly, plus the change dict's and set's tables and
+        their int objects (CPython sizes, as ``sys.getsizeof`` reports them)."""
+        pending = len(self._added)
+        return int(
+            self.keys.nbytes
+            + self.segs.nbytes
+            + sys.getsizeof(self._added)
+            + sys.getsizeof(self._removed)
+            + _INT_BYTES * (2 * pending + len(self._removed))
         )

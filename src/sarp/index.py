@@ -403,8 +403,8 @@ class Index:
             idx = np.flatnonzero(seg_ids == seg_id)
             seg = touched.get(seg_id)
             offs = offsets[idx].astype(np.int64)
-            # Chained hashes never disagree on position or parent; a caller whose do
-            # is told so before anything is written.
+            # With chained hashes a stored block's position and parent always agree
+            # with the insert; if they do not, refuse before anything is written.
             stored = np.where(offs > 0, seg.hashes[np.maximum(offs - 1, 0)], seg.parent or 0)
             claimed = np.where(idx > 0, chain[np.maximum(idx - 1, 0)], parent or 0)
             bad = np.flatnonzero((seg.start_pos + offs != start_pos + idx) | (stored != claimed))

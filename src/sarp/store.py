@@ -302,10 +302,11 @@ class WriteTxn:
         """
         seg_ids = np.zeros(hashes.size, dtype=np.uint32)
         offsets = np.zeros(hashes.size, dtype=np.uint16)
-        found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
+        keys = hash_keys(hashes)
+        found = self.txn.cursor(db=self._store.blocks_db).getmulti(keys)
         if found:
-            where = {key: value for key, value in found}
-            for i, key in enumerate(hash_keys(hashes)):
+            where = dict(found)
+            for i, key in enumerate(keys):
                 value = where.get(key)
                 if value is not None:
                     seg_ids[i], offsets[i] = _BLOCK_VALUE.unpack(value)

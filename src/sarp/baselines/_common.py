@@ -64,3 +64,23 @@ class DictBlocks:
                 break
             n += 1
         return BaselineMatch(n)
+
+
+BATCH = 32
+_NOBODY = b"\0" * 8
+
+
+def probe(keys: list[bytes], fetch) -> BaselineMatch:
+    """Probe a per-block store batch by batch; stop at the first block nobody holds.
+
+    ``fetch(batch)`` returns one stored value (or ``None``) per key; every value
+    fetched counts as a storage read.
+    """
+    n = reads = 0
+    for start in range(0, len(keys), BATCH):
+        for value in fetch(keys[start : start + BATCH]):
+            reads += 1
+            if value is None or value == _NOBODY:
+                return BaselineMatch(n, reads)
+            n += 1
+    return BaselineMatch(n, reads)

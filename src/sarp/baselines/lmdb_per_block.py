@@ -13,9 +13,8 @@ from pathlib import Path
 
 import lmdb
 
-from ._common import BaselineMatch, HolderBits, keys_of
+from ._common import BaselineMatch, HolderBits, keys_of, probe
 
-BATCH = 32
 _BITS = struct.Struct("<Q")
 
 
@@ -45,20 +44,14 @@ class LmdbPerBlockIndex:
         return new
 
     def match(self, hashes) -> BaselineMatch:
-        keys = keys_of(hashes)
-        n = reads = 0
         with self.env.begin() as txn:
             cursor = txn.cursor()
-            for start in range(0, len(keys), BATCH):
-                batch = keys[start : start + BATCH]
+
+            def fetch(batch: list[bytes]) -> list[bytes | None]:
                 found = dict(cursor.getmulti(batch))
-                for key in batch:
-                    reads += 1
-                    value = found.get(key)
-                    if value is None or value == b"\0" * 8:
-                        return BaselineMatch(n, reads)
-                    n += 1
-        return BaselineMatch(n, reads)
+                return [found.get(key) for key in batch]
+
+            return probe(keys_of(hashes), fetch)
 
     def close(self) -> None:
         self.env.close()

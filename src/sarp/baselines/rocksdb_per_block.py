@@ -9,11 +9,10 @@ import os
 import struct
 from pathlib import Path
 
-from rocksdict import Options, Rdict, WriteOptions
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
-from ._common import BaselineMatch, HolderBits, keys_of
+from ._common import BaselineMatch, HolderBits, keys_of, probe
 
-BATCH = 32
 _BITS = struct.Struct("<Q")
 
 
@@ -37,8 +36,6 @@ class RocksPerBlockIndex:
         keys = keys_of(hashes)
         old = self.db.get(keys)
         new = 0
-        from rocksdict import WriteBatch
-
         batch = WriteBatch(raw_mode=True)
         for key, value in zip(keys, old, strict=True):
             bits = _BITS.unpack(value)[0] if value is not None else 0
@@ -48,16 +45,7 @@ class RocksPerBlockIndex:
         return new
 
     def match(self, hashes) -> BaselineMatch:
-        keys = keys_of(hashes)
-        n = reads = 0
-        for start in range(0, len(keys), BATCH):
-            batch = keys[start : start + BATCH]
-            for value in self.db.get(batch):
-                reads += 1
-                if value is None or value == b"\0" * 8:
-                    return BaselineMatch(n, reads)
-                n += 1
-        return BaselineMatch(n, reads)
+        return probe(keys_of(hashes), self.db.get)
 
     def close(self) -> None:
         self.db.close()
