@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -39,9 +40,9 @@ from .errors import (
 )
 from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes
-from .segment import Segment, decode, writable
+from .segment import RecordView, Segment, decode, peek, writable
 from .store import Store, WriteTxn
-from .verify import common_prefix, continues, group_rows, leading_runs
+from .verify import continues, group_rows, held_runs, leading_runs, same_blocks, view_presence
 
 log = logging.getLogger("sarp")
 
@@ -49,6 +50,7 @@ DEFAULT_SEGMENT_BLOCKS = 256
 MAX_SEGMENT_BLOCKS = 4096
 DEFAULT_MEDIUM = "GPU"
 _SEP = "\0"
+_U64_LE = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +200,8 @@ class Index:
         self._holder_names: dict[int, tuple[str, str]] = {}
         self._instances: dict[str, int] = {}
         self._instance_names: list[str] = []
-        self._instance_of = np.zeros(0, dtype=np.int64)
+        self._instance_of: list[int] = []
+        self._multi_medium = False  # does any instance hold blocks in two media?
         for holder_id, name in sorted(names.items()):
             self._register_holder(holder_id, name)
 
@@ -208,10 +211,10 @@ class Index:
         inst = self._instances.setdefault(instance, len(self._instance_names))
         if inst == len(self._instance_names):
             self._instance_names.append(instance)
-        if holder_id >= self._instance_of.size:
-            grown = np.full(max(holder_id + 1, 2 * self._instance_of.size), -1, np.int64)
-            grown[: self._instance_of.size] = self._instance_of
-            self._instance_of = grown
+        else:
+            self._multi_medium = True
+        if holder_id >= len(self._instance_of):
+            self._instance_of.extend([-1] * (holder_id + 1 - len(self._instance_of)))
         self._instance_of[holder_id] = inst
 
     def _recover(self) -> None:
@@ -591,20 +594,24 @@ class Index:
         (3, {'w0': 3, 'w1': 2}, {'CPU': 2})
         """
         query = as_hashes(hashes)
-        walk = _Walk(self._instance_of, with_meta)
+        query_bytes = query.astype("<u8", copy=False).tobytes()
+        walk = _Walk(self._instance_of if self._multi_medium else None, with_meta)
         with self._lock:
             store = self._live_store()
+            lookup = self.directory.lookup
             with store.read() as r:
                 pos = 0
                 while pos < query.size:
-                    seg_id = self.directory.lookup(int(query[pos]))
+                    seg_id = lookup(_U64_LE.unpack_from(query_bytes, 8 * pos)[0])
                     if seg_id is None:
                         break
-                    seg = r.segment(seg_id)
-                    if seg is None or not continues(seg.start_pos, seg.parent, query, pos):
+                    record = r.record(seg_id)
+                    if record is None:
                         break
-                    step = walk.step(seg, common_prefix(seg.hashes, query, pos))
-                    pos += step
+                    view = peek(seg_id, record)
+                    if not continues(view.start_pos, view.parent, query, pos):
+                        break
+                    pos += walk.step(view, same_blocks(view, query_bytes, pos))
                     if not walk.going:
                         break
                 reads = r.reads
@@ -766,7 +773,7 @@ class _Walk:
     __slots__ = ("_instance_of", "_with_meta", "total", "going", "_holders", "_instances",
                  "_meta", "_first")
 
-    def __init__(self, instance_of: np.ndarray, with_meta: bool) -> None:
+    def __init__(self, instance_of: list[int] | None, with_meta: bool) -> None:
         self._instance_of = instance_of
         self._with_meta = with_meta
         self.total = 0
@@ -776,42 +783,47 @@ class _Walk:
         self._meta: dict[int, list[np.ndarray]] = {}
         self._first = True
 
-    def step(self, seg: Segment, same: int) -> int:
-        """Account for a segment whose first ``same`` blocks equal the query's."""
-        any_run, runs = leading_runs(seg.presence, same)
+    def step(self, view: RecordView, same: int) -> int:
+        """Account for a record whose first ``same`` blocks equal the query's."""
+        any_run, holder_ids, runs = held_runs(view, same)
         # A block nobody holds ends the prefix; a hash mismatch does not (a branch
         # segment may continue the query from there).
         self.going = any_run == same and any_run > 0
         if any_run == 0:
             return 0
-        holder_ids = seg.holder_ids.tolist()
         self._extend(self._holders, holder_ids, runs, any_run)
-        instances = self._instance_of[seg.holder_ids].tolist()
-        if len(set(instances)) == len(instances):
-            self._extend(self._instances, instances, runs, any_run)
-        else:
-            inst_ids, inst_presence = group_rows(
-                seg.presence[:, :any_run], np.array(instances, np.int64)
-            )
-            _, inst_runs = leading_runs(inst_presence, any_run)
-            self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
+        if self._instance_of is not None:  # some instance holds blocks in several media
+            instances = [self._instance_of[h] for h in holder_ids]
+            if len(set(instances)) == len(instances):
+                self._extend(self._instances, instances, runs, any_run)
+            else:
+                inst_ids, inst_presence = group_rows(
+                    view_presence(view)[:, :any_run], np.array(instances, np.int64)
+                )
+                _, inst_runs = leading_runs(inst_presence, any_run)
+                self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
         if self._with_meta:
-            self._take_meta(seg, holder_ids, runs)
+            self._take_meta(decode(view.seg_id, view.record), holder_ids, runs)
         self._first = False
         self.total += any_run
         return any_run
 
     def _extend(self, table: dict[int, list], ids: list[int], runs: list[int], limit: int) -> None:
-        runs_by_id = dict(zip(ids, runs, strict=True))
+        """Add each id's run; an id keeps extending only while it holds every block."""
         if self._first:
-            for key, run in runs_by_id.items():
-                table[key] = [min(run, limit), run >= limit]
+            for key, run in zip(ids, runs, strict=True):
+                table[key] = [run, run == limit]
             return
+        single = ids[0] if len(ids) == 1 else None
+        runs_by_id = None if single is not None else dict(zip(ids, runs, strict=True))
         for key, state in table.items():
             if state[1]:
-                run = min(runs_by_id.get(key, 0), limit)
+                if single is not None:
+                    run = runs[0] if key == single else 0
+                else:
+                    run = runs_by_id.get(key, 0)
                 state[0] += run
-                state[1] = run >= limit
+                state[1] = run == limit
 
     def _take_meta(self, seg: Segment, holder_ids: list[int], runs: list[int]) -> None:
         for row, holder_id in enumerate(holder_ids):
@@ -825,9 +837,14 @@ class _Walk:
     def result(
         self, holder_names: dict[int, tuple[str, str]], instance_names: list[str], reads: int
     ) -> Match:
-        by_holder = {
-            instance_names[i]: state[0] for i, state in self._instances.items() if state[0]
-        }
+        if self._instance_of is not None:
+            by_holder = {
+                instance_names[i]: state[0] for i, state in self._instances.items() if state[0]
+            }
+        else:  # one medium per instance: an instance's prefix is its one holder's
+            by_holder = {
+                holder_names[h][0]: state[0] for h, state in self._holders.items() if state[0]
+            }
         by_medium: dict[str, dict[str, int]] = {}
         meta = {}
         for holder_id, state in self._holders.items():

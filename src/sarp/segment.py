@@ -127,10 +127,31 @@ def _padded(raw: bytes) -> bytes:
     return raw + b"\0" * (_pad8(len(raw)) - len(raw))
 
 
-def decode(seg_id: int, record: bytes) -> Segment:
-    """Parse and check a record; raise ``CorruptRecordError`` if it is damaged.
+@dataclass(slots=True)
+class RecordView:
+    """A checked record's header and section offsets, without building arrays.
 
-    Cost: O(record size): one xxh3 pass and zero-copy numpy views.
+    The match path reads hashes and presence straight from ``record`` through it.
+    """
+
+    seg_id: int
+    record: bytes
+    flags: int
+    num_blocks: int
+    num_holders: int
+    start_pos: int
+    parent: int | None
+    holders_at: int
+    presence_at: int
+    meta_at: int
+
+    HASHES_AT = _HEADER.size
+
+
+def peek(seg_id: int, record: bytes) -> RecordView:
+    """Check a record (checksum, magic, sizes) and locate its sections.
+
+    Cost: one xxh3 pass over the record; no per-block work.
     """
     size = len(record)
     if size < _HEADER.size + _CHECKSUM.size:
@@ -141,24 +162,34 @@ def decode(seg_id: int, record: bytes) -> Segment:
     magic, version, flags, n, nh, start_pos, parent = _HEADER.unpack_from(record, 0)
     if magic != MAGIC or version != RECORD_VERSION:
         raise CorruptRecordError(f"segment {seg_id}: bad magic {magic!r} or version {version}")
-    off = _HEADER.size
-    hid_off = off + 8 * n
-    pres_off = hid_off + _pad8(2 * nh)
-    meta_off = pres_off + _pad8(nh * n)
+    hid_off = _HEADER.size + 8 * n
+    pres_off = hid_off + ((2 * nh + 7) & ~7)
+    meta_off = pres_off + ((nh * n + 7) & ~7)
     expected = meta_off + (8 * nh * n if flags & HAS_META else 0) + 8
     if expected != size:
         raise CorruptRecordError(f"segment {seg_id}: {size} bytes, layout says {expected}")
+    return RecordView(seg_id, record, flags, n, nh, start_pos,
+                      None if flags & IS_ROOT else parent, hid_off, pres_off, meta_off)
+
+
+def decode(seg_id: int, record: bytes) -> Segment:
+    """Parse and check a record; raise ``CorruptRecordError`` if it is damaged.
+
+    Cost: O(record size): one xxh3 pass and zero-copy numpy views.
+    """
+    v = peek(seg_id, record)
+    n, nh = v.num_blocks, v.num_holders
     buf = memoryview(record)
     meta = None
-    if flags & HAS_META:
-        meta = np.frombuffer(buf, "<i8", nh * n, meta_off).reshape(nh, n)
+    if v.flags & HAS_META:
+        meta = np.frombuffer(buf, "<i8", nh * n, v.meta_at).reshape(nh, n)
     return Segment(
         seg_id=seg_id,
-        start_pos=start_pos,
-        parent=None if flags & IS_ROOT else parent,
-        hashes=np.frombuffer(buf, "<u8", n, off),
-        holder_ids=np.frombuffer(buf, "<u2", nh, hid_off),
-        presence=np.frombuffer(buf, np.uint8, nh * n, pres_off).reshape(nh, n),
+        start_pos=v.start_pos,
+        parent=v.parent,
+        hashes=np.frombuffer(buf, "<u8", n, RecordView.HASHES_AT),
+        holder_ids=np.frombuffer(buf, "<u2", nh, v.holders_at),
+        presence=np.frombuffer(buf, np.uint8, nh * n, v.presence_at).reshape(nh, n),
         meta=meta,
     )
 

@@ -251,9 +251,13 @@ class ReadTxn:
         self._txn.abort()
         self._txn = None
 
-    def segment(self, seg_id: int) -> Segment | None:
-        record = self._txn.get(_U64.pack(seg_id))
+    def record(self, seg_id: int) -> bytes | None:
+        """The raw record of a segment (checked by the caller), counted as one read."""
         self.reads += 1
+        return self._txn.get(_U64.pack(seg_id))
+
+    def segment(self, seg_id: int) -> Segment | None:
+        record = self.record(seg_id)
         return None if record is None else decode(seg_id, record)
 
 
