@@ -228,3 +228,22 @@ def test_numpy_signed_and_bytes_hashes_address_the_same_blocks(index):
     assert index.match(np.array([big, 6], np.uint64)).num_blocks == 2
     # 6 is stored after `big`, not after 5: a query that puts it there does not match it.
     assert index.match(np.array([big, 5, 6], np.uint64)).num_blocks == 2
+
+
+def test_a_branch_just_before_a_segment_end_keeps_the_new_chain_inline(tmp_path):
+    # The Mooncake pattern: the next turn re-hashes the previous turn's last block.
+    with sarp.open(tmp_path / "ix", segment_blocks=8, durability="nosync") as ix:
+        ix.insert([1, 2, 3, 4, 5, 6], holder="w0", meta=[10, 20, 30, 40, 50, 60])
+        ix.insert([9, 10], parent=4, holder="w1")  # branch: [5, 6] is a short dead end
+        new_turn = ix.match([1, 2, 3, 4, 9, 10])
+        assert new_turn.num_blocks == 6 and new_turn.storage_reads == 1
+        assert new_turn.by_holder == {"w0": 4}
+        old_turn = ix.match([1, 2, 3, 4, 5, 6], with_meta=True)
+        assert old_turn.num_blocks == 6 and old_turn.storage_reads == 2
+        assert old_turn.meta[("w0", "GPU")].tolist() == [10, 20, 30, 40, 50, 60]
+        assert ix.stats()["segments"] == 2
+        assert ix.check() == []
+        # A branch far from the end does not move the long continuation.
+        ix.insert([11], parent=1, holder="w1")
+        assert ix.match([1, 2, 3, 4, 9, 10]).storage_reads == 1
+        assert ix.check() == []

@@ -49,6 +49,7 @@ log = logging.getLogger("sarp")
 DEFAULT_SEGMENT_BLOCKS = 256
 MAX_SEGMENT_BLOCKS = 4096
 DEFAULT_MEDIUM = "GPU"
+SPLIT_TAIL_BLOCKS = 4  # see _pack_run; measured in docs/performance.md
 _SEP = "\0"
 _U64_LE = struct.Struct("<Q")
 
@@ -441,6 +442,12 @@ class Index:
         cap = self.segment_blocks
         if prev_at is not None:
             seg = touched.get(prev_at[0])
+            tail_blocks = seg.num_blocks - 1 - prev_at[1]
+            if 0 < tail_blocks <= SPLIT_TAIL_BLOCKS:
+                # A branch just before a segment's end is usually an engine re-hashing
+                # the previous turn's last, partial block: move that short dead end
+                # out so the live chain stays in one segment (one read, not one per turn).
+                self._split(w, touched, seg, prev_at[1] + 1)
             if prev_at[1] == seg.num_blocks - 1 and seg.num_blocks < cap:
                 k = min(cap - seg.num_blocks, j - i)
                 base = seg.num_blocks
@@ -461,6 +468,24 @@ class Index:
             touched.add_new(seg)
             w.put_blocks(seg.hashes, seg.seg_id, 0)
             i += k
+
+    def _split(self, w: WriteTxn, touched: _Touched, seg: Segment, at: int) -> None:
+        """Move ``seg``'s blocks from offset ``at`` on into a new segment."""
+        tail = Segment(
+            seg_id=w.new_segment_id(),
+            start_pos=seg.start_pos + at,
+            parent=int(seg.hashes[at - 1]),
+            hashes=seg.hashes[at:].copy(),
+            holder_ids=seg.holder_ids.copy(),
+            presence=seg.presence[:, at:].copy(),
+            meta=None if seg.meta is None else seg.meta[:, at:].copy(),
+        )
+        seg.hashes = seg.hashes[:at].copy()
+        seg.presence = seg.presence[:, :at].copy()
+        if seg.meta is not None:
+            seg.meta = seg.meta[:, :at].copy()
+        touched.add_new(tail)
+        w.put_blocks(tail.hashes, tail.seg_id, 0)
 
     def remove(self, hashes: HashesLike, *, holder: str, medium: str = DEFAULT_MEDIUM) -> int:
         """Record that ``holder`` evicted these blocks from ``medium``.
