@@ -54,7 +54,7 @@ class Directory:
         seg = self._added.get(first_hash)
         if seg is not None:
             return seg
-        if first_hash in self._removed:
+        if not self.keys.size or first_hash in self._removed:
             return None
         i = int(self.keys.searchsorted(np.uint64(first_hash)))
         if i < self.keys.size and self.keys[i] == first_hash:

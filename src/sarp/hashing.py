@@ -33,6 +33,14 @@ def as_hashes(hashes: HashesLike, *, name: str = "hashes", allow_empty: bool = F
     >>> as_hashes([b"\\x00" * 7 + b"\\x05"]).tolist()
     [5]
     """
+    if (
+        type(hashes) is np.ndarray
+        and hashes.dtype == np.uint64
+        and hashes.ndim == 1
+        and hashes.size
+        and hashes.flags.c_contiguous
+    ):
+        return hashes  # the engine-side fast path: already normalised
     if isinstance(hashes, np.ndarray):
         arr = _from_array(hashes, name)
     elif isinstance(hashes, bytes | bytearray | memoryview | str):

@@ -54,7 +54,7 @@ _SEP = "\0"
 _U64_LE = struct.Struct("<Q")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Match:
     """The verified answer for one query chain.
 
