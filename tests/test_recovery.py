@@ -46,6 +46,7 @@ CHECKER = textwrap.dedent(
                 extra.append(i)
         print(json.dumps({"missing": missing, "extra": extra, "problems": index.check(),
                           "recovered_from": stats["recovered_from"],
+                          "reason": stats["recovery_reason"],
                           "replayed": stats["replayed_changes"]}))
     """
 )
@@ -96,6 +97,7 @@ def test_restart_after_close_loads_the_snapshot(tmp_path):
     result = run_checker(tmp_path / "ix", acked)
     assert_recovered(result)
     assert result["recovered_from"] == "snapshot" and result["replayed"] == 0
+    assert result["reason"] == ""
 
 
 def test_kill_9_mid_stream_loses_no_returned_insert(tmp_path):
@@ -126,3 +128,6 @@ def test_a_damaged_snapshot_falls_back_to_a_rebuild(tmp_path, damage):
     result = run_checker(tmp_path / "ix", acked)
     assert_recovered(result)
     assert result["recovered_from"] == "rebuild"
+    expected = {"delete": "missing", "truncate": "bytes", "bitflip": "checksum",
+                "garbage": "magic"}[damage]
+    assert expected in result["reason"], result["reason"]

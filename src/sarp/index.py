@@ -229,9 +229,9 @@ class Index:
             if problem:
                 raise snapshots.SnapshotUnusable(problem)
         except snapshots.SnapshotUnusable as exc:
-            self.recovery_reason = str(exc)
             self._snapshot_present = False
-            if self.recovered_from == "rebuild":
+            if self.recovered_from == "rebuild":  # a new, empty index needs no reason
+                self.recovery_reason = str(exc)
                 log.warning("sarp: %s; rebuilding the directory from the segments", exc)
             self._rebuild()
             return
