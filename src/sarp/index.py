@@ -40,9 +40,9 @@ from .errors import (
 )
 from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes
-from .segment import RecordView, Segment, decode, peek, writable
+from .segment import Segment, decode, writable
 from .store import Store, WriteTxn
-from .verify import continues, group_rows, held_runs, leading_runs, same_blocks, view_presence
+from .verify import examine, group_rows, leading_runs
 
 log = logging.getLogger("sarp")
 
@@ -625,20 +625,23 @@ class Index:
             store = self._live_store()
             lookup = self.directory.lookup
             with store.read() as r:
-                pos = 0
+                pos, parent = 0, None
                 while pos < query.size:
-                    seg_id = lookup(_U64_LE.unpack_from(query_bytes, 8 * pos)[0])
+                    first = _U64_LE.unpack_from(query_bytes, 8 * pos)[0]
+                    seg_id = lookup(first)
                     if seg_id is None:
                         break
                     record = r.record(seg_id)
                     if record is None:
                         break
-                    view = peek(seg_id, record)
-                    if not continues(view.start_pos, view.parent, query, pos):
+                    found = examine(seg_id, record, query_bytes, pos, parent)
+                    if found is None:
                         break
-                    pos += walk.step(view, same_blocks(view, query_bytes, pos))
+                    step = walk.step(seg_id, record, *found)
+                    pos += step
                     if not walk.going:
                         break
+                    parent = _U64_LE.unpack_from(query_bytes, 8 * (pos - 1))[0]
                 reads = r.reads
             self._counters.matches += 1
             self._counters.matched_blocks += walk.total
@@ -808,9 +811,11 @@ class _Walk:
         self._meta: dict[int, list[np.ndarray]] = {}
         self._first = True
 
-    def step(self, view: RecordView, same: int) -> int:
+    def step(
+        self, seg_id: int, record: bytes, same: int, any_run: int, holder_ids: list[int],
+        runs: list[int],
+    ) -> int:
         """Account for a record whose first ``same`` blocks equal the query's."""
-        any_run, holder_ids, runs = held_runs(view, same)
         # A block nobody holds ends the prefix; a hash mismatch does not (a branch
         # segment may continue the query from there).
         self.going = any_run == same and any_run > 0
@@ -823,12 +828,12 @@ class _Walk:
                 self._extend(self._instances, instances, runs, any_run)
             else:
                 inst_ids, inst_presence = group_rows(
-                    view_presence(view)[:, :any_run], np.array(instances, np.int64)
+                    decode(seg_id, record).presence[:, :any_run], np.array(instances, np.int64)
                 )
                 _, inst_runs = leading_runs(inst_presence, any_run)
                 self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
         if self._with_meta:
-            self._take_meta(decode(view.seg_id, view.record), holder_ids, runs)
+            self._take_meta(decode(seg_id, record), holder_ids, runs)
         self._first = False
         self.total += any_run
         return any_run

@@ -10,9 +10,31 @@ import struct
 
 import numpy as np
 
-from .segment import RecordView
+from .segment import RecordView, peek
 
 _HOLDER_ID = struct.Struct("<H")
+
+
+def examine(
+    seg_id: int, record: bytes, query_bytes: bytes, start: int, parent: int | None
+) -> tuple[int, int, list[int], list[int]] | None:
+    """Everything one match step needs from a fetched record.
+
+    Checks the record (checksum, layout) and that it sits at query position
+    ``start`` right after ``parent`` (the query's previous block, ``None`` at 0), so
+    even hashes that are not chained cannot match the wrong place.  Returns
+    ``(same, any_run, holder_ids, runs)``: blocks equal to the query, then the held
+    runs as :func:`held_runs` gives them; ``None`` when the record does not
+    continue the query there.
+
+    Cost: one xxh3 pass and one memcmp over the record; numpy only when the hashes
+    differ or several holders share the record.
+    """
+    view = peek(seg_id, record)
+    if view.start_pos != start or view.parent != parent:
+        return None
+    same = same_blocks(view, query_bytes, start)
+    return (same, *held_runs(view, same))
 
 
 def same_blocks(view: RecordView, query_bytes: bytes, start: int) -> int:
@@ -64,33 +86,6 @@ def view_presence(view: RecordView) -> np.ndarray:
 
 def view_holder_ids(view: RecordView) -> np.ndarray:
     return np.frombuffer(view.record, "<u2", view.num_holders, view.holders_at)
-
-
-def continues(seg_start: int, seg_parent: int | None, query: np.ndarray, start: int) -> bool:
-    """Whether a segment sits at query position ``start``, right after ``query[start - 1]``.
-
-    Chained hashes make this hold whenever the first hashes agree; checking it keeps
-    the answer exact even for callers whose hashes are not chained.
-
-    >>> continues(1, 7, np.array([7, 8], np.uint64), 1), continues(0, None, np.array([8]), 1)
-    (True, False)
-    """
-    if seg_start != start:
-        return False
-    return seg_parent is None if start == 0 else seg_parent == int(query[start - 1])
-
-
-def common_prefix(seg_hashes: np.ndarray, query: np.ndarray, start: int) -> int:
-    """Number of leading blocks of ``seg_hashes`` equal to ``query[start:]``.
-
-    Cost: O(len(seg_hashes)) in numpy, no Python loop per block.
-
-    >>> common_prefix(np.array([5, 6, 7], np.uint64), np.array([4, 5, 6, 9], np.uint64), 1)
-    2
-    """
-    m = min(seg_hashes.size, query.size - start)
-    same = seg_hashes[:m] == query[start : start + m]
-    return m if same.all() else int(same.argmin())
 
 
 def leading_runs(presence: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
