@@ -46,7 +46,7 @@ from .verify import examine, group_rows, leading_runs
 
 log = logging.getLogger("sarp")
 
-DEFAULT_SEGMENT_BLOCKS = 256
+DEFAULT_SEGMENT_BLOCKS = 1024
 MAX_SEGMENT_BLOCKS = 4096
 DEFAULT_MEDIUM = "GPU"
 SPLIT_TAIL_BLOCKS = 4  # see _pack_run; measured in docs/performance.md
