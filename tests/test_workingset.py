@@ -1,0 +1,125 @@
+"""Working-set analyzer: the one-pass curve equals a direct LRU simulation, to the block."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from sarp.traces import read_requests
+from sarp.workingset import WorkingSet, analyze
+from sarp.workload import builtin
+
+
+def simulate(requests, capacity: int) -> int:
+    """Reusable blocks with an LRU block cache of ``capacity``, as the issue specifies."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for chain in requests:
+        blocks = [int(h) for h in chain]
+        k = 0
+        while k < len(blocks) and blocks[k] in cache:
+            k += 1
+        hits += k
+        for b in reversed(blocks):  # last block first: the first ends most recently used
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits
+
+
+def capacities(curve, count: int = 10) -> list[int]:
+    points = [p["capacity_blocks"] for p in curve.points()]
+    picks = {points[int(i)] for i in np.linspace(0, len(points) - 1, count)}
+    picks |= {max(p - 1, 1) for p in list(picks)[:3]}  # just below a change point too
+    return sorted(picks)
+
+
+def assert_exact(requests):
+    curve = analyze(requests)
+    accesses = sum(len(r) for r in requests)
+    assert curve.accesses == accesses
+    caps = capacities(curve)
+    assert len(caps) >= 8
+    for c in caps:
+        assert round(curve.hit_rate(c) * accesses) == simulate(requests, c), c
+    assert round(curve.unbounded_hit_rate * accesses) == simulate(requests, 10**9)
+
+
+def test_curve_equals_simulation_on_a_branching_workload():
+    requests = [r.hashes for r in builtin(seed=2, chat_sessions=60, agent_sessions=3)]
+    assert_exact(requests)
+
+
+def test_curve_equals_simulation_without_chained_hashes():
+    # Random chains over a small alphabet: depths are not monotone along a request,
+    # so the running maximum is what makes this exact.
+    rng = np.random.default_rng(7)
+    requests = [rng.choice(40, size=rng.integers(1, 12), replace=False) for _ in range(400)]
+    assert_exact(requests)
+
+
+@pytest.mark.traces
+def test_curve_equals_simulation_on_the_mooncake_trace(mooncake):
+    assert_exact([r.hashes for r in read_requests(mooncake, limit=3000)])
+
+
+@pytest.mark.traces
+def test_curve_equals_simulation_on_the_agentic_trace(weka):
+    assert_exact([r.hashes for r in read_requests(weka, limit=150)])
+
+
+def test_targets_give_the_smallest_capacity():
+    requests = [r.hashes for r in builtin(seed=4, chat_sessions=40, agent_sessions=2)]
+    curve = analyze(requests)
+    target = 0.9 * curve.unbounded_hit_rate
+    c = curve.capacity_for(target)
+    assert curve.hit_rate(c) >= target > curve.hit_rate(c - 1)
+    assert curve.capacity_for(1.0) is None or curve.unbounded_hit_rate == 1.0
+    with pytest.raises(ValueError, match="fraction"):
+        curve.capacity_for(1.5)
+
+
+def test_online_exact_mode_matches_the_offline_pass():
+    requests = [r.hashes for r in builtin(seed=5, chat_sessions=30, agent_sessions=2)]
+    ws = WorkingSet()
+    for r in requests:
+        ws.observe(r)
+    offline, online = analyze(requests), ws.curve()
+    for c in capacities(offline):
+        assert online.hit_rate(c) == pytest.approx(offline.hit_rate(c), abs=1e-12)
+
+
+def sampled_error(requests, **kwargs) -> tuple[float, WorkingSet]:
+    exact = analyze(requests)
+    ws = WorkingSet(**kwargs)
+    for r in requests:
+        ws.observe(r)
+    approx = ws.curve()
+    # Both curves are step functions of the capacity: compare them at every capacity.
+    size = max(exact.needed.size, approx.needed.size)
+    rates = []
+    for curve in (exact, approx):
+        cum = np.cumsum(np.pad(curve.needed, (0, size - curve.needed.size))) / curve.accesses
+        rates.append(cum)
+    return float(np.abs(rates[0] - rates[1]).max()), ws
+
+
+@pytest.mark.traces
+def test_sampling_stays_within_0_01_on_mooncake(mooncake):
+    requests = [r.hashes for r in read_requests(mooncake)]
+    error, _ = sampled_error(requests, sample_rate=0.1)
+    assert error <= 0.01, error
+
+
+@pytest.mark.traces
+def test_fixed_sample_size_bounds_memory_and_stays_within_0_01(weka):
+    requests = [r.hashes for r in read_requests(weka, limit=1500)]
+    error, ws = sampled_error(requests, sample_size=20_000)
+    assert error <= 0.01, error
+    assert len(ws._last) <= 20_000
+    assert ws.sample_rate < 1.0  # the cap really lowered the rate
