@@ -123,3 +123,51 @@ def test_fixed_sample_size_bounds_memory_and_stays_within_0_01(weka):
     assert error <= 0.01, error
     assert len(ws._last) <= 20_000
     assert ws.sample_rate < 1.0  # the cap really lowered the rate
+
+
+def test_online_analyzer_attached_to_an_index_sees_every_match(tmp_path):
+    import sarp
+
+    requests = [r.hashes for r in builtin(seed=6, chat_sessions=25, agent_sessions=1)]
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        ws = WorkingSet().attach(index)
+        for chain in requests:
+            n = index.match(chain).num_blocks
+            if n < chain.size:
+                index.insert(chain[n:], parent=int(chain[n - 1]) if n else None, holder="e")
+    offline = analyze(requests)
+    for c in capacities(offline):
+        assert ws.curve().hit_rate(c) == pytest.approx(offline.hit_rate(c), abs=1e-12)
+    with sarp.open(tmp_path / "other") as index, pytest.raises(TypeError):
+        index.observe_matches(42)
+
+
+def test_workingset_command_writes_the_fields_the_issue_asks_for(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.jsonl"
+    rows = [r.hashes.tolist() for r in builtin(seed=8, chat_sessions=20, agent_sessions=1)]
+    trace.write_text("".join(json.dumps({"hash_ids": ids}) + "\n" for ids in rows))
+    out = tmp_path / "ws.json"
+    subprocess.run(
+        [sys.executable, "-m", "sarp.cli", "workingset", "--trace", str(trace), "--target", "0.9",
+         "--target-abs", "0.2", "--block-tokens", "16", "--bytes-per-block", "1024",
+         "--json", str(out), "--plot", str(tmp_path / "ws.png")],
+        check=True, capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    exact = analyze([np.array(r, np.uint64) for r in rows])
+    assert result["requests"] == len(rows)
+    assert result["accesses"] == sum(map(len, rows))
+    assert result["unbounded_hit_rate"] == pytest.approx(exact.unbounded_hit_rate)
+    for point in result["curve"]:
+        assert point["hit_rate"] == pytest.approx(exact.hit_rate(point["capacity_blocks"]))
+        assert point["capacity_tokens"] == 16 * point["capacity_blocks"]
+        assert point["capacity_bytes"] == 1024 * point["capacity_blocks"]
+    by_kind = {t["kind"]: t for t in result["targets"]}
+    assert by_kind["fraction_of_unbounded"]["capacity_blocks"] == exact.capacity_for(
+        0.9 * exact.unbounded_hit_rate)
+    assert by_kind["absolute"]["capacity_blocks"] == exact.capacity_for(0.2)
+    assert (tmp_path / "ws.png").stat().st_size > 10_000

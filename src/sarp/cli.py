@@ -1,4 +1,5 @@
-"""The ``sarp`` command: ``sarp bench``, ``sarp verify PATH``, ``sarp stats PATH``."""
+"""The ``sarp`` command: ``sarp bench``, ``sarp workingset``, ``sarp verify PATH``,
+``sarp stats PATH``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,26 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--durability", default="nosync", choices=["sync", "nosync"],
                        help="for every index alike (default nosync: survives a process crash)")
 
+    ws = sub.add_parser("workingset", help="hit rate at every LRU cache capacity, one pass")
+    ws.add_argument("--trace", required=True, help="mooncake-format .jsonl or .jsonl.gz")
+    ws.add_argument("--split", type=int, default=1, help="sub-blocks per block")
+    ws.add_argument("--limit-requests", type=int, default=None)
+    ws.add_argument("--target", type=float, action="append", default=[],
+                    help="hit rate as a fraction of the unbounded one (repeatable, e.g. 0.9)")
+    ws.add_argument("--target-abs", type=float, action="append", default=[],
+                    help="absolute hit rate (repeatable, e.g. 0.5)")
+    ws.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens per block, for capacities in tokens (per block of the trace "
+                         "after --split)")
+    ws.add_argument("--bytes-per-block", type=int, default=None,
+                    help="KV bytes per block, for capacities in bytes")
+    ws.add_argument("--sample-rate", type=float, default=None,
+                    help="track only this fraction of blocks (SHARDS); default: exact")
+    ws.add_argument("--sample-size", type=int, default=None,
+                    help="track at most this many blocks (SHARDS, fixed size)")
+    ws.add_argument("--json", type=Path, default=None)
+    ws.add_argument("--plot", type=Path, default=None)
+
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
@@ -32,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "workingset":
+        from .workingset_cli import run
+
+        return run(args)
     import sarp
 
     if not args.path.exists():

@@ -22,7 +22,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +150,7 @@ class Index:
         self._progress = progress
         self._lock = threading.RLock()
         self._counters = _Counters()
+        self._match_observers: list[Callable[[np.ndarray], None]] = []
         self._store: Store | None = Store(
             path, durability=durability, map_size_bytes=map_size_bytes, create=create
         )
@@ -643,6 +644,8 @@ class Index:
                         break
                     parent = _U64_LE.unpack_from(query_bytes, 8 * (pos - 1))[0]
                 reads = r.reads
+            for observe in self._match_observers:
+                observe(query)
             self._counters.matches += 1
             self._counters.matched_blocks += walk.total
             self._counters.storage_reads += reads
@@ -710,6 +713,17 @@ class Index:
         """
         with self._lock:
             return check(self._live_store(), self.directory, self.holders)
+
+    def observe_matches(self, callback: Callable[[np.ndarray], None]) -> None:
+        """Call ``callback(hashes)`` with every matched query (as a uint64 array).
+
+        For online analysis, e.g. :meth:`sarp.workingset.WorkingSet.observe`.
+        Cost: the callback's, inside ``match``.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        with self._lock:
+            self._match_observers.append(callback)
 
     def holders_list(self) -> list[tuple[str, str]]:
         """Every (instance, medium) the index has seen."""

@@ -194,6 +194,24 @@ class WorkingSet:
         self._sampled_accesses = 0
         self._sampled_weight = 0.0  # sum of 1/rate over sampled accesses
 
+    def attach(self, index) -> WorkingSet:
+        """Observe every request that ``index.match`` answers, from now on.
+
+        Each match is one request: its blocks are the accesses.  Inserts are not
+        observed separately: an engine inserts blocks of a request it just matched,
+        so they are already counted (and touched in the order the model assumes).
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     ws = WorkingSet(sample_rate=1.0).attach(index)
+        ...     _ = index.match([1, 2]); _ = index.insert([1, 2], holder="w0")
+        ...     _ = index.match([1, 2, 3])
+        ...     round(ws.curve().hit_rate(2), 3)
+        0.4
+        """
+        index.observe_matches(self.observe)
+        return self
+
     @property
     def sample_rate(self) -> float:
         return self._threshold / (1 << 32)
