@@ -64,6 +64,9 @@ class Match:
     ``meta``: (instance, medium) -> int64 metadata of that holder's prefix
     (``-1`` where none was stored); filled only by ``match(..., with_meta=True)``.
     ``storage_reads``: segment records read from LMDB to answer.
+    ``presence``: (instance, medium) -> bool array over the ``num_blocks`` verified
+    blocks, True where that holder has the block; filled only by
+    ``match(..., with_presence=True)`` (the router's per-block tier view).
     """
 
     num_blocks: int
@@ -71,6 +74,7 @@ class Match:
     by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
     meta: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     storage_reads: int = 0
+    presence: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -602,7 +606,9 @@ class Index:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def match(self, hashes: HashesLike, *, with_meta: bool = False) -> Match:
+    def match(
+        self, hashes: HashesLike, *, with_meta: bool = False, with_presence: bool = False
+    ) -> Match:
         """Longest verified prefix of ``hashes``, overall and per holder.
 
         Every block counted was compared hash-for-hash with a stored record and is
@@ -621,7 +627,7 @@ class Index:
         """
         query = as_hashes(hashes)
         query_bytes = query.astype("<u8", copy=False).tobytes()
-        walk = _Walk(self._instance_of if self._multi_medium else None, with_meta)
+        walk = _Walk(self._instance_of if self._multi_medium else None, with_meta, with_presence)
         with self._lock:
             store = self._live_store()
             lookup = self.directory.lookup
@@ -813,11 +819,15 @@ class _Walk:
     """Per-holder and per-instance prefix bookkeeping across the segments of one match."""
 
     __slots__ = ("_instance_of", "_with_meta", "total", "going", "_holders", "_instances",
-                 "_meta", "_first")
+                 "_meta", "_first", "_steps")
 
-    def __init__(self, instance_of: list[int] | None, with_meta: bool) -> None:
+    def __init__(
+        self, instance_of: list[int] | None, with_meta: bool, with_presence: bool = False
+    ) -> None:
         self._instance_of = instance_of
         self._with_meta = with_meta
+        # (holder ids, presence rows over the step's held run) per step, when asked
+        self._steps: list[tuple[list[int], np.ndarray]] | None = [] if with_presence else None
         self.total = 0
         self.going = True
         self._holders: dict[int, list] = {}  # holder id -> [blocks, still extending]
@@ -848,6 +858,9 @@ class _Walk:
                 self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
         if self._with_meta:
             self._take_meta(decode(seg_id, record), holder_ids, runs)
+        if self._steps is not None:
+            rows = decode(seg_id, record).presence[:, :any_run].astype(bool)
+            self._steps.append((holder_ids, rows))
         self._first = False
         self.total += any_run
         return any_run
@@ -897,4 +910,14 @@ class _Walk:
                 by_medium.setdefault(instance, {})[medium] = state[0]
                 if self._with_meta:
                     meta[(instance, medium)] = np.concatenate(self._meta[holder_id])[: state[0]]
-        return Match(self.total, by_holder, by_medium, meta, reads)
+        presence = {}
+        if self._steps is not None:
+            for holder_id in {h for ids, _ in self._steps for h in ids}:
+                parts = []
+                for ids, rows in self._steps:
+                    if holder_id in ids:
+                        parts.append(rows[ids.index(holder_id)])
+                    else:
+                        parts.append(np.zeros(rows.shape[1], bool))
+                presence[holder_names[holder_id]] = np.concatenate(parts)
+        return Match(self.total, by_holder, by_medium, meta, reads, presence)

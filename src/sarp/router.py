@@ -1,0 +1,87 @@
+"""The router's question: which engine instance holds the longest prefix, on which tier.
+
+:func:`score` answers it from one verified ``match``: per instance (an engine, or
+one DP rank of it: holder ``NAME#r``), the blocks of its longest prefix, how many
+of them are best served from each medium, tokens, and a tier-weighted score (each
+block counts the weight of the best medium it is held in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .hashing import HashesLike, hash_blocks
+
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5}
+UNKNOWN_TIER_WEIGHT = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceScore:
+    """One instance's share of a request's prefix."""
+
+    instance: str
+    engine: str
+    dp_rank: int | None
+    matched_blocks: int
+    matched_tokens: int | None
+    by_medium: dict[str, int] = field(default_factory=dict)  # blocks by best medium
+    score: float = 0.0  # tier-weighted blocks
+
+
+def score(
+    index,
+    hashes: HashesLike | None = None,
+    *,
+    token_ids: Sequence[int] | np.ndarray | None = None,
+    block_size: int | None = None,
+    weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
+) -> list[InstanceScore]:
+    """Per-instance prefix scores for one request, best first.
+
+    Pass block ``hashes``, or ``token_ids`` and ``block_size`` (hashed with
+    :func:`sarp.hash_blocks`, so only for engines that hash the same way).
+    ``weights`` maps a medium to its weight (media not named weigh
+    ``UNKNOWN_TIER_WEIGHT``).  Tokens are reported when ``block_size`` is given.
+
+    Cost: one ``match`` plus numpy work over the matched blocks.
+
+    >>> import tempfile, sarp
+    >>> with sarp.open(tempfile.mkdtemp()) as index:
+    ...     _ = index.insert([1, 2, 3, 4], holder="w0", medium="CPU")
+    ...     _ = index.insert([1, 2], holder="w1#0", medium="GPU")
+    ...     [(s.instance, s.matched_blocks, s.score) for s in score(index, [1, 2, 3, 4])]
+    [('w0', 4, 3.2), ('w1#0', 2, 2.0)]
+    """
+    if hashes is None:
+        if token_ids is None or block_size is None:
+            raise ValueError("pass hashes, or token_ids together with block_size")
+        hashes = hash_blocks(token_ids, block_size)
+    for medium, weight in weights.items():
+        if not isinstance(weight, int | float) or weight < 0:
+            raise ValueError(f"weight for {medium!r} is {weight!r}; pass a number >= 0")
+    m = index.match(hashes, with_presence=True)
+    out = []
+    for instance, blocks in m.by_holder.items():
+        media = sorted(medium for (inst, medium) in m.presence if inst == instance)
+        rows = np.stack([m.presence[(instance, medium)][:blocks] for medium in media])
+        w = np.array([weights.get(medium, UNKNOWN_TIER_WEIGHT) for medium in media])
+        weighted = rows * w[:, None]
+        best = weighted.argmax(axis=0)
+        counts = np.bincount(best, minlength=len(media))
+        engine, _, rank = instance.rpartition("#")
+        dp_rank = int(rank) if engine and rank.isdigit() else None
+        out.append(InstanceScore(
+            instance=instance,
+            engine=engine if dp_rank is not None else instance,
+            dp_rank=dp_rank,
+            matched_blocks=blocks,
+            matched_tokens=None if block_size is None else blocks * block_size,
+            by_medium={medium: int(c) for medium, c in zip(media, counts, strict=True) if c},
+            score=round(float(weighted.max(axis=0).sum()), 6),
+        ))
+    out.sort(key=lambda s: (-s.score, -s.matched_blocks, s.instance))
+    return out
