@@ -1,5 +1,5 @@
-"""The ``sarp`` command: ``sarp bench``, ``sarp workingset``, ``sarp verify PATH``,
-``sarp stats PATH``."""
+"""The ``sarp`` command: ``sarp bench``, ``sarp serve``, ``sarp workingset``,
+``sarp verify PATH``, ``sarp stats PATH``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     ws.add_argument("--json", type=Path, default=None)
     ws.add_argument("--plot", type=Path, default=None)
 
+    serve = sub.add_parser("serve", help="follow engines' KV events into an index")
+    serve.add_argument("--index", type=Path, required=True, help="index directory")
+    serve.add_argument("--source", action="append", required=True,
+                       help="NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], repeatable")
+    serve.add_argument("--durability", default="sync", choices=["sync", "nosync"])
+    serve.add_argument("--snapshot-every-s", type=float, default=60.0)
+    serve.add_argument("--report-every-s", type=float, default=30.0)
+
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
@@ -53,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "serve":
+        from .serve import run as serve_run
+
+        try:
+            return serve_run(args)
+        except ValueError as exc:
+            print(f"sarp serve: {exc}", file=sys.stderr)
+            return 2
     if args.command == "workingset":
         from .workingset_cli import run
 

@@ -720,6 +720,32 @@ class Index:
         with self._lock:
             return check(self._live_store(), self.directory, self.holders)
 
+    def blocks_of(self, holder: str, medium: str | None = None) -> np.ndarray:
+        """Every block ``holder`` holds (in ``medium``, or in any), as sorted uint64.
+
+        Cost: reads the holder's segments only (found through its roaring filter).
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     _ = index.insert([5, 6, 7], holder="w0"); _ = index.remove([6], holder="w0")
+        ...     index.blocks_of("w0").tolist()
+        [5, 7]
+        """
+        with self._lock:
+            store = self._live_store()
+            wanted = {
+                h for h, (inst, med) in self._holder_names.items()
+                if inst == holder and (medium is None or med == medium)
+            }
+            parts = [np.empty(0, np.uint64)]
+            with store.read() as r:
+                seg_ids = sorted({s for h in wanted for s in self.holders.segments(h)})
+                for seg_id in seg_ids:
+                    seg = r.segment(seg_id)
+                    rows = np.isin(seg.holder_ids, list(wanted))
+                    parts.append(seg.hashes[seg.presence[rows].any(axis=0)])
+            return np.unique(np.concatenate(parts))
+
     def observe_matches(self, callback: Callable[[np.ndarray], None]) -> None:
         """Call ``callback(hashes)`` with every matched query (as a uint64 array).
 

@@ -1,0 +1,237 @@
+"""A simulated serving cluster, for tests and demos of the event path end to end.
+
+N engines, each with a bounded LRU block cache, serve a trace's requests; each
+emits real msgpack KV events (vLLM's encoding) over real ZeroMQ sockets: a PUB
+endpoint and a ROUTER replay endpoint with a buffer of past batches, as vLLM's
+``ZmqEventPublisher`` does.  A router picks an engine per request: at random,
+round-robin, or by sarp's scores.  Events can be dropped on purpose (published to
+the replay buffer, not to PUB) to exercise gap replay.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from .events import encode_batch
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class EnginePublisher:
+    """PUB + ROUTER replay, bound on loopback (or ipc); replay served from a thread."""
+
+    def __init__(self, context: zmq.Context, transport: str = "tcp", *,
+                 buffer_batches: int = 100_000, ipc_dir: str | None = None,
+                 name: str = "engine") -> None:
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.router = context.socket(zmq.ROUTER)
+        if transport == "tcp":
+            self.pub.bind("tcp://127.0.0.1:*")
+            self.router.bind("tcp://127.0.0.1:*")
+        elif transport == "ipc":
+            if ipc_dir is None:
+                raise ValueError("transport='ipc' needs ipc_dir")
+            self.pub.bind(f"ipc://{ipc_dir}/{name}-pub")
+            self.router.bind(f"ipc://{ipc_dir}/{name}-replay")
+        else:
+            raise ValueError(f"transport={transport!r}; pass 'tcp' (loopback) or 'ipc'")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._lock = threading.Lock()
+        self.next_seq = 0
+        self.last_sent_seq = -1
+        self.sent = 0
+        self.dropped = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def publish(self, payload: bytes, drop: bool = False) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        with self._lock:
+            self.buffer.append((seq, payload))
+        if drop:
+            self.dropped += 1
+        else:
+            self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+            self.last_sent_seq = seq
+            self.sent += 1
+        return seq
+
+    def restart(self) -> None:
+        """Forget everything, as a restarted engine does: sequences start again at 0."""
+        with self._lock:
+            self.buffer.clear()
+        self.next_seq = 0
+        self.last_sent_seq = -1
+
+    def _serve_replay(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while self._running:
+            if not poller.poll(50):
+                continue
+            frames = self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                batches = [(s, p) for s, p in self.buffer if s >= first]
+            for seq, payload in batches:
+                self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self.router.send_multipart((client, b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=2)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+class SimEngine:
+    """An engine with an LRU cache of ``capacity_blocks`` blocks that reports KV events.
+
+    Serving a request: the longest cached prefix is reused; then every block is
+    touched last block first (so parents stay more recent than children and the
+    cache stays prefix-closed); blocks beyond the capacity are evicted least
+    recently used first.  One event batch per request: the new blocks as one
+    ``BlockStored`` (with their parent), then the evictions as ``BlockRemoved``.
+    """
+
+    def __init__(self, name: str, capacity_blocks: int, publisher: EnginePublisher,
+                 medium: str = "GPU") -> None:
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self.publisher = publisher
+        self.medium = medium
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.requests = 0
+
+    def serve(self, chain: Sequence[int], drop: bool = False, keyed: bool = False) -> int:
+        blocks = [int(h) for h in chain]
+        hits = 0
+        while hits < len(blocks) and blocks[hits] in self.cache:
+            hits += 1
+        for b in reversed(blocks):
+            if b in self.cache:
+                self.cache.move_to_end(b)
+            else:
+                self.cache[b] = None
+        evicted = []
+        while len(self.cache) > self.capacity_blocks:
+            evicted.append(self.cache.popitem(last=False)[0])
+        events = []
+        if blocks[hits:]:
+            # Report every new block, even one evicted in the same step, as engines do:
+            # the store and its removal both reach the index, in order.
+            events.append(("stored", blocks[hits:], blocks[hits - 1] if hits else None,
+                           self.medium))
+        if evicted:
+            events.append(("removed", evicted, self.medium))
+        if events:
+            self.publisher.publish(encode_batch(events, keyed=keyed), drop=drop)
+        self.requests += 1
+        return hits
+
+
+POLICIES = ("random", "round-robin", "sarp")
+LOAD_SLACK = 1.1
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    policy: str
+    requests: int
+    blocks: int
+    hit_blocks: int
+    batches_dropped: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+
+class Cluster:
+    """Engines with publishers; :meth:`run` routes a trace through them."""
+
+    def __init__(self, engines: int, capacity_blocks: int, *, transport: str = "tcp",
+                 ipc_dir: str | None = None, context: zmq.Context | None = None) -> None:
+        if engines < 1 or capacity_blocks < 1:
+            raise ValueError("a cluster needs at least one engine and one block of capacity")
+        self.context = context or zmq.Context.instance()
+        self.engines = []
+        for i in range(engines):
+            pub = EnginePublisher(self.context, transport, ipc_dir=ipc_dir, name=f"e{i}")
+            self.engines.append(SimEngine(f"e{i}", capacity_blocks, pub))
+
+    def source_specs(self) -> list[str]:
+        """``NAME=PUB,REPLAY`` for each engine, as ``sarp serve --source`` takes them."""
+        return [f"{e.name}={e.publisher.endpoint},{e.publisher.replay_endpoint}"
+                for e in self.engines]
+
+    def run(
+        self,
+        requests: Sequence[np.ndarray],
+        policy: str,
+        *,
+        index=None,
+        sync: Callable[[], None] | None = None,
+        drop_rate: float = 0.0,
+        seed: int = 0,
+        keyed_every: int = 2,
+    ) -> ClusterResult:
+        """Route and serve ``requests``; ``sync()`` runs after each (e.g. let the
+        subscriber catch up).  ``policy='sarp'`` needs ``index``."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r}; pick from {POLICIES}")
+        if policy == "sarp" and index is None:
+            raise ValueError("policy='sarp' needs the index the subscriber keeps")
+        from .router import score
+
+        rng = random.Random(seed)
+        hit_blocks = blocks = dropped = 0
+        for i, chain in enumerate(requests):
+            if policy == "random":
+                engine = self.engines[rng.randrange(len(self.engines))]
+            elif policy == "round-robin":
+                engine = self.engines[i % len(self.engines)]
+            else:
+                engine = self._best(score(index, chain), rng)
+            drop = drop_rate > 0 and rng.random() < drop_rate
+            dropped += drop
+            hit_blocks += engine.serve(chain, drop=drop, keyed=i % keyed_every == 0)
+            blocks += len(chain)
+            if sync is not None:
+                sync()
+        return ClusterResult(policy, len(requests), blocks, hit_blocks, dropped)
+
+    def _best(self, scores, rng: random.Random) -> SimEngine:
+        """The best prefix among engines not overloaded; else the least loaded.
+
+        As KV-aware routers do, prefix reuse is weighed against load: an engine more
+        than ``LOAD_SLACK`` above the mean request count is not a candidate, or the
+        engine holding a popular shared prefix would get every request.
+        """
+        mean = sum(e.requests for e in self.engines) / len(self.engines)
+        allowed = {e.name for e in self.engines if e.requests <= LOAD_SLACK * mean + 1}
+        by_name = {e.name: e for e in self.engines}
+        for s in scores:
+            if s.engine in allowed and s.score > 0:
+                return by_name[s.engine]
+        least = min(e.requests for e in self.engines)
+        return rng.choice([e for e in self.engines if e.requests == least])
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.publisher.close()
