@@ -53,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--snapshot-every-s", type=float, default=60.0)
     serve.add_argument("--report-every-s", type=float, default=30.0)
 
+    cl = sub.add_parser("cluster", help="simulate engines + events + routing on a trace")
+    cl.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")
+    cl.add_argument("--split", type=int, default=1)
+    cl.add_argument("--limit-requests", type=int, default=None)
+    cl.add_argument("--engines", type=int, default=4)
+    cl.add_argument("--capacity-blocks", type=int, default=10_000, help="LRU cache per engine")
+    cl.add_argument("--drop-rate", type=float, default=0.01,
+                    help="fraction of event batches dropped on the live stream")
+    cl.add_argument("--policies", default="random,round-robin,sarp")
+    cl.add_argument("--json", type=Path, default=None)
+
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
@@ -61,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "cluster":
+        return _cluster(args)
     if args.command == "serve":
         from .serve import run as serve_run
 
@@ -87,6 +100,33 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"{len(problems)} problem(s) in {args.path}")
     return 1 if problems else 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from .bench import load_requests
+    from .cluster import POLICIES, simulate
+
+    policies = args.policies.split(",")
+    if any(p not in POLICIES for p in policies) or not 0 <= args.drop_rate < 1:
+        print(f"sarp cluster: policies from {POLICIES}, drop rate in [0, 1)", file=sys.stderr)
+        return 2
+    label, requests = load_requests(args.trace, args.split, args.limit_requests)
+    rows = simulate([r.hashes for r in requests], policies=policies, engines=args.engines,
+                    capacity_blocks=args.capacity_blocks, drop_rate=args.drop_rate)
+    print(f"{label}: {len(requests)} requests, {args.engines} engines x "
+          f"{args.capacity_blocks} blocks, {args.drop_rate:.0%} of event batches dropped")
+    print(f"{'policy':<12}{'hit rate':>10}{'gaps':>8}{'events/s':>11}{'blocks/s':>11}"
+          f"{'index = caches':>16}")
+    for r in rows:
+        print(f"{r['policy']:<12}{r['hit_rate']:>10.4f}{r['gaps']:>8}{r['events_per_s']:>11.0f}"
+              f"{r['blocks_per_s']:>11.0f}{str(r['index_equals_caches']):>16}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"trace": label, "engines": args.engines,
+                                         "capacity_blocks": args.capacity_blocks,
+                                         "drop_rate": args.drop_rate, "policies": rows},
+                                        indent=2))
+    return 0 if all(r["index_equals_caches"] for r in rows) else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

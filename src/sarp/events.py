@@ -21,6 +21,7 @@ keys are ignored.  A payload that is not one of these is a :class:`BadEvent` (a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -171,6 +172,7 @@ class ApplyStats:
     blocks_removed: int = 0
     clears: int = 0
     skipped_orphans: int = 0  # stores whose parent is not held (an event was lost)
+    seconds: float = 0.0  # time spent applying
 
 
 def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> ApplyStats:
@@ -186,6 +188,7 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> 
     from .errors import ParentNotFoundError
 
     stats = stats or ApplyStats()
+    started = time.perf_counter()
     holder = holder_name(source, batch.dp_rank)
     for event in batch.events:
         stats.events += 1
@@ -203,6 +206,7 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> 
             index.clear(holder)
             stats.clears += 1
     stats.batches += 1
+    stats.seconds += time.perf_counter() - started
     return stats
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from .hashing import HashesLike, as_hashes
 
 _WORD_BITS = 64
-_SUPER_WORDS = 1024  # words per superblock of popcount prefix sums
+_SUPER_WORDS = 256  # words per superblock of popcount prefix sums
 UNSEEN = np.iinfo(np.int64).max
 
 
@@ -40,7 +40,7 @@ class _AliveTimes:
     """A set of touch times (ints from 0 up) with fast 'how many alive >= t'.
 
     Bits in uint64 words; per word, the popcount prefix sum inside its superblock;
-    per superblock, its total.  Cost per call: O(k) for k times, plus O(1024) per
+    per superblock, its total.  Cost per call: O(k) for k times, plus O(256) per
     superblock an update touches.
     """
 
@@ -81,18 +81,16 @@ class _AliveTimes:
     def _update(self, times: np.ndarray, set_bits: bool) -> None:
         if not times.size:
             return
-        order = np.argsort(times, kind="stable")
-        t = times[order]
+        t = _ascending(times)
         w = t >> 6
         masks = np.left_shift(np.uint64(1), (t & 63).astype(np.uint64))
-        starts = np.flatnonzero(np.concatenate(([True], w[1:] != w[:-1])))
-        words = w[starts]
+        words, starts, _ = _runs(w)
         combined = np.bitwise_or.reduceat(masks, starts)
         if set_bits:
             self.words[words] |= combined
         else:
             self.words[words] &= ~combined
-        for s in np.unique(words // _SUPER_WORDS).tolist():
+        for s in _runs(words // _SUPER_WORDS)[0].tolist():
             lo = s * _SUPER_WORDS
             counts = np.bitwise_count(self.words[lo : lo + _SUPER_WORDS]).astype(np.int64)
             np.cumsum(counts, out=self.word_cum[lo : lo + _SUPER_WORDS])
@@ -261,7 +259,7 @@ class WorkingSet:
                 grown = np.zeros(max(top + 1, 2 * self._needed.size), np.float64)
                 grown[: self._needed.size] = self._needed
                 self._needed = grown
-            values, counts = np.unique(finite, return_counts=True)  # O(k log k), not O(depth)
+            values, _, counts = _runs(finite)  # a running maximum is already sorted
             self._needed[values] += scale * counts
 
     def _touch(self, blocks: list[int], prev: np.ndarray, mix: np.ndarray | None) -> None:
@@ -316,6 +314,58 @@ class WorkingSet:
         return self._times.nbytes() + 100 * len(self._last) + self._needed.nbytes
 
 
+def _dense_ids(values: np.ndarray) -> np.ndarray:
+    """Map values to 0..distinct-1 (same value, same id) with one argsort.
+
+    Several times faster than ``np.unique(..., return_inverse=True)`` on 48 M hashes.
+
+    >>> _dense_ids(np.array([50, 7, 50, 9], np.uint64)).tolist()
+    [2, 0, 2, 1]
+    """
+    if not values.size:
+        return np.empty(0, np.int64)
+    low, high = int(values.min()), int(values.max())
+    if high - low < 4 * values.size:
+        # Values in a small range (trace ids are small integers): a table, no sort.
+        offsets = values - np.uint64(low)
+        present = np.zeros(high - low + 1, bool)
+        present[offsets] = True
+        rank = np.cumsum(present, dtype=np.int32 if values.size < 2**31 else np.int64)
+        return rank[offsets].astype(np.int64) - 1
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    new = np.empty(values.size, bool)
+    new[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    dense = np.empty(values.size, np.int64)
+    dense[order] = np.cumsum(new) - 1
+    return dense
+
+
+def _runs(ordered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values, first index, count) of each run of equal values in a sorted array.
+
+    >>> [a.tolist() for a in _runs(np.array([2, 2, 5, 7, 7, 7]))]
+    [[2, 5, 7], [0, 2, 3], [2, 1, 3]]
+    """
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    counts = np.diff(np.append(starts, ordered.size))
+    return ordered[starts], starts, counts
+
+
+def _ascending(times: np.ndarray) -> np.ndarray:
+    """``times`` sorted ascending; O(k) for the usual cases (already ascending, or
+    descending: a request's previous touches, made last block first)."""
+    if times.size < 2:
+        return times
+    step = np.diff(times)
+    if (step > 0).all():
+        return times
+    if (step < 0).all():
+        return times[::-1]
+    return np.sort(times)
+
+
 def _mix32(hashes: np.ndarray) -> np.ndarray:
     """A well-spread 32-bit value per hash (splitmix64 finaliser), for sampling."""
     z = hashes.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
@@ -338,7 +388,7 @@ def analyze(requests: Iterable[Sequence[int] | np.ndarray], progress: bool = Fal
     chains = [as_hashes(r) for r in requests]
     sizes = np.fromiter((c.size for c in chains), np.int64, len(chains))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
-    _, dense = np.unique(np.concatenate(chains), return_inverse=True)
+    dense = _dense_ids(np.concatenate(chains)) if chains else np.empty(0, np.int64)
     last = np.full(int(dense.max()) + 1 if dense.size else 0, -1, np.int64)
     ws = WorkingSet()
     times = ws._times
