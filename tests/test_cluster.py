@@ -181,3 +181,28 @@ def test_blocks_of_lists_what_a_holder_holds(tmp_path):
         assert index.blocks_of("a").tolist() == [1, 2, 3]
         assert index.blocks_of("a", medium="CPU").tolist() == [1, 2]
         assert index.blocks_of("nobody").dtype == np.uint64
+
+
+def test_junk_on_the_wire_is_counted_and_the_stream_goes_on(tmp_path):
+    import random
+
+    from sarp.events import encode_batch
+
+    cluster = Cluster(engines=1, capacity_blocks=100, transport="ipc", ipc_dir=str(tmp_path))
+    try:
+        index, subscriber = start(tmp_path, cluster)
+        engine = cluster.engines[0]
+        rng = random.Random(5)
+        engine.publisher.publish(encode_batch([("stored", [1, 2, 3], None, "GPU")]))
+        for _ in range(50):
+            engine.publisher.publish(bytes(rng.getrandbits(8) for _ in range(rng.randrange(40))))
+        engine.publisher.pub.send_multipart([b"only-one-frame"])  # not (topic, seq, payload)
+        engine.publisher.publish(encode_batch([("stored", [4], 3, "GPU")], keyed=True))
+        synced(subscriber, cluster)()
+        stats = subscriber.stats[engine.name]
+        assert stats.bad_payloads >= 50
+        assert index.match([1, 2, 3, 4]).by_holder == {engine.name: 4}
+        subscriber.close()
+        index.close()
+    finally:
+        cluster.close()
