@@ -64,7 +64,7 @@ class _AliveTimes:
         return in_word + in_super + later
 
     def kill(self, times: np.ndarray) -> None:
-        self._update(times, set_bits=False)
+        self._clear_bits(times)
         self.alive -= times.size
 
     def append(self, count: int) -> int:
@@ -74,11 +74,33 @@ class _AliveTimes:
         if needed > self.words.size * _WORD_BITS:
             self._grow(needed)
         self.end = needed
-        self._update(np.arange(start, needed, dtype=np.int64), set_bits=True)
+        if count:
+            self._set_range(start, needed)
         self.alive += count
         return start
 
-    def _update(self, times: np.ndarray, set_bits: bool) -> None:
+    def _set_range(self, start: int, end: int) -> None:
+        """Set the bits of times ``[start, end)`` word by word (appends are contiguous)."""
+        ones = np.uint64(0xFFFFFFFFFFFFFFFF)
+        w0, w1 = start >> 6, (end - 1) >> 6
+        low = ones << np.uint64(start & 63)
+        high = ones >> np.uint64(63 - ((end - 1) & 63))
+        if w0 == w1:
+            self.words[w0] |= low & high
+        else:
+            self.words[w0] |= low
+            self.words[w0 + 1 : w1] = ones
+            self.words[w1] |= high
+        self._recount(range(w0 // _SUPER_WORDS, w1 // _SUPER_WORDS + 1))
+
+    def _recount(self, superblocks) -> None:
+        for s in superblocks:
+            lo = s * _SUPER_WORDS
+            counts = np.bitwise_count(self.words[lo : lo + _SUPER_WORDS]).astype(np.int64)
+            np.cumsum(counts, out=self.word_cum[lo : lo + _SUPER_WORDS])
+            self.super_count[s] = self.word_cum[lo + _SUPER_WORDS - 1]
+
+    def _clear_bits(self, times: np.ndarray) -> None:
         if not times.size:
             return
         t = _ascending(times)
@@ -86,15 +108,8 @@ class _AliveTimes:
         masks = np.left_shift(np.uint64(1), (t & 63).astype(np.uint64))
         words, starts, _ = _runs(w)
         combined = np.bitwise_or.reduceat(masks, starts)
-        if set_bits:
-            self.words[words] |= combined
-        else:
-            self.words[words] &= ~combined
-        for s in _runs(words // _SUPER_WORDS)[0].tolist():
-            lo = s * _SUPER_WORDS
-            counts = np.bitwise_count(self.words[lo : lo + _SUPER_WORDS]).astype(np.int64)
-            np.cumsum(counts, out=self.word_cum[lo : lo + _SUPER_WORDS])
-            self.super_count[s] = self.word_cum[lo + _SUPER_WORDS - 1]
+        self.words[words] &= ~combined
+        self._recount(_runs(words // _SUPER_WORDS)[0].tolist())
 
     def _grow(self, needed_times: int) -> None:
         words = max(2 * self.words.size, -(-needed_times // _WORD_BITS))
@@ -327,11 +342,15 @@ def _dense_ids(values: np.ndarray) -> np.ndarray:
     low, high = int(values.min()), int(values.max())
     if high - low < 4 * values.size:
         # Values in a small range (trace ids are small integers): a table, no sort.
-        offsets = values - np.uint64(low)
+        # The range is small, so offsets fit int64: view, don't convert (numpy would
+        # copy a uint64 index array on every fancy-indexing use).
+        offsets = (values - np.uint64(low)).view(np.int64)
         present = np.zeros(high - low + 1, bool)
         present[offsets] = True
-        rank = np.cumsum(present, dtype=np.int32 if values.size < 2**31 else np.int64)
-        return rank[offsets].astype(np.int64) - 1
+        rank = np.cumsum(present, dtype=np.int32 if high - low < 2**31 else np.int64)
+        dense = rank[offsets]
+        dense -= 1
+        return dense
     order = np.argsort(values, kind="stable")
     ordered = values[order]
     new = np.empty(values.size, bool)
