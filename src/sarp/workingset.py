@@ -294,10 +294,13 @@ class WorkingSet:
         for b, m, p in zip(blocks, mixes, prev.tolist(), strict=True):
             if p < 0:
                 heapq.heappush(self._by_mix, (-m, b))
+        gone = []
         while len(self._last) > self._sample_size:
             neg_mix, b = heapq.heappop(self._by_mix)
             self._threshold = -neg_mix  # keep only blocks below the evicted one's mix
-            self._times.kill(np.array([self._last.pop(b)], np.int64))
+            gone.append(self._last.pop(b))
+        if gone:
+            self._times.kill(np.array(gone, np.int64))
 
     def _compact(self) -> None:
         """Renumber alive times 0..alive-1 (order kept), so memory tracks the sample."""
