@@ -162,3 +162,17 @@ def test_apply_maps_events_to_holders_and_media(tmp_path):
 def test_decoded_hashes_are_uint64_arrays():
     batch = decode(encode_batch([("stored", [1, BIG], None, "GPU")]))
     assert batch.events[0].block_hashes.dtype == np.uint64
+
+
+def test_only_the_first_kv_cache_group_is_applied(tmp_path):
+    payload = msgpack.packb({"ts": 1.0, "events": [
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+         "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU", "group_idx": 0},
+        {"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None,
+         "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU", "group_idx": 1},
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU", "group_idx": 1},
+    ]})
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        stats = apply(index, "e", decode(payload))
+        assert stats.skipped_groups == 2
+        assert index.match([1, 2, 3]).by_holder == {"e": 2}

@@ -65,7 +65,7 @@ def test_curve_equals_simulation_without_chained_hashes():
 
 @pytest.mark.traces
 def test_curve_equals_simulation_on_the_mooncake_trace(mooncake):
-    assert_exact([r.hashes for r in read_requests(mooncake, limit=3000)])
+    assert_exact([r.hashes for r in read_requests(mooncake)])
 
 
 @pytest.mark.traces

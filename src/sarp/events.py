@@ -172,6 +172,7 @@ class ApplyStats:
     blocks_removed: int = 0
     clears: int = 0
     skipped_orphans: int = 0  # stores whose parent is not held (an event was lost)
+    skipped_groups: int = 0  # events for KV cache groups other than the first
     seconds: float = 0.0  # time spent applying
 
 
@@ -181,7 +182,8 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> 
     ``BlockStored`` -> ``insert`` under holder ``source`` (``source#rank`` with a DP
     rank) and the event's medium; ``BlockRemoved`` -> ``remove``; ``AllBlocksCleared``
     -> ``clear`` of that holder in every medium.  A store whose parent is not held
-    (its parent's store was lost) is skipped and counted, never guessed at.
+    (its parent's store was lost) is skipped and counted, never guessed at.  Only
+    KV cache group 0 (or events without a group) is applied; see ``skipped_groups``.
 
     Cost: one index write per event.
     """
@@ -192,6 +194,12 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> 
     holder = holder_name(source, batch.dp_rank)
     for event in batch.events:
         stats.events += 1
+        if getattr(event, "group_idx", None) not in (None, 0):
+            # Hybrid models report each KV cache group separately; a block counts as
+            # cached when group 0 (full attention) has it, so other groups' events
+            # could only make the index claim blocks group 0 does not hold.
+            stats.skipped_groups += 1
+            continue
         if isinstance(event, Stored):
             try:
                 index.insert(event.block_hashes, parent=event.parent, holder=holder,
