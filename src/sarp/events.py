@@ -15,8 +15,9 @@ vLLM publishes a ``KVEventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
 Hashes are uint64 ints (vLLM), signed int64 (SGLang) or bytes (the low 64 bits,
 big-endian); SGLang names the DP rank ``attn_dp_rank``.  Unknown trailing fields and
 keys are ignored.  A payload that is not one of these is a :class:`BadEvent` (a
-``SarpError``), raised before anything is applied.  This module and
-:mod:`sarp.subscriber` are the only ones that import msgpack.
+``SarpError``), raised before anything is applied.  This is the only module that
+imports msgpack (pyzmq enters through :mod:`sarp.subscriber`, and through
+:mod:`sarp.cluster` for the simulated engines).
 """
 
 from __future__ import annotations
