@@ -171,3 +171,26 @@ def test_workingset_command_writes_the_fields_the_issue_asks_for(tmp_path):
         0.9 * exact.unbounded_hit_rate)
     assert by_kind["absolute"]["capacity_blocks"] == exact.capacity_for(0.2)
     assert (tmp_path / "ws.png").stat().st_size > 10_000
+
+
+def test_dense_ids_group_equal_values_whatever_their_spread():
+    from sarp.workingset import _dense_ids
+
+    rng = np.random.default_rng(3)
+    for distinct in (rng.integers(0, 50, 20, dtype=np.int64).astype(np.uint64),
+                     rng.integers(0, 2**63, 5000, dtype=np.int64).astype(np.uint64) * 2 + 1,
+                     np.array([0, 2**64 - 1, 12345], np.uint64)):
+        values = distinct[rng.integers(0, distinct.size, 20_000)]
+        ids = _dense_ids(values)
+        _, expected = np.unique(values, return_inverse=True)
+        assert ids.min() == 0 and ids.max() == np.unique(values).size - 1
+        # Same value <-> same id: the two labelings are the same partition.
+        pairs = np.unique(np.stack([ids.astype(np.int64), expected]), axis=1)
+        assert pairs.shape[1] == np.unique(values).size
+
+
+def test_curve_equals_simulation_with_well_spread_hashes():
+    mix = np.uint64(0x9E3779B97F4A7C15)
+    requests = [(r.hashes * mix) ^ np.uint64(7)
+                for r in builtin(seed=12, chat_sessions=50, agent_sessions=2)]
+    assert_exact(requests)

@@ -333,9 +333,12 @@ class WorkingSet:
 
 
 def _dense_ids(values: np.ndarray) -> np.ndarray:
-    """Map values to 0..distinct-1 (same value, same id) with one argsort.
+    """Map values to 0..distinct-1 (same value, same id).
 
-    Several times faster than ``np.unique(..., return_inverse=True)`` on 48 M hashes.
+    Values spanning a small range (trace ids) go through a table indexed by value:
+    2.1 s for the 48 M ids of the agentic trace, against 7.7 s for
+    ``np.unique(..., return_inverse=True)``, which well-spread hashes still use
+    (about 10.6 s there; an argsort or a vectorised hash table measured no faster).
 
     >>> _dense_ids(np.array([50, 7, 50, 9], np.uint64)).tolist()
     [2, 0, 2, 1]
@@ -354,14 +357,7 @@ def _dense_ids(values: np.ndarray) -> np.ndarray:
         dense = rank[offsets]
         dense -= 1
         return dense
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    new = np.empty(values.size, bool)
-    new[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
-    dense = np.empty(values.size, np.int64)
-    dense[order] = np.cumsum(new) - 1
-    return dense
+    return np.unique(values, return_inverse=True)[1]
 
 
 def _runs(ordered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
