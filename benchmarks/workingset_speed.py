@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from sarp.hashing import splitmix64
 from sarp.traces import read_requests
 from sarp.workingset import WorkingSet, analyze
 
@@ -40,13 +41,6 @@ def simulate(requests: list[list[int]], capacity: int) -> int:
     return hits
 
 
-def _splitmix64(ids: np.ndarray) -> np.ndarray:
-    z = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,7 +57,7 @@ def main() -> None:
     requests = [r.hashes for r in read_requests(args.trace, split=args.split,
                                                 limit=args.limit_requests)]
     if args.mix_ids:
-        requests = [_splitmix64(r) for r in requests]
+        requests = [splitmix64(r) for r in requests]
     accesses = sum(r.size for r in requests)
     t0 = time.perf_counter()
     curve = analyze(requests)

@@ -87,3 +87,15 @@ def test_bench_run_reports_every_field(tmp_path):
     bench.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
     assert "sarp" in bench.table(result)
+
+
+def test_mixed_ids_keep_the_trace_structure(tmp_path):
+    rows = [[1, 2, 3], [1, 2, 4], [5]]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"hash_ids": r}) + "\n" for r in rows))
+    _, plain = bench.load_requests(str(trace), 1, None)
+    label, mixed = bench.load_requests(str(trace), 1, None, mix_ids=True)
+    assert label.endswith("--mix-ids")
+    assert mixed[0].hashes[:2].tolist() == mixed[1].hashes[:2].tolist()  # shared prefix
+    assert mixed[0].hashes[2] != mixed[1].hashes[2]
+    assert not set(mixed[0].hashes.tolist()) & {1, 2, 3}  # spread, not the raw ids

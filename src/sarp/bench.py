@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .baselines import dir_bytes, opener
+from .hashing import splitmix64
 from .traces import Request, read_requests
 
 DEFAULT_INDEXES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block")
@@ -249,14 +250,27 @@ def plot(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def load_requests(trace: str | None, split: int, limit: int | None) -> tuple[str, list[Request]]:
+def load_requests(
+    trace: str | None, split: int, limit: int | None, mix_ids: bool = False
+) -> tuple[str, list[Request]]:
+    """The requests to replay: a trace, or the built-in workload.
+
+    ``mix_ids`` maps every id through :func:`sarp.hashing.splitmix64`, so that keys
+    are spread like the hashes engines send instead of small sequential integers
+    (which keep a request's keys side by side in a per-block B-tree).
+    """
     if trace is None:
         from .workload import builtin
 
         reqs = builtin()
-        return "built-in workload (seed 0)", reqs[:limit] if limit else reqs
-    label = Path(trace).name + (f" --split {split}" if split > 1 else "")
-    return label, list(read_requests(trace, split=split, limit=limit))
+        label, reqs = "built-in workload (seed 0)", reqs[:limit] if limit else reqs
+    else:
+        label = Path(trace).name + (f" --split {split}" if split > 1 else "")
+        reqs = list(read_requests(trace, split=split, limit=limit))
+    if mix_ids:
+        label += " --mix-ids"
+        reqs = [Request(splitmix64(r.hashes), r.session_id) for r in reqs]
+    return label, reqs
 
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "restart":

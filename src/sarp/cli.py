@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", type=Path, default=None)
     bench.add_argument("--plot", type=Path, default=None)
     bench.add_argument("--segment-blocks", type=int, default=None)
+    bench.add_argument("--mix-ids", action="store_true",
+                       help="spread the trace's sequential ids like engine hashes")
     bench.add_argument("--durability", default="nosync", choices=["sync", "nosync"],
                        help="for every index alike (default nosync: survives a process crash)")
 
@@ -142,7 +144,8 @@ def _bench(args: argparse.Namespace) -> int:
     options: dict = {"durability": args.durability}
     if args.segment_blocks:
         options["segment_blocks"] = args.segment_blocks
-    label, requests = bench.load_requests(args.trace, args.split, args.limit_requests)
+    label, requests = bench.load_requests(args.trace, args.split, args.limit_requests,
+                                          args.mix_ids)
     result = bench.run(requests, label=label, indexes=indexes, workdir=args.workdir,
                        options=options, progress=sys.stderr.isatty())
     print(bench.table(result))

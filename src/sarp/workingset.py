@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .hashing import HashesLike, as_hashes
+from .hashing import HashesLike, as_hashes, splitmix64
 
 _WORD_BITS = 64
 _SUPER_WORDS = 256  # words per superblock of popcount prefix sums
@@ -385,11 +385,8 @@ def _ascending(times: np.ndarray) -> np.ndarray:
 
 
 def _mix32(hashes: np.ndarray) -> np.ndarray:
-    """A well-spread 32-bit value per hash (splitmix64 finaliser), for sampling."""
-    z = hashes.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return ((z ^ (z >> np.uint64(31))) >> np.uint64(32)).astype(np.int64)
+    """A well-spread 32-bit value per hash, for sampling."""
+    return (splitmix64(hashes) >> np.uint64(32)).astype(np.int64)
 
 
 def analyze(requests: Iterable[Sequence[int] | np.ndarray], progress: bool = False) -> HitCurve:
