@@ -58,6 +58,11 @@ def same_blocks(view: RecordView, query_bytes: bytes, start: int) -> int:
     theirs = query_bytes[8 * start : 8 * (start + m)]
     if ours == theirs:
         return m
+    if m <= 64:
+        # Short: XOR as little-endian ints; the lowest set bit is in the first
+        # differing block (cheaper than building numpy arrays for a few blocks).
+        diff = int.from_bytes(ours, "little") ^ int.from_bytes(theirs, "little")
+        return ((diff & -diff).bit_length() - 1) // 64
     equal = np.frombuffer(ours, "<u8") == np.frombuffer(theirs, "<u8")
     return int(equal.argmin())
 
