@@ -54,10 +54,6 @@ class HolderSegments:
         bm = self._maps.get(holder_id)
         return [] if bm is None else list(bm)
 
-    def count(self, holder_id: int) -> int:
-        bm = self._maps.get(holder_id)
-        return 0 if bm is None else len(bm)
-
     def as_sets(self) -> dict[int, set[int]]:
         return {h: set(bm) for h, bm in self._maps.items() if bm}
 

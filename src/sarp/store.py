@@ -47,10 +47,6 @@ _LOG_VALUE = struct.Struct("<IQ")
 T = TypeVar("T")
 
 
-def u64_key(value: int) -> bytes:
-    return _U64.pack(value)
-
-
 def hash_keys(hashes: np.ndarray) -> list[bytes]:
     """Big-endian 8-byte keys for a ``uint64`` array (byte order is numeric order)."""
     raw = hashes.astype(">u8").tobytes()
