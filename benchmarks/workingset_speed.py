@@ -14,31 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import OrderedDict
 
 import numpy as np
 
 from sarp.hashing import splitmix64
 from sarp.traces import read_requests
-from sarp.workingset import WorkingSet, analyze
-
-
-def simulate(requests: list[list[int]], capacity: int) -> int:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    for blocks in requests:
-        k = 0
-        while k < len(blocks) and blocks[k] in cache:
-            k += 1
-        hits += k
-        for b in reversed(blocks):
-            if b in cache:
-                cache.move_to_end(b)
-            else:
-                cache[b] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits
+from sarp.workingset import WorkingSet, analyze, simulate_lru
 
 
 def main() -> None:
@@ -87,7 +68,7 @@ def main() -> None:
     lists = [r.tolist() for r in requests]
     t0 = time.perf_counter()
     for c in caps:
-        hits = simulate(lists, c)
+        hits = simulate_lru(lists, c)
         assert round(curve.hit_rate(c) * accesses) == hits, (c, hits)
     simulated = time.perf_counter() - t0
     print(f"simulating {len(caps)} capacities: {simulated:.2f} s "

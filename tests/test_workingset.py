@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import pytest
 
 from sarp.traces import read_requests
 from sarp.workingset import WorkingSet, analyze
+from sarp.workingset import simulate_lru as simulate
 from sarp.workload import builtin
-
-
-def simulate(requests, capacity: int) -> int:
-    """Reusable blocks with an LRU block cache of ``capacity``, as the issue specifies."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    for chain in requests:
-        blocks = [int(h) for h in chain]
-        k = 0
-        while k < len(blocks) and blocks[k] in cache:
-            k += 1
-        hits += k
-        for b in reversed(blocks):  # last block first: the first ends most recently used
-            if b in cache:
-                cache.move_to_end(b)
-            else:
-                cache[b] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits
 
 
 def capacities(curve, count: int = 10) -> list[int]:

@@ -24,6 +24,7 @@ prefix semantics.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -416,3 +417,33 @@ def analyze(requests: Iterable[Sequence[int] | np.ndarray], progress: bool = Fal
         start = times.append(ids.size)
         last[ids] = start + np.arange(ids.size - 1, -1, -1)
     return ws.curve()
+
+
+def simulate_lru(requests: Iterable[Sequence[int]], capacity_blocks: int) -> int:
+    """Reusable blocks with one LRU block cache of ``capacity_blocks``, simulated directly.
+
+    The reference the one-pass curve is checked against: per request, the longest
+    cached prefix is reused; then every block is touched last block first, and
+    blocks beyond the capacity are evicted least recently used first.
+
+    Cost: O(blocks) dict operations, one capacity per call.
+
+    >>> simulate_lru([[1, 2], [1, 2, 3], [1, 2, 3]], 2)
+    4
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for chain in requests:
+        blocks = chain if isinstance(chain, list) else np.asarray(chain).tolist()
+        k = 0
+        while k < len(blocks) and blocks[k] in cache:
+            k += 1
+        hits += k
+        for b in reversed(blocks):
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+                if len(cache) > capacity_blocks:
+                    cache.popitem(last=False)
+    return hits
