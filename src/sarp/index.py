@@ -90,6 +90,7 @@ class _Counters:
     clears: int = 0
     snapshots: int = 0
     changes_since_snapshot: int = 0
+    corrupt_records: int = 0  # damaged segment records a match stopped at
 
 
 def open(  # noqa: A001 - the public name the design asks for
@@ -641,7 +642,14 @@ class Index:
                     record = r.record(seg_id)
                     if record is None:
                         break
-                    found = examine(seg_id, record, query_bytes, pos, parent)
+                    try:
+                        found = examine(seg_id, record, query_bytes, pos, parent)
+                    except CorruptRecordError as exc:
+                        # The prefix verified so far is still exact; stop there rather
+                        # than fail the caller's request. `sarp verify` names the damage.
+                        self._counters.corrupt_records += 1
+                        log.error("sarp: match stops at %s", exc)
+                        break
                     if found is None:
                         break
                     step = walk.step(seg_id, record, *found)

@@ -1,0 +1,92 @@
+"""The invariant checker and `sarp verify`, on stores damaged on purpose."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import lmdb
+
+import sarp
+
+
+def build(path):
+    with sarp.open(path, segment_blocks=4, durability="nosync") as index:
+        index.insert(list(range(1, 11)), holder="w0")  # segments [1-4] [5-8] [9-10]
+        index.insert([50, 51], parent=2, holder="w1")
+        assert index.check() == []
+
+
+def damage(path, table: bytes, fn) -> None:
+    """Open the LMDB environment directly (the index must be closed) and change it."""
+    env = lmdb.open(str(path), max_dbs=8)
+    db = env.open_db(table)
+    with env.begin(write=True, db=db) as txn:
+        fn(txn)
+    env.close()
+
+
+def first_record(txn):
+    key, value = next(iter(txn.cursor()))
+    return key, bytearray(value)
+
+
+def verify(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sarp.cli", "verify", str(path)],
+                          capture_output=True, text=True)
+
+
+def test_a_flipped_byte_in_a_segment_is_reported_and_never_matched(tmp_path):
+    build(tmp_path / "ix")
+
+    def flip(txn):
+        key, record = first_record(txn)
+        record[30] ^= 0xFF  # inside the hashes of segment 1
+        txn.put(key, bytes(record))
+
+    damage(tmp_path / "ix", b"segments", flip)
+    out = verify(tmp_path / "ix")
+    assert out.returncode == 1
+    assert "segment 1: checksum mismatch" in out.stdout
+    with sarp.open(tmp_path / "ix") as index:
+        m = index.match(list(range(1, 11)))
+        assert m.num_blocks == 0  # the damaged first segment ends the verified prefix
+        assert index.stats()["corrupt_records"] == 1
+
+
+def test_every_problem_is_reported_with_its_location(tmp_path):
+    build(tmp_path / "ix")
+
+    def drop_block(txn):
+        txn.delete(struct.pack(">Q", 6))  # block 6's entry in the blocks table
+
+    def stray_block(txn):
+        txn.put(struct.pack(">Q", 999), struct.pack("<IH", 77, 0))
+
+    damage(tmp_path / "ix", b"blocks", drop_block)
+    damage(tmp_path / "ix", b"blocks", stray_block)
+    out = verify(tmp_path / "ix")
+    assert out.returncode == 1
+    assert "blocks table: 6 missing, stored in segment 2 at 1" in out.stdout
+    assert "blocks table: 999 -> (77, 0), segments say None" in out.stdout
+    assert "2 problem(s)" in out.stdout
+
+
+def test_verify_of_a_sound_index_and_of_a_missing_path(tmp_path):
+    build(tmp_path / "ix")
+    out = verify(tmp_path / "ix")
+    assert out.returncode == 0 and "0 problem(s)" in out.stdout
+    out = verify(tmp_path / "nope")
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_a_directory_out_of_step_with_the_store_is_reported(tmp_path):
+    build(tmp_path / "ix")
+    with sarp.open(tmp_path / "ix") as index:
+        index.directory.add(12345, 2)  # a stray entry, as a bug would leave it
+        problems = index.check()
+        assert any("directory: 12345 -> 2" in p for p in problems)
+        index.holders.add(1, 3)  # w1 holds only 50, 51 (appended to segment 1), not [9, 10]
+        problems = index.check()
+        assert any(p.startswith("holder filter 1: extra segments [3]") for p in problems)
