@@ -21,7 +21,8 @@ from .errors import (
     StoreFullError,
 )
 from .hashing import as_hashes, hash_blocks
-from .index import Index, Match, open
+from .index import Index, open
+from .verify import Match
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,49 +32,21 @@ from tqdm import tqdm
 from . import snapshot as snapshots
 from .check import check
 from .directory import Directory
-from .errors import (
-    ChainConflictError,
-    CorruptRecordError,
-    IndexClosedError,
-    ParentNotFoundError,
-)
+from .errors import CorruptRecordError, IndexClosedError
 from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes
-from .segment import Segment, decode, writable
-from .store import Store, WriteTxn
-from .verify import examine, group_rows, leading_runs
+from .packing import Packer, Plan
+from .segment import decode
+from .store import Store
+from .verify import Match, PrefixWalk, examine
 
 log = logging.getLogger("sarp")
 
 DEFAULT_SEGMENT_BLOCKS = 1024
 MAX_SEGMENT_BLOCKS = 4096
 DEFAULT_MEDIUM = "GPU"
-SPLIT_TAIL_BLOCKS = 4  # see _pack_run; measured in docs/performance.md
 _SEP = "\0"
 _U64_LE = struct.Struct("<Q")
-
-
-@dataclass(slots=True)
-class Match:
-    """The verified answer for one query chain.
-
-    ``num_blocks``: longest prefix of which every block is held by some holder.
-    ``by_holder``: instance -> longest prefix that instance holds (any medium).
-    ``by_medium``: instance -> {medium: longest prefix held in that medium}.
-    ``meta``: (instance, medium) -> int64 metadata of that holder's prefix
-    (``-1`` where none was stored); filled only by ``match(..., with_meta=True)``.
-    ``storage_reads``: segment records read from LMDB to answer.
-    ``presence``: (instance, medium) -> bool array over the ``num_blocks`` verified
-    blocks, True where that holder has the block; filled only by
-    ``match(..., with_presence=True)`` (the router's per-block tier view).
-    """
-
-    num_blocks: int
-    by_holder: dict[str, int] = field(default_factory=dict)
-    by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
-    meta: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
-    storage_reads: int = 0
-    presence: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -150,7 +122,7 @@ class Index:
         _check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
         started = time.perf_counter()
         self.path = Path(path)
-        self.segment_blocks = segment_blocks
+        self._packer = Packer(segment_blocks, self.path)
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
         self._lock = threading.RLock()
@@ -190,6 +162,11 @@ class Index:
             finally:
                 self._store.close()
                 self._store = None
+
+    @property
+    def segment_blocks(self) -> int:
+        """S: the most blocks packed into one record (new segments; old ones keep theirs)."""
+        return self._packer.segment_blocks
 
     @property
     def closed(self) -> bool:
@@ -350,148 +327,12 @@ class Index:
         values = _as_meta(meta, chain.size)
         with self._lock:
             store = self._live_store()
-            plan = store.write(lambda w: self._insert_txn(w, chain, parent_hash, name, values))
+            plan = store.write(lambda w: self._packer.insert(w, chain, parent_hash, name, values))
             self._apply(plan)
             self._counters.inserts += 1
             self._counters.inserted_blocks += plan.new_blocks
             self._maybe_snapshot()
             return plan.new_blocks
-
-    def _insert_txn(
-        self,
-        w: WriteTxn,
-        chain: np.ndarray,
-        parent: int | None,
-        name: str,
-        meta: np.ndarray | None,
-    ) -> _Plan:
-        holder_id = w.holder_id(name, create=True)
-        plan = _Plan(holder_name=(holder_id, name))
-        touched = _Touched(w)
-        start_pos, parent_at = 0, None
-        if parent is not None:
-            parent_at = self._held_parent(w, touched, parent)
-            seg = touched.get(parent_at[0])
-            start_pos = seg.start_pos + parent_at[1] + 1
-        seg_ids, offsets = w.locate(chain)
-        self._mark_existing(touched, chain, parent, start_pos, seg_ids, offsets, holder_id, meta)
-        new = np.flatnonzero(seg_ids == 0)
-        if new.size:
-            breaks = np.flatnonzero(np.diff(new) != 1) + 1
-            for run in np.split(new, breaks):
-                i, j = int(run[0]), int(run[-1]) + 1
-                prev_at = (int(seg_ids[i - 1]), int(offsets[i - 1])) if i > 0 else parent_at
-                self._pack_run(w, touched, chain, i, j, start_pos, parent, prev_at, holder_id, meta)
-            plan.new_blocks = int(new.size)
-        touched.flush(plan)
-        return plan
-
-    def _held_parent(self, w: WriteTxn, touched: _Touched, parent: int) -> tuple[int, int]:
-        seg_ids, offsets = w.locate(np.array([parent], np.uint64))
-        if seg_ids[0]:
-            seg = touched.get(int(seg_ids[0]))
-            if seg.presence[:, int(offsets[0])].any():
-                return int(seg_ids[0]), int(offsets[0])
-        raise ParentNotFoundError(
-            f"parent={parent} is not held by any holder in {self.path}; insert the chain "
-            "from its first block (parent=None) or from a block that is still stored"
-        )
-
-    def _mark_existing(
-        self,
-        touched: _Touched,
-        chain: np.ndarray,
-        parent: int | None,
-        start_pos: int,
-        seg_ids: np.ndarray,
-        offsets: np.ndarray,
-        holder_id: int,
-        meta: np.ndarray | None,
-    ) -> None:
-        """Add the holder to blocks already stored, after checking they sit where claimed."""
-        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
-            idx = np.flatnonzero(seg_ids == seg_id)
-            seg = touched.get(seg_id)
-            offs = offsets[idx].astype(np.int64)
-            # With chained hashes a stored block's position and parent always agree
-            # with the insert; if they do not, refuse before anything is written.
-            stored = np.where(offs > 0, seg.hashes[np.maximum(offs - 1, 0)], seg.parent or 0)
-            claimed = np.where(idx > 0, chain[np.maximum(idx - 1, 0)], parent or 0)
-            bad = np.flatnonzero((seg.start_pos + offs != start_pos + idx) | (stored != claimed))
-            if bad.size:
-                b = int(bad[0])
-                raise ChainConflictError(
-                    f"hash {int(chain[idx[b]])} is stored at position {seg.start_pos + offs[b]} "
-                    f"after {int(stored[b])}, but this insert puts it at position "
-                    f"{start_pos + idx[b]} after {int(claimed[b])}; block hashes must be "
-                    "chained (a hash names its whole prefix)"
-                )
-            row = seg.row_of(holder_id)
-            seg.presence[row, offs] = 1
-            if meta is not None:
-                seg.set_meta(row, offs, meta[idx])
-
-    def _pack_run(
-        self,
-        w: WriteTxn,
-        touched: _Touched,
-        chain: np.ndarray,
-        i: int,
-        j: int,
-        start_pos: int,
-        parent: int | None,
-        prev_at: tuple[int, int] | None,
-        holder_id: int,
-        meta: np.ndarray | None,
-    ) -> None:
-        """Store new blocks ``chain[i:j]``: fill the parent's segment, then new ones."""
-        cap = self.segment_blocks
-        if prev_at is not None:
-            seg = touched.get(prev_at[0])
-            tail_blocks = seg.num_blocks - 1 - prev_at[1]
-            if 0 < tail_blocks <= SPLIT_TAIL_BLOCKS:
-                # A branch just before a segment's end is usually an engine re-hashing
-                # the previous turn's last, partial block: move that short dead end
-                # out so the live chain stays in one segment (one read, not one per turn).
-                self._split(w, touched, seg, prev_at[1] + 1)
-            if prev_at[1] == seg.num_blocks - 1 and seg.num_blocks < cap:
-                k = min(cap - seg.num_blocks, j - i)
-                base = seg.num_blocks
-                seg.append(chain[i : i + k], holder_id, None if meta is None else meta[i : i + k])
-                w.put_blocks(chain[i : i + k], seg.seg_id, base)
-                i += k
-        while i < j:
-            k = min(cap, j - i)
-            seg = Segment(
-                seg_id=w.new_segment_id(),
-                start_pos=start_pos + i,
-                parent=parent if i == 0 else int(chain[i - 1]),
-                hashes=chain[i : i + k].copy(),
-                holder_ids=np.array([holder_id], np.uint16),
-                presence=np.ones((1, k), np.uint8),
-                meta=None if meta is None else meta[i : i + k].reshape(1, k).copy(),
-            )
-            touched.add_new(seg)
-            w.put_blocks(seg.hashes, seg.seg_id, 0)
-            i += k
-
-    def _split(self, w: WriteTxn, touched: _Touched, seg: Segment, at: int) -> None:
-        """Move ``seg``'s blocks from offset ``at`` on into a new segment."""
-        tail = Segment(
-            seg_id=w.new_segment_id(),
-            start_pos=seg.start_pos + at,
-            parent=int(seg.hashes[at - 1]),
-            hashes=seg.hashes[at:].copy(),
-            holder_ids=seg.holder_ids.copy(),
-            presence=seg.presence[:, at:].copy(),
-            meta=None if seg.meta is None else seg.meta[:, at:].copy(),
-        )
-        seg.hashes = seg.hashes[:at].copy()
-        seg.presence = seg.presence[:, :at].copy()
-        if seg.meta is not None:
-            seg.meta = seg.meta[:, :at].copy()
-        touched.add_new(tail)
-        w.put_blocks(tail.hashes, tail.seg_id, 0)
 
     def remove(self, hashes: HashesLike, *, holder: str, medium: str = DEFAULT_MEDIUM) -> int:
         """Record that ``holder`` evicted these blocks from ``medium``.
@@ -513,33 +354,13 @@ class Index:
         name = _holder_name(holder, medium)
         with self._lock:
             store = self._live_store()
-            plan = store.write(lambda w: self._remove_txn(w, chain, name))
+            plan = store.write(lambda w: self._packer.remove(w, chain, name))
             self._apply(plan)
             self._counters.removes += 1
             self._counters.removed_blocks += plan.removed_blocks
             self._counters.remove_missing += chain.size - plan.removed_blocks
             self._maybe_snapshot()
             return plan.removed_blocks
-
-    def _remove_txn(self, w: WriteTxn, chain: np.ndarray, name: str) -> _Plan:
-        plan = _Plan()
-        holder_id = w.holder_id(name, create=False)
-        if holder_id is None:
-            return plan
-        touched = _Touched(w)
-        seg_ids, offsets = w.locate(chain)
-        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
-            seg = touched.get(seg_id)
-            rows = np.flatnonzero(seg.holder_ids == holder_id)
-            if not rows.size:
-                continue
-            offs = offsets[seg_ids == seg_id].astype(np.int64)
-            plan.removed_blocks += int(seg.presence[rows[0], offs].sum())
-            seg.presence[rows[0], offs] = 0
-            if seg.meta is not None:
-                seg.meta[rows[0], offs] = -1
-        touched.flush(plan)
-        return plan
 
     def clear(self, holder: str, medium: str | None = None) -> int:
         """Forget everything ``holder`` holds (in ``medium``, or in every medium).
@@ -565,26 +386,13 @@ class Index:
                 h for h, (inst, med) in self._holder_names.items()
                 if inst == holder and (medium is None or med == medium)
             ]
-            plan = store.write(lambda w: self._clear_txn(w, holder_ids))
+            plan = store.write(lambda w: self._packer.clear(w, holder_ids, self.holders))
             self._apply(plan)
             self._counters.clears += 1
             self._maybe_snapshot()
             return plan.removed_blocks
 
-    def _clear_txn(self, w: WriteTxn, holder_ids: list[int]) -> _Plan:
-        plan = _Plan()
-        touched = _Touched(w)
-        for holder_id in holder_ids:
-            for seg_id in self.holders.segments(holder_id):
-                seg = touched.get(seg_id)
-                rows = np.flatnonzero(seg.holder_ids == holder_id)
-                if rows.size:
-                    plan.removed_blocks += int(seg.presence[rows[0]].sum())
-                    seg.presence[rows[0]] = 0
-        touched.flush(plan)
-        return plan
-
-    def _apply(self, plan: _Plan) -> None:
+    def _apply(self, plan: Plan) -> None:
         """Bring memory up to date with a committed write."""
         if plan.holder_name is not None and plan.holder_name[0] not in self._holder_names:
             self._register_holder(*plan.holder_name)
@@ -628,7 +436,8 @@ class Index:
         """
         query = as_hashes(hashes)
         query_bytes = query.astype("<u8", copy=False).tobytes()
-        walk = _Walk(self._instance_of if self._multi_medium else None, with_meta, with_presence)
+        walk = PrefixWalk(self._instance_of if self._multi_medium else None, with_meta,
+                          with_presence)
         with self._lock:
             store = self._live_store()
             lookup = self.directory.lookup
@@ -800,158 +609,3 @@ def _as_meta(meta: Sequence[int] | np.ndarray | None, num_blocks: int) -> np.nda
     return values.astype(np.int64)
 
 
-@dataclass(slots=True)
-class _Plan:
-    """What a committed write changed, to apply to memory afterwards."""
-
-    holder_name: tuple[int, str] | None = None
-    # (segment id, first hash, holder ids now in it or None if deleted, is new)
-    segments: list[tuple[int, int, list[int] | None, bool]] = field(default_factory=list)
-    dropped: dict[int, list[int]] = field(default_factory=dict)
-    new_blocks: int = 0
-    removed_blocks: int = 0
-
-
-class _Touched:
-    """Segments read or created inside one write transaction, written back by ``flush``."""
-
-    __slots__ = ("_w", "_segs", "_new")
-
-    def __init__(self, w: WriteTxn) -> None:
-        self._w = w
-        self._segs: dict[int, Segment] = {}
-        self._new: set[int] = set()
-
-    def get(self, seg_id: int) -> Segment:
-        seg = self._segs.get(seg_id)
-        if seg is None:
-            seg = self._segs[seg_id] = writable(self._w.segment(seg_id))
-        return seg
-
-    def add_new(self, seg: Segment) -> None:
-        self._segs[seg.seg_id] = seg
-        self._new.add(seg.seg_id)
-
-    def flush(self, plan: _Plan) -> None:
-        for seg_id, seg in self._segs.items():
-            dropped = seg.drop_empty_rows()
-            first_hash = int(seg.hashes[0])
-            if dropped.size:
-                plan.dropped[seg_id] = dropped.tolist()
-            if not seg.holder_ids.size:
-                self._w.delete_segment(seg)
-                plan.segments.append((seg_id, first_hash, None, False))
-            else:
-                self._w.put_segment(seg)
-                plan.segments.append(
-                    (seg_id, first_hash, seg.holder_ids.tolist(), seg_id in self._new)
-                )
-            self._w.log(seg_id, first_hash)
-
-
-class _Walk:
-    """Per-holder and per-instance prefix bookkeeping across the segments of one match."""
-
-    __slots__ = ("_instance_of", "_with_meta", "total", "going", "_holders", "_instances",
-                 "_meta", "_first", "_steps")
-
-    def __init__(
-        self, instance_of: list[int] | None, with_meta: bool, with_presence: bool = False
-    ) -> None:
-        self._instance_of = instance_of
-        self._with_meta = with_meta
-        # (holder ids, presence rows over the step's held run) per step, when asked
-        self._steps: list[tuple[list[int], np.ndarray]] | None = [] if with_presence else None
-        self.total = 0
-        self.going = True
-        self._holders: dict[int, list] = {}  # holder id -> [blocks, still extending]
-        self._instances: dict[int, list] = {}
-        self._meta: dict[int, list[np.ndarray]] = {}
-        self._first = True
-
-    def step(
-        self, seg_id: int, record: bytes, same: int, any_run: int, holder_ids: list[int],
-        runs: list[int],
-    ) -> int:
-        """Account for a record whose first ``same`` blocks equal the query's."""
-        # A block nobody holds ends the prefix; a hash mismatch does not (a branch
-        # segment may continue the query from there).
-        self.going = any_run == same and any_run > 0
-        if any_run == 0:
-            return 0
-        self._extend(self._holders, holder_ids, runs, any_run)
-        if self._instance_of is not None:  # some instance holds blocks in several media
-            instances = [self._instance_of[h] for h in holder_ids]
-            if len(set(instances)) == len(instances):
-                self._extend(self._instances, instances, runs, any_run)
-            else:
-                inst_ids, inst_presence = group_rows(
-                    decode(seg_id, record).presence[:, :any_run], np.array(instances, np.int64)
-                )
-                _, inst_runs = leading_runs(inst_presence, any_run)
-                self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
-        if self._with_meta:
-            self._take_meta(decode(seg_id, record), holder_ids, runs)
-        if self._steps is not None:
-            rows = decode(seg_id, record).presence[:, :any_run].astype(bool)
-            self._steps.append((holder_ids, rows))
-        self._first = False
-        self.total += any_run
-        return any_run
-
-    def _extend(self, table: dict[int, list], ids: list[int], runs: list[int], limit: int) -> None:
-        """Add each id's run; an id keeps extending only while it holds every block."""
-        if self._first:
-            for key, run in zip(ids, runs, strict=True):
-                table[key] = [run, run == limit]
-            return
-        single = ids[0] if len(ids) == 1 else None
-        runs_by_id = None if single is not None else dict(zip(ids, runs, strict=True))
-        for key, state in table.items():
-            if state[1]:
-                if single is not None:
-                    run = runs[0] if key == single else 0
-                else:
-                    run = runs_by_id.get(key, 0)
-                state[0] += run
-                state[1] = run == limit
-
-    def _take_meta(self, seg: Segment, holder_ids: list[int], runs: list[int]) -> None:
-        for row, holder_id in enumerate(holder_ids):
-            state = self._holders.get(holder_id)
-            if state is None or (not self._first and holder_id not in self._meta):
-                continue
-            run = runs[row]
-            values = seg.meta[row, :run] if seg.meta is not None else np.full(run, -1, np.int64)
-            self._meta.setdefault(holder_id, []).append(values)
-
-    def result(
-        self, holder_names: dict[int, tuple[str, str]], instance_names: list[str], reads: int
-    ) -> Match:
-        if self._instance_of is not None:
-            by_holder = {
-                instance_names[i]: state[0] for i, state in self._instances.items() if state[0]
-            }
-        else:  # one medium per instance: an instance's prefix is its one holder's
-            by_holder = {
-                holder_names[h][0]: state[0] for h, state in self._holders.items() if state[0]
-            }
-        by_medium: dict[str, dict[str, int]] = {}
-        meta = {}
-        for holder_id, state in self._holders.items():
-            if state[0]:
-                instance, medium = holder_names[holder_id]
-                by_medium.setdefault(instance, {})[medium] = state[0]
-                if self._with_meta:
-                    meta[(instance, medium)] = np.concatenate(self._meta[holder_id])[: state[0]]
-        presence = {}
-        if self._steps is not None:
-            for holder_id in {h for ids, _ in self._steps for h in ids}:
-                parts = []
-                for ids, rows in self._steps:
-                    if holder_id in ids:
-                        parts.append(rows[ids.index(holder_id)])
-                    else:
-                        parts.append(np.zeros(rows.shape[1], bool))
-                presence[holder_names[holder_id]] = np.concatenate(parts)
-        return Match(self.total, by_holder, by_medium, meta, reads, presence)

@@ -7,10 +7,11 @@ equal the query's at the same positions, held by the holders it names.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .segment import RecordView, peek
+from .segment import RecordView, Segment, decode, peek
 
 _HOLDER_ID = struct.Struct("<H")
 
@@ -127,3 +128,134 @@ def group_rows(presence: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np
     sorted_groups = groups[order]
     starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
     return sorted_groups[starts], np.maximum.reduceat(presence[order], starts, axis=0)
+
+
+@dataclass(slots=True)
+class Match:
+    """The verified answer for one query chain.
+
+    ``num_blocks``: longest prefix of which every block is held by some holder.
+    ``by_holder``: instance -> longest prefix that instance holds (any medium).
+    ``by_medium``: instance -> {medium: longest prefix held in that medium}.
+    ``meta``: (instance, medium) -> int64 metadata of that holder's prefix
+    (``-1`` where none was stored); filled only by ``match(..., with_meta=True)``.
+    ``storage_reads``: segment records read from LMDB to answer.
+    ``presence``: (instance, medium) -> bool array over the ``num_blocks`` verified
+    blocks, True where that holder has the block; filled only by
+    ``match(..., with_presence=True)`` (the router's per-block tier view).
+    """
+
+    num_blocks: int
+    by_holder: dict[str, int] = field(default_factory=dict)
+    by_medium: dict[str, dict[str, int]] = field(default_factory=dict)
+    meta: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    storage_reads: int = 0
+    presence: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+
+
+class PrefixWalk:
+    """Per-holder and per-instance prefix bookkeeping across the segments of one match."""
+
+    __slots__ = ("_instance_of", "_with_meta", "total", "going", "_holders", "_instances",
+                 "_meta", "_first", "_steps")
+
+    def __init__(
+        self, instance_of: list[int] | None, with_meta: bool, with_presence: bool = False
+    ) -> None:
+        self._instance_of = instance_of
+        self._with_meta = with_meta
+        # (holder ids, presence rows over the step's held run) per step, when asked
+        self._steps: list[tuple[list[int], np.ndarray]] | None = [] if with_presence else None
+        self.total = 0
+        self.going = True
+        self._holders: dict[int, list] = {}  # holder id -> [blocks, still extending]
+        self._instances: dict[int, list] = {}
+        self._meta: dict[int, list[np.ndarray]] = {}
+        self._first = True
+
+    def step(
+        self, seg_id: int, record: bytes, same: int, any_run: int, holder_ids: list[int],
+        runs: list[int],
+    ) -> int:
+        """Account for a record whose first ``same`` blocks equal the query's."""
+        # A block nobody holds ends the prefix; a hash mismatch does not (a branch
+        # segment may continue the query from there).
+        self.going = any_run == same and any_run > 0
+        if any_run == 0:
+            return 0
+        self._extend(self._holders, holder_ids, runs, any_run)
+        if self._instance_of is not None:  # some instance holds blocks in several media
+            instances = [self._instance_of[h] for h in holder_ids]
+            if len(set(instances)) == len(instances):
+                self._extend(self._instances, instances, runs, any_run)
+            else:
+                inst_ids, inst_presence = group_rows(
+                    decode(seg_id, record).presence[:, :any_run], np.array(instances, np.int64)
+                )
+                _, inst_runs = leading_runs(inst_presence, any_run)
+                self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
+        if self._with_meta:
+            self._take_meta(decode(seg_id, record), holder_ids, runs)
+        if self._steps is not None:
+            rows = decode(seg_id, record).presence[:, :any_run].astype(bool)
+            self._steps.append((holder_ids, rows))
+        self._first = False
+        self.total += any_run
+        return any_run
+
+    def _extend(self, table: dict[int, list], ids: list[int], runs: list[int], limit: int) -> None:
+        """Add each id's run; an id keeps extending only while it holds every block."""
+        if self._first:
+            for key, run in zip(ids, runs, strict=True):
+                table[key] = [run, run == limit]
+            return
+        single = ids[0] if len(ids) == 1 else None
+        runs_by_id = None if single is not None else dict(zip(ids, runs, strict=True))
+        for key, state in table.items():
+            if state[1]:
+                if single is not None:
+                    run = runs[0] if key == single else 0
+                else:
+                    run = runs_by_id.get(key, 0)
+                state[0] += run
+                state[1] = run == limit
+
+    def _take_meta(self, seg: Segment, holder_ids: list[int], runs: list[int]) -> None:
+        for row, holder_id in enumerate(holder_ids):
+            state = self._holders.get(holder_id)
+            if state is None or (not self._first and holder_id not in self._meta):
+                continue
+            run = runs[row]
+            values = seg.meta[row, :run] if seg.meta is not None else np.full(run, -1, np.int64)
+            self._meta.setdefault(holder_id, []).append(values)
+
+    def result(
+        self, holder_names: dict[int, tuple[str, str]], instance_names: list[str], reads: int
+    ) -> Match:
+        if self._instance_of is not None:
+            by_holder = {
+                instance_names[i]: state[0] for i, state in self._instances.items() if state[0]
+            }
+        else:  # one medium per instance: an instance's prefix is its one holder's
+            by_holder = {
+                holder_names[h][0]: state[0] for h, state in self._holders.items() if state[0]
+            }
+        by_medium: dict[str, dict[str, int]] = {}
+        meta = {}
+        for holder_id, state in self._holders.items():
+            if state[0]:
+                instance, medium = holder_names[holder_id]
+                by_medium.setdefault(instance, {})[medium] = state[0]
+                if self._with_meta:
+                    meta[(instance, medium)] = np.concatenate(self._meta[holder_id])[: state[0]]
+        presence = {}
+        if self._steps is not None:
+            for holder_id in {h for ids, _ in self._steps for h in ids}:
+                parts = []
+                for ids, rows in self._steps:
+                    if holder_id in ids:
+                        parts.append(rows[ids.index(holder_id)])
+                    else:
+                        parts.append(np.zeros(rows.shape[1], bool))
+                presence[holder_names[holder_id]] = np.concatenate(parts)
+        return Match(self.total, by_holder, by_medium, meta, reads, presence)

@@ -1,0 +1,260 @@
+"""The segment packer: ``insert``, ``remove`` and ``clear`` as LMDB write transactions.
+
+Each method runs inside one :meth:`sarp.store.Store.write` transaction and returns a
+:class:`Plan` of what changed, which the index applies to memory only after the
+commit (so a failed write changes nothing).  Packing rules (docs/design.md):
+
+* a block is stored once; inserting it again only adds the holder's presence bit,
+  after checking it sits at the claimed position after the claimed parent;
+* a run of new blocks fills its parent's segment when the parent is the last block
+  and there is room, then new segments of up to ``segment_blocks`` blocks;
+* a branch 1 to ``SPLIT_TAIL_BLOCKS`` blocks before a segment's end first moves that
+  dead-end tail into a segment of its own, so the new chain stays inline;
+* a segment none of whose blocks is held any more is deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ChainConflictError, ParentNotFoundError
+from .filters import HolderSegments
+from .segment import Segment, writable
+from .store import WriteTxn
+
+SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
+
+
+class Packer:
+    """Write transactions for one index: where blocks go, and what changed."""
+
+    def __init__(self, segment_blocks: int, path: Path) -> None:
+        self.segment_blocks = segment_blocks
+        self.path = path
+
+    def insert(
+        self,
+        w: WriteTxn,
+        chain: np.ndarray,
+        parent: int | None,
+        name: str,
+        meta: np.ndarray | None,
+    ) -> Plan:
+        """Store ``chain`` (after ``parent``) as held by holder ``name``.
+
+        Cost: a batched lookup per block, one record write per touched segment.
+        """
+        holder_id = w.holder_id(name, create=True)
+        plan = Plan(holder_name=(holder_id, name))
+        touched = Touched(w)
+        start_pos, parent_at = 0, None
+        if parent is not None:
+            parent_at = self._held_parent(w, touched, parent)
+            seg = touched.get(parent_at[0])
+            start_pos = seg.start_pos + parent_at[1] + 1
+        seg_ids, offsets = w.locate(chain)
+        self._mark_existing(touched, chain, parent, start_pos, seg_ids, offsets, holder_id, meta)
+        new = np.flatnonzero(seg_ids == 0)
+        if new.size:
+            breaks = np.flatnonzero(np.diff(new) != 1) + 1
+            for run in np.split(new, breaks):
+                i, j = int(run[0]), int(run[-1]) + 1
+                prev_at = (int(seg_ids[i - 1]), int(offsets[i - 1])) if i > 0 else parent_at
+                self._pack_run(w, touched, chain, i, j, start_pos, parent, prev_at, holder_id, meta)
+            plan.new_blocks = int(new.size)
+        touched.flush(plan)
+        return plan
+
+    def _held_parent(self, w: WriteTxn, touched: Touched, parent: int) -> tuple[int, int]:
+        seg_ids, offsets = w.locate(np.array([parent], np.uint64))
+        if seg_ids[0]:
+            seg = touched.get(int(seg_ids[0]))
+            if seg.presence[:, int(offsets[0])].any():
+                return int(seg_ids[0]), int(offsets[0])
+        raise ParentNotFoundError(
+            f"parent={parent} is not held by any holder in {self.path}; insert the chain "
+            "from its first block (parent=None) or from a block that is still stored"
+        )
+
+    def _mark_existing(
+        self,
+        touched: Touched,
+        chain: np.ndarray,
+        parent: int | None,
+        start_pos: int,
+        seg_ids: np.ndarray,
+        offsets: np.ndarray,
+        holder_id: int,
+        meta: np.ndarray | None,
+    ) -> None:
+        """Add the holder to blocks already stored, after checking they sit where claimed."""
+        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
+            idx = np.flatnonzero(seg_ids == seg_id)
+            seg = touched.get(seg_id)
+            offs = offsets[idx].astype(np.int64)
+            # With chained hashes a stored block's position and parent always agree
+            # with the insert; if they do not, refuse before anything is written.
+            stored = np.where(offs > 0, seg.hashes[np.maximum(offs - 1, 0)], seg.parent or 0)
+            claimed = np.where(idx > 0, chain[np.maximum(idx - 1, 0)], parent or 0)
+            bad = np.flatnonzero((seg.start_pos + offs != start_pos + idx) | (stored != claimed))
+            if bad.size:
+                b = int(bad[0])
+                raise ChainConflictError(
+                    f"hash {int(chain[idx[b]])} is stored at position {seg.start_pos + offs[b]} "
+                    f"after {int(stored[b])}, but this insert puts it at position "
+                    f"{start_pos + idx[b]} after {int(claimed[b])}; block hashes must be "
+                    "chained (a hash names its whole prefix)"
+                )
+            row = seg.row_of(holder_id)
+            seg.presence[row, offs] = 1
+            if meta is not None:
+                seg.set_meta(row, offs, meta[idx])
+
+    def _pack_run(
+        self,
+        w: WriteTxn,
+        touched: Touched,
+        chain: np.ndarray,
+        i: int,
+        j: int,
+        start_pos: int,
+        parent: int | None,
+        prev_at: tuple[int, int] | None,
+        holder_id: int,
+        meta: np.ndarray | None,
+    ) -> None:
+        """Store new blocks ``chain[i:j]``: fill the parent's segment, then new ones."""
+        cap = self.segment_blocks
+        if prev_at is not None:
+            seg = touched.get(prev_at[0])
+            tail_blocks = seg.num_blocks - 1 - prev_at[1]
+            if 0 < tail_blocks <= SPLIT_TAIL_BLOCKS:
+                # A branch just before a segment's end is usually an engine re-hashing
+                # the previous turn's last, partial block: move that short dead end
+                # out so the live chain stays in one segment (one read, not one per turn).
+                self._split(w, touched, seg, prev_at[1] + 1)
+            if prev_at[1] == seg.num_blocks - 1 and seg.num_blocks < cap:
+                k = min(cap - seg.num_blocks, j - i)
+                base = seg.num_blocks
+                seg.append(chain[i : i + k], holder_id, None if meta is None else meta[i : i + k])
+                w.put_blocks(chain[i : i + k], seg.seg_id, base)
+                i += k
+        while i < j:
+            k = min(cap, j - i)
+            seg = Segment(
+                seg_id=w.new_segment_id(),
+                start_pos=start_pos + i,
+                parent=parent if i == 0 else int(chain[i - 1]),
+                hashes=chain[i : i + k].copy(),
+                holder_ids=np.array([holder_id], np.uint16),
+                presence=np.ones((1, k), np.uint8),
+                meta=None if meta is None else meta[i : i + k].reshape(1, k).copy(),
+            )
+            touched.add_new(seg)
+            w.put_blocks(seg.hashes, seg.seg_id, 0)
+            i += k
+
+    def _split(self, w: WriteTxn, touched: Touched, seg: Segment, at: int) -> None:
+        """Move ``seg``'s blocks from offset ``at`` on into a new segment."""
+        tail = Segment(
+            seg_id=w.new_segment_id(),
+            start_pos=seg.start_pos + at,
+            parent=int(seg.hashes[at - 1]),
+            hashes=seg.hashes[at:].copy(),
+            holder_ids=seg.holder_ids.copy(),
+            presence=seg.presence[:, at:].copy(),
+            meta=None if seg.meta is None else seg.meta[:, at:].copy(),
+        )
+        seg.hashes = seg.hashes[:at].copy()
+        seg.presence = seg.presence[:, :at].copy()
+        if seg.meta is not None:
+            seg.meta = seg.meta[:, :at].copy()
+        touched.add_new(tail)
+        w.put_blocks(tail.hashes, tail.seg_id, 0)
+
+    def remove(self, w: WriteTxn, chain: np.ndarray, name: str) -> Plan:
+        """Clear holder ``name``'s presence bits for ``chain``; blocks it lacks are skipped."""
+        plan = Plan()
+        holder_id = w.holder_id(name, create=False)
+        if holder_id is None:
+            return plan
+        touched = Touched(w)
+        seg_ids, offsets = w.locate(chain)
+        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
+            seg = touched.get(seg_id)
+            rows = np.flatnonzero(seg.holder_ids == holder_id)
+            if not rows.size:
+                continue
+            offs = offsets[seg_ids == seg_id].astype(np.int64)
+            plan.removed_blocks += int(seg.presence[rows[0], offs].sum())
+            seg.presence[rows[0], offs] = 0
+            if seg.meta is not None:
+                seg.meta[rows[0], offs] = -1
+        touched.flush(plan)
+        return plan
+
+    def clear(self, w: WriteTxn, holder_ids: list[int], holders: HolderSegments) -> Plan:
+        """Clear every block of ``holder_ids``, visiting only their segments (``holders``)."""
+        plan = Plan()
+        touched = Touched(w)
+        for holder_id in holder_ids:
+            for seg_id in holders.segments(holder_id):
+                seg = touched.get(seg_id)
+                rows = np.flatnonzero(seg.holder_ids == holder_id)
+                if rows.size:
+                    plan.removed_blocks += int(seg.presence[rows[0]].sum())
+                    seg.presence[rows[0]] = 0
+        touched.flush(plan)
+        return plan
+
+
+@dataclass(slots=True)
+class Plan:
+    """What a committed write changed, to apply to memory afterwards."""
+
+    holder_name: tuple[int, str] | None = None
+    # (segment id, first hash, holder ids now in it or None if deleted, is new)
+    segments: list[tuple[int, int, list[int] | None, bool]] = field(default_factory=list)
+    dropped: dict[int, list[int]] = field(default_factory=dict)
+    new_blocks: int = 0
+    removed_blocks: int = 0
+
+
+class Touched:
+    """Segments read or created inside one write transaction, written back by ``flush``."""
+
+    __slots__ = ("_w", "_segs", "_new")
+
+    def __init__(self, w: WriteTxn) -> None:
+        self._w = w
+        self._segs: dict[int, Segment] = {}
+        self._new: set[int] = set()
+
+    def get(self, seg_id: int) -> Segment:
+        seg = self._segs.get(seg_id)
+        if seg is None:
+            seg = self._segs[seg_id] = writable(self._w.segment(seg_id))
+        return seg
+
+    def add_new(self, seg: Segment) -> None:
+        self._segs[seg.seg_id] = seg
+        self._new.add(seg.seg_id)
+
+    def flush(self, plan: Plan) -> None:
+        for seg_id, seg in self._segs.items():
+            dropped = seg.drop_empty_rows()
+            first_hash = int(seg.hashes[0])
+            if dropped.size:
+                plan.dropped[seg_id] = dropped.tolist()
+            if not seg.holder_ids.size:
+                self._w.delete_segment(seg)
+                plan.segments.append((seg_id, first_hash, None, False))
+            else:
+                self._w.put_segment(seg)
+                plan.segments.append(
+                    (seg_id, first_hash, seg.holder_ids.tolist(), seg_id in self._new)
+                )
+            self._w.log(seg_id, first_hash)
