@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp.events import BadEvent, Cleared, Removed, Stored, apply, decode, encode_batch
+from sarp.events import (
+    ENCODING_STYLES,
+    BadEvent,
+    Cleared,
+    Malformed,
+    Removed,
+    Stored,
+    apply,
+    decode,
+    encode_batch,
+)
 
 BIG = 2**64 - 7  # a uint64 hash above 2**63: SGLang sends it as a negative int64
 
@@ -46,41 +56,58 @@ def test_vllm_positional_batch_of_the_oldest_shape():
     assert removed.medium == "GPU"
 
 
-def test_vllm_keyed_batch_with_bytes_hashes():
+def test_vllm_033_positional_batch_of_tagged_maps_with_bytes_hashes():
+    # vLLM 0.12 on: the batch stays an array, events are maps tagged "type" whose
+    # default-valued fields are omitted; bytes hashes when int hashes are off.
     h1, h2 = b"\x01" * 24 + BIG.to_bytes(8, "big"), (77).to_bytes(32, "big")
-    payload = msgpack.packb({
-        "ts": 3.0,
-        "events": [
-            {"type": "BlockStored", "block_hashes": [h1, h2], "parent_block_hash": (9).to_bytes(
-                32, "big"), "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU",
-             "lora_name": None, "extra_keys": None, "group_idx": 1, "unknown": {"x": 1}},
+    payload = msgpack.packb([
+        3.0,
+        [
+            {"type": "BlockStored", "block_hashes": [h1, h2],
+             "parent_block_hash": (9).to_bytes(32, "big"), "token_ids": [], "block_size": 16,
+             "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1,
+             "kv_cache_spec_kind": "full_attention", "locality": "LOCAL"},
             {"type": "BlockRemoved", "block_hashes": [h2], "medium": "GPU", "group_idx": 1},
+            {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+             "token_ids": [], "block_size": 16, "lora_id": None, "medium": "STORAGE",
+             "lora_name": None},
             {"type": "AllBlocksCleared"},
         ],
-        "data_parallel_rank": 0,
-    }, use_bin_type=True)
+        0,
+    ], use_bin_type=True)
     batch = decode(payload)
     assert batch.dp_rank == 0
     assert batch.events[0].block_hashes.tolist() == [BIG, 77]
     assert batch.events[0].parent == 9 and batch.events[0].group_idx == 1
     assert batch.events[1].block_hashes.tolist() == [77]
+    assert batch.events[2].group_idx is None and batch.events[2].medium == "DISK"
 
 
-def test_sglang_signed_hashes_and_attn_dp_rank():
-    payload = msgpack.packb({"ts": 1, "events": [
+def test_sglang_positional_batch_signed_hashes_and_attn_dp_rank():
+    # SGLang 0.5.x: [ts, events, attn_dp_rank] with the rank always present, tagged-map
+    # events, hashes as signed int64, its host tier named CPU_PINNED, medium omitted
+    # when None.
+    payload = msgpack.packb([1, [
         {"type": "BlockStored", "block_hashes": [BIG - 2**64, -1], "parent_block_hash": -5,
-         "token_ids": [], "block_size": 64, "lora_id": None, "medium": None}],
-        "attn_dp_rank": 2})
+         "token_ids": [], "block_size": 64, "lora_id": None, "medium": "CPU_PINNED"},
+        {"type": "BlockRemoved", "block_hashes": [-1]}], 2])
     batch = decode(payload)
     assert batch.dp_rank == 2
     assert batch.events[0].block_hashes.tolist() == [BIG, 2**64 - 1]
-    assert batch.events[0].parent == 2**64 - 5 and batch.events[0].medium == "GPU"
+    assert batch.events[0].parent == 2**64 - 5 and batch.events[0].medium == "CPU"
+    assert batch.events[1].medium == "GPU"
+    assert decode(msgpack.packb([1, [], None])).dp_rank is None
 
 
-@pytest.mark.parametrize("keyed", [False, True])
-def test_encode_batch_round_trips_both_shapes(keyed):
+def test_a_map_batch_is_still_read():
+    payload = msgpack.packb({"ts": 1, "events": [["AllBlocksCleared"]], "attn_dp_rank": 2})
+    assert decode(payload).dp_rank == 2
+
+
+@pytest.mark.parametrize("style", ENCODING_STYLES)
+def test_encode_batch_round_trips_every_engine_style(style):
     raw = encode_batch([("stored", [BIG, 3], 1, "CPU"), ("removed", [3], "CPU"), ("cleared",)],
-                       ts=2.0, dp_rank=1, keyed=keyed)
+                       ts=2.0, dp_rank=1, style=style)
     batch = decode(raw)
     assert batch.dp_rank == 1 and batch.ts == 2.0
     assert batch.events[0] == Stored(batch.events[0].block_hashes, 1, "CPU")
@@ -93,25 +120,45 @@ def test_encode_batch_round_trips_both_shapes(keyed):
     (msgpack.packb([1.0, [["BlockStored", [1, 2]]]])[:-1], "not msgpack"),
     (msgpack.packb(5), "batch"),
     (msgpack.packb(["x", []]), "ts"),
+    (msgpack.packb([float("nan"), []]), "finite"),
     (msgpack.packb([1.0, "events"]), "events must be an array"),
-    (msgpack.packb([1.0, [], -1]), "data_parallel_rank"),
-    (msgpack.packb([1.0, [["Nope", [1]]]]), "unknown event type"),
-    (msgpack.packb([1.0, [["BlockStored", [], None]]]), "non-empty"),
-    (msgpack.packb([1.0, [["BlockStored", [1.5], None]]]), "float"),
-    (msgpack.packb([1.0, [["BlockStored", [[1, 2]], None]]]), "list"),
-    (msgpack.packb([1.0, [["BlockRemoved", [1], 7]]]), "medium"),
-    (msgpack.packb([1.0, [["BlockStored", [1], "parent"]]]), "parent"),
-    (msgpack.packb({"ts": 1, "events": [{"block_hashes": [1]}]}), "unknown event type"),
+    (msgpack.packb([1.0, [], -1]), "dp rank"),
+    (msgpack.packb([1.0, [], 10**6]), "dp rank"),
 ])
-def test_malformed_payloads_are_refused_with_a_reason(payload, words):
+def test_unreadable_batches_are_refused_with_a_reason(payload, words):
     with pytest.raises(BadEvent, match=words):
         decode(payload)
+
+
+@pytest.mark.parametrize("event, kind", [
+    (["Nope", [1]], "unknown_type"),
+    ({"block_hashes": [1]}, "unknown_type"),
+    (["BlockStored", [], None], "bad_hashes"),
+    (["BlockStored", [1.5], None], "bad_hashes"),
+    (["BlockStored", [[1, 2]], None], "bad_hashes"),
+    (["BlockStored", [1], "parent"], "bad_hashes"),
+    (["BlockStored", [777, 778, 777], None], "repeated_hash"),
+    (["BlockStored", [5, 6, 7], 6], "parent_in_chain"),
+    (["BlockStored", [5], None, [], 16, None, "GP\x00U"], "bad_medium"),
+    (["BlockStored", [5], None, [], 16, None, "M" * 1000], "bad_medium"),
+    (["BlockRemoved", [1], 7], "bad_medium"),
+    ({"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": "0"},
+     "bad_group"),
+    ([], "malformed"),
+    (7, "malformed"),
+])
+def test_a_bad_event_decodes_to_malformed_with_its_kind(event, kind):
+    batch = decode(msgpack.packb([1.0, [event, ["AllBlocksCleared"]], 0]))
+    bad, good = batch.events
+    assert isinstance(bad, Malformed) and bad.kind == kind
+    assert isinstance(good, Cleared)
 
 
 def test_fuzzed_payloads_never_raise_anything_but_bad_event():
     rng = random.Random(1234)
     good = [encode_batch([("stored", [rng.getrandbits(64) for _ in range(5)], None, "GPU"),
-                          ("removed", [1, 2], "GPU"), ("cleared",)], keyed=k) for k in (0, 1)]
+                          ("removed", [1, 2], "GPU"), ("cleared",)], style=k)
+            for k in ("vllm-0.11", "vllm-0.33")]
     junk = [None, True, -1, 2**64 - 1, -(2**63), 1.5, "s", b"b", [], {}, [[]], {"type": 1}]
     decoded = refused = 0
     for i in range(3000):
@@ -176,3 +223,44 @@ def test_only_the_first_kv_cache_group_is_applied(tmp_path):
         stats = apply(index, "e", decode(payload))
         assert stats.skipped_groups == 2
         assert index.match([1, 2, 3]).by_holder == {"e": 2}
+
+
+def test_bad_events_in_a_batch_are_counted_and_the_good_ones_applied(tmp_path):
+    # Each bad event below stopped `sarp serve` before (issue 11, item 1).
+    payload = msgpack.packb([5.0, [
+        ["BlockStored", [1, 2, 3], None, [], 16, None, "GPU"],
+        ["BlockStored", [777, 778, 777], None, [], 16, None, "GPU"],
+        ["BlockStored", [40], None, [], 16, None, "GPU\x00"],
+        ["BlockStored", [41], None, [], 16, None, "M" * 1000],
+        ["BlockStored", [2], None, [], 16, None, "GPU"],  # block 2 re-stored at position 0
+        ["BlockStored", [50, 51], 51, [], 16, None, "GPU"],  # parent inside its own chain
+        ["BlockStored", [4], 3, [], 16, None, "GPU"],
+        ["BlockStored", [1, 2], None, [], 16, None, "CPU"],
+        ["BlockRemoved", [2], "bad medium!"],  # hashes readable: drop 2 in every medium
+        ["Unknown", 1],
+    ], 0])
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        stats = apply(index, "e", decode(payload))
+        assert dict(stats.bad_events) == {"repeated_hash": 1, "bad_medium": 3,
+                                          "chain_conflict": 1, "parent_in_chain": 1,
+                                          "unknown_type": 1}
+        assert stats.events == 10 and stats.blocks_stored == 3 + 1 + 2
+        assert index.match([1, 2, 3, 4]).by_medium == {"e#0": {"GPU": 1, "CPU": 1}}
+        assert index.match([777]).num_blocks == 0 and index.match([50]).num_blocks == 0
+        assert {m for _, m in index.holders_list()} == {"GPU", "CPU"}
+        # A removal whose hashes cannot be read: only forgetting the holder is safe.
+        apply(index, "e", decode(msgpack.packb([6.0, [["BlockRemoved", "zz", "GPU"]], 0])))
+        assert index.match([1]).num_blocks == 0
+        assert index.check() == []
+
+
+def test_media_aliases_map_to_canonical_tiers(tmp_path):
+    events = [("stored", [1, 2], None, "CPU_PINNED"), ("stored", [1, 2], None, "cpu"),
+              ("stored", [1], None, "STORAGE"), ("stored", [1], None, "gpu"),
+              ("stored", [1], None, "EXTERNAL")]
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        apply(index, "e", decode(encode_batch(events, dp_rank=0, style="vllm-0.33")))
+        assert sorted(m for _, m in index.holders_list()) == ["CPU", "DISK", "EXTERNAL", "GPU"]
+        apply(index, "e", decode(encode_batch([("removed", [2], "cpu_pinned")], dp_rank=0,
+                                              style="sglang")))
+        assert index.blocks_of("e#0", medium="CPU").tolist() == [1]

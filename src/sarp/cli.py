@@ -50,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="follow engines' KV events into an index")
     serve.add_argument("--index", type=Path, required=True, help="index directory")
     serve.add_argument("--source", action="append", required=True,
-                       help="NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], repeatable")
+                       help="NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], repeatable; with --dp-ranks "
+                       "the endpoints of rank 0")
+    serve.add_argument("--dp-ranks", type=int, default=None,
+                       help="each source is an engine with this many DP ranks, rank r on the "
+                       "ports of rank 0 + r (as vLLM and SGLang bind them); holders NAME#r")
+    serve.add_argument("--replay-idle-timeout-s", type=float, default=5.0,
+                       help="a replay that delivers nothing for this long is over")
     serve.add_argument("--durability", default="sync", choices=["sync", "nosync"])
     serve.add_argument("--snapshot-every-s", type=float, default=60.0)
     serve.add_argument("--report-every-s", type=float, default=30.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,41 +20,64 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from .events import encode_batch
+from .events import ENCODING_STYLES, encode_batch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EnginePublisher:
-    """PUB + ROUTER replay, bound on loopback (or ipc); replay served from a thread."""
+    """PUB + ROUTER replay, bound on loopback (or ipc); replay served from a thread.
+
+    The frames are vLLM's ``ZmqEventPublisher``'s: ``(topic, seq, payload)`` on PUB
+    (topic ``b""``, sequence 8 bytes big-endian from 0); a replay request is the
+    first wanted sequence, answered with every buffered batch from it and an end
+    marker (sequence -1).  ``replay_topic`` picks the replay frames of vLLM 0.12
+    on and SGLang (``"", topic, seq, payload``) instead of vLLM 0.11's (``"",
+    seq, payload``).  The ROUTER keeps ZeroMQ's default send high-water mark, as
+    vLLM 0.11 does, so a subscriber that reads a replay slowly loses part of it.
+    """
 
     def __init__(self, context: zmq.Context, transport: str = "tcp", *,
                  buffer_batches: int = 100_000, ipc_dir: str | None = None,
-                 name: str = "engine") -> None:
-        self.pub = context.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.router = context.socket(zmq.ROUTER)
-        if transport == "tcp":
-            self.pub.bind("tcp://127.0.0.1:*")
-            self.router.bind("tcp://127.0.0.1:*")
+                 name: str = "engine", replay_topic: bool = False,
+                 bind: tuple[str, str] | None = None) -> None:
+        self.context = context
+        self.replay_topic = replay_topic
+        if bind is not None:
+            endpoints = bind
+        elif transport == "tcp":
+            endpoints = ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
         elif transport == "ipc":
             if ipc_dir is None:
                 raise ValueError("transport='ipc' needs ipc_dir")
-            self.pub.bind(f"ipc://{ipc_dir}/{name}-pub")
-            self.router.bind(f"ipc://{ipc_dir}/{name}-replay")
+            endpoints = (f"ipc://{ipc_dir}/{name}-pub", f"ipc://{ipc_dir}/{name}-replay")
         else:
             raise ValueError(f"transport={transport!r}; pass 'tcp' (loopback) or 'ipc'")
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._lock = threading.Lock()
         self.next_seq = 0
         self.last_sent_seq = -1
         self.sent = 0
         self.dropped = 0
+        self._open(*endpoints)
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _open(self, endpoint: str, replay_endpoint: str) -> None:
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        _bind(self.pub, endpoint)
+        self.router = self.context.socket(zmq.ROUTER)
+        _bind(self.router, replay_endpoint)
         self._running = True
         self._thread = threading.Thread(target=self._serve_replay, daemon=True)
         self._thread.start()
+
+    def _shut(self) -> None:
+        self._running = False
+        self._thread.join(timeout=2)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
 
     def publish(self, payload: bytes, drop: bool = False) -> int:
         seq = self.next_seq
@@ -68,12 +92,21 @@ class EnginePublisher:
             self.sent += 1
         return seq
 
-    def restart(self) -> None:
-        """Forget everything, as a restarted engine does: sequences start again at 0."""
+    def restart(self, rebind: bool = False) -> None:
+        """Forget everything, as a restarted engine does: sequences start again at 0.
+
+        ``rebind`` also closes the sockets and binds new ones on the same
+        endpoints, as a new engine process does: subscribers reconnect, and what
+        is published before they do reaches nobody (it is in the buffer).
+        """
+        if rebind:
+            self._shut()
         with self._lock:
             self.buffer.clear()
         self.next_seq = 0
         self.last_sent_seq = -1
+        if rebind:
+            self._open(self.endpoint, self.replay_endpoint)
 
     def _serve_replay(self) -> None:
         poller = zmq.Poller()
@@ -88,15 +121,27 @@ class EnginePublisher:
             first = int.from_bytes(start, "big")
             with self._lock:
                 batches = [(s, p) for s, p in self.buffer if s >= first]
+            topic = (b"",) if self.replay_topic else ()
             for seq, payload in batches:
-                self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self.router.send_multipart((client, b"", END_SEQ, b""))
+                self.router.send_multipart((client, b"", *topic, seq.to_bytes(8, "big"),
+                                            payload))
+            self.router.send_multipart((client, b"", *topic, END_SEQ, b""))
 
     def close(self) -> None:
-        self._running = False
-        self._thread.join(timeout=2)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
+        self._shut()
+
+
+def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
+    """Bind, waiting out a port the previous (closed) socket has not released yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class SimEngine:
@@ -110,7 +155,8 @@ class SimEngine:
     """
 
     def __init__(self, name: str, capacity_blocks: int, publisher: EnginePublisher,
-                 medium: str = "GPU") -> None:
+                 medium: str = "GPU", dp_rank: int = 0) -> None:
+        self.dp_rank = dp_rank
         self.name = name
         self.capacity_blocks = capacity_blocks
         self.publisher = publisher
@@ -118,7 +164,12 @@ class SimEngine:
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.requests = 0
 
-    def serve(self, chain: Sequence[int], drop: bool = False, keyed: bool = False) -> int:
+    @property
+    def holder(self) -> str:
+        """The holder its blocks are under: engines always send their DP rank."""
+        return f"{self.name}#{self.dp_rank}"
+
+    def serve(self, chain: Sequence[int], drop: bool = False, style: str = "vllm-0.11") -> int:
         blocks = [int(h) for h in chain]
         hits = 0
         while hits < len(blocks) and blocks[hits] in self.cache:
@@ -140,7 +191,8 @@ class SimEngine:
         if evicted:
             events.append(("removed", evicted, self.medium))
         if events:
-            self.publisher.publish(encode_batch(events, keyed=keyed), drop=drop)
+            payload = encode_batch(events, dp_rank=self.dp_rank, style=style)
+            self.publisher.publish(payload, drop=drop)
         self.requests += 1
         return hits
 
@@ -189,10 +241,11 @@ class Cluster:
         sync: Callable[[], None] | None = None,
         drop_rate: float = 0.0,
         seed: int = 0,
-        keyed_every: int = 2,
+        styles: Sequence[str] = ENCODING_STYLES,
     ) -> ClusterResult:
         """Route and serve ``requests``; ``sync()`` runs after each (e.g. let the
-        subscriber catch up).  ``policy='sarp'`` needs ``index``."""
+        subscriber catch up).  ``policy='sarp'`` needs ``index``.  Batches take the
+        engines' encodings ``styles`` in turn."""
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}; pick from {POLICIES}")
         if policy == "sarp" and index is None:
@@ -210,7 +263,7 @@ class Cluster:
                 engine = self._best(score(index, chain), rng)
             drop = drop_rate > 0 and rng.random() < drop_rate
             dropped += drop
-            hit_blocks += engine.serve(chain, drop=drop, keyed=i % keyed_every == 0)
+            hit_blocks += engine.serve(chain, drop=drop, style=styles[i % len(styles)])
             blocks += len(chain)
             if sync is not None:
                 sync()
@@ -285,7 +338,7 @@ def simulate(
                 wall = time.perf_counter() - started
                 stats = [s.applied for s in subscriber.stats.values()]
                 seconds = sum(s.seconds for s in stats) or 1e-9
-                equal = all(set(index.blocks_of(e.name).tolist()) == set(e.cache)
+                equal = all(set(index.blocks_of(e.holder).tolist()) == set(e.cache)
                             for e in cluster.engines)
                 out.append({
                     "policy": policy,

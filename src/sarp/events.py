@@ -1,38 +1,57 @@
 """Serving-engine KV cache events, as they are on the wire: decoding and applying.
 
-vLLM publishes a ``KVEventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` events, msgpack-encoded, in one of two shapes in use:
+What the engines send (read from the ``kv_events`` modules of vLLM 0.9.2 to 0.33
+and SGLang 0.5.x; msgspec structs encoded with msgpack):
 
-* positional (older vLLM, msgspec ``array_like``): the batch is
-  ``[ts, [event, ...], data_parallel_rank?]`` and an event is
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name?, ...]``, ``["BlockRemoved", block_hashes, medium?,
-  ...]`` or ``["AllBlocksCleared"]``;
-* keyed (newer vLLM): the batch is a map ``{"ts", "events",
-  "data_parallel_rank"?}`` and an event a map tagged ``{"type": "BlockStored",
-  ...}``.
+* the batch is always positional, ``[ts, [event, ...], dp_rank]`` (vLLM's
+  ``data_parallel_rank``, SGLang's ``attn_dp_rank``; vLLM omits it when it is
+  None, SGLang sends it as nil);
+* an event is a tagged array in vLLM up to 0.11 (``["BlockStored",
+  block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name?, ...]``, ``["BlockRemoved", block_hashes, medium?]``,
+  ``["AllBlocksCleared"]``) and a tagged map from vLLM 0.12 and in SGLang 0.5.x
+  (``{"type": "BlockStored", "block_hashes": ..., ...}``, fields left at their
+  default omitted, ``group_idx`` from vLLM 0.33).
 
-Hashes are uint64 ints (vLLM), signed int64 (SGLang) or bytes (the low 64 bits,
-big-endian); SGLang names the DP rank ``attn_dp_rank``.  Unknown trailing fields and
-keys are ignored.  A payload that is not one of these is a :class:`BadEvent` (a
-``SarpError``), raised before anything is applied.  This is the only module that
+A batch sent as a map (``{"ts", "events", "data_parallel_rank"}``) is accepted too,
+for publishers that encode it that way.  Hashes are uint64 ints (vLLM), signed
+int64 (SGLang) or bytes (vLLM with int hashes off: the low 64 bits, big-endian).
+Media names are mapped to canonical tiers (:mod:`sarp.media`).
+
+A payload whose batch cannot be read is a :class:`BadEvent` (a ``SarpError``),
+raised before anything is applied.  One bad event inside a readable batch does
+not spoil the others: it decodes to a :class:`Malformed` naming its kind, and
+:func:`apply` counts it and applies the rest.  This is the only module that
 imports msgpack (pyzmq enters through :mod:`sarp.subscriber`, and through
 :mod:`sarp.cluster` for the simulated engines).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
-from .errors import SarpError
+from .errors import (
+    ChainConflictError,
+    IndexClosedError,
+    ParentNotFoundError,
+    SarpError,
+    StoreError,
+)
 from .hashing import as_hash, as_hashes
+from .media import canonical_medium, is_valid_medium
+
+log = logging.getLogger("sarp.events")
 
 DEFAULT_MEDIUM = "GPU"
+MAX_DP_RANK = 4095  # engines run a few to a few hundred ranks; more is a broken frame
 
 
 class BadEvent(SarpError, ValueError):
@@ -60,7 +79,23 @@ class Cleared:
     pass
 
 
-Event = Stored | Removed | Cleared
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """An event of a readable batch that cannot be applied as sent.
+
+    ``kind`` names the fault (``malformed``, ``unknown_type``, ``bad_hashes``,
+    ``repeated_hash``, ``parent_in_chain``, ``bad_medium``, ``bad_group``);
+    ``block_hashes`` are kept for a removal whose hashes could be read, so that
+    :func:`apply` can still drop those blocks.
+    """
+
+    kind: str
+    reason: str
+    event_type: str | None = None
+    block_hashes: np.ndarray | None = None
+
+
+Event = Stored | Removed | Cleared | Malformed
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +108,15 @@ class Batch:
 def decode(payload: bytes) -> Batch:
     """Decode one msgpack payload into a :class:`Batch`, or raise :class:`BadEvent`.
 
+    Only a batch that cannot be read raises; a bad event inside a readable batch
+    becomes a :class:`Malformed` in ``events``.
+
     >>> raw = msgpack.packb([1.5, [["BlockStored", [7, 8], None, [], 16, None, "GPU"]]])
     >>> decode(raw).events[0].block_hashes.tolist()
     [7, 8]
+    >>> decode(msgpack.packb([1.5, [{"type": "BlockStored", "block_hashes": [7, 7],
+    ...     "parent_block_hash": None}]])).events[0].kind
+    'repeated_hash'
     """
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -97,15 +138,15 @@ def _batch(obj: object) -> Batch:
         ts, events = obj[0], obj[1]
         dp_rank = obj[2] if len(obj) > 2 else None
     else:
-        raise BadEvent(f"a batch is a [ts, events, ...] array or a map, got {_show(obj)}")
-    if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise BadEvent(f"batch ts must be a number, got {_show(ts)}")
+        raise BadEvent(f"a batch is a [ts, events, dp_rank] array, got {_show(obj)}")
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts):
+        raise BadEvent(f"batch ts must be a finite number, got {_show(ts)}")
     if not isinstance(events, list | tuple):
         raise BadEvent(f"batch events must be an array, got {_show(events)}")
     if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)
-                                or dp_rank < 0):
-        raise BadEvent(f"data_parallel_rank must be an int >= 0, got {_show(dp_rank)}")
-    return Batch(float(ts), [_event(e) for e in events], dp_rank)
+                                or not 0 <= dp_rank <= MAX_DP_RANK):
+        raise BadEvent(f"dp rank must be an int from 0 to {MAX_DP_RANK}, got {_show(dp_rank)}")
+    return Batch(float(ts), [_event_or_malformed(e) for e in events], dp_rank)
 
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -113,42 +154,74 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
-def _event(obj: object) -> Event:
-    if isinstance(obj, dict):
-        kind, fields = obj.get("type"), obj
-    elif isinstance(obj, list | tuple) and obj:
-        kind = obj[0]
-        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(kind, ())
-        fields = dict(zip(names, obj[1:], strict=False))
-    else:
-        raise BadEvent(f"an event is a tagged array or map, got {_show(obj)}")
+class _Fault(Exception):
+    def __init__(self, kind: str, reason: str, hashes: np.ndarray | None = None) -> None:
+        super().__init__(reason)
+        self.kind, self.reason, self.hashes = kind, reason, hashes
+
+
+def _event_or_malformed(obj: object) -> Event:
+    kind = None
+    try:
+        if isinstance(obj, dict):
+            kind, fields = obj.get("type"), obj
+        elif isinstance(obj, list | tuple) and obj:
+            kind = obj[0]
+            names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(
+                kind, ()) if isinstance(kind, str) else ()
+            fields = dict(zip(names, obj[1:], strict=False))
+        else:
+            raise _Fault("malformed", f"an event is a tagged array or map, got {_show(obj)}")
+        return _event(kind, fields)
+    except _Fault as fault:
+        return Malformed(fault.kind, fault.reason, kind if isinstance(kind, str) else None,
+                         fault.hashes)
+    except (TypeError, ValueError, OverflowError) as exc:
+        return Malformed("malformed", str(exc), kind if isinstance(kind, str) else None)
+
+
+def _event(kind: object, fields: dict) -> Event:
     if kind == "AllBlocksCleared":
         return Cleared()
     if kind not in ("BlockStored", "BlockRemoved"):
-        raise BadEvent(f"unknown event type {_show(kind)}")
+        raise _Fault("unknown_type", f"unknown event type {_show(kind)}")
     hashes = fields.get("block_hashes")
     if not isinstance(hashes, list | tuple) or not hashes:
-        raise BadEvent(f"{kind}.block_hashes must be a non-empty array, got {_show(hashes)}")
-    block_hashes = as_hashes(hashes, name=f"{kind}.block_hashes")
-    medium = fields.get("medium") or DEFAULT_MEDIUM
+        raise _Fault("bad_hashes", f"{kind}.block_hashes must be a non-empty array, "
+                                   f"got {_show(hashes)}")
+    try:
+        block_hashes = as_hashes(hashes, name=f"{kind}.block_hashes")
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise _Fault("bad_hashes", str(exc)) from None
+    salvage = block_hashes if kind == "BlockRemoved" else None
+    medium = fields.get("medium")
+    medium = DEFAULT_MEDIUM if medium is None else medium
+    if not is_valid_medium(medium):
+        raise _Fault("bad_medium", f"{kind}.medium must be 1-32 letters, digits or _.:-, "
+                                   f"got {_show(medium)}", salvage)
     group_idx = fields.get("group_idx")
-    if not isinstance(medium, str):
-        raise BadEvent(f"{kind}.medium must be a string, got {_show(medium)}")
     if group_idx is not None and (not isinstance(group_idx, int) or isinstance(group_idx, bool)):
-        raise BadEvent(f"{kind}.group_idx must be an int, got {_show(group_idx)}")
+        raise _Fault("bad_group", f"{kind}.group_idx must be an int, got {_show(group_idx)}",
+                     salvage)
+    medium = canonical_medium(medium)
     if kind == "BlockRemoved":
         return Removed(block_hashes, medium, group_idx)
+    if np.unique(block_hashes).size != block_hashes.size:
+        raise _Fault("repeated_hash", "BlockStored.block_hashes repeat a value")
     parent = fields.get("parent_block_hash")
+    try:
+        parent_hash = None if parent is None else as_hash(parent,
+                                                          name="BlockStored.parent_block_hash")
+    except (TypeError, ValueError) as exc:
+        raise _Fault("bad_hashes", str(exc)) from None
+    if parent_hash is not None and bool((block_hashes == np.uint64(parent_hash)).any()):
+        raise _Fault("parent_in_chain", "BlockStored.parent_block_hash is one of its own "
+                                        "block_hashes")
     lora_name = fields.get("lora_name")
     if lora_name is not None and not isinstance(lora_name, str):
-        raise BadEvent(f"BlockStored.lora_name must be a string, got {_show(lora_name)}")
-    return Stored(
-        block_hashes,
-        None if parent is None else as_hash(parent, name="BlockStored.parent_block_hash"),
-        medium,
-        lora_name,
-        group_idx,
-    )
+        raise _Fault("malformed", f"BlockStored.lora_name must be a string, got "
+                                  f"{_show(lora_name)}")
+    return Stored(block_hashes, parent_hash, medium, lora_name, group_idx)
 
 
 def _show(value: object) -> str:
@@ -158,6 +231,9 @@ def _show(value: object) -> str:
 
 def holder_name(source: str, dp_rank: int | None) -> str:
     """The holder a source's blocks are stored under: ``NAME``, or ``NAME#r`` per DP rank.
+
+    Real publishers always send a rank (vLLM and SGLang send 0 without data
+    parallelism), so engines followed by ``sarp serve`` appear as ``NAME#r``.
 
     >>> holder_name("w3", None), holder_name("w3", 1)
     ('w3', 'w3#1')
@@ -174,25 +250,63 @@ class ApplyStats:
     clears: int = 0
     skipped_orphans: int = 0  # stores whose parent is not held (an event was lost)
     skipped_groups: int = 0  # events for KV cache groups other than the first
+    bad_events: Counter = field(default_factory=Counter)  # skipped, by kind
     seconds: float = 0.0  # time spent applying
 
 
-def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> ApplyStats:
+class _RateLimitedLog:
+    """One warning per (holder, kind) at first sight, then at most one per interval."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[tuple[str, str], float] = {}
+        self._suppressed: Counter = Counter()
+
+    def warn(self, holder: str, kind: str, reason: str) -> None:
+        key, now = (holder, kind), time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[key] += 1
+            return
+        more = self._suppressed.pop(key, 0)
+        self._last[key] = now
+        log.warning("sarp: %s: skipped a bad event (%s): %s%s", holder, kind, reason,
+                    f" ({more} more like it since the last report)" if more else "")
+
+
+_bad_event_log = _RateLimitedLog()
+
+
+def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None, *,
+          dp_rank: int | None = None) -> ApplyStats:
     """Apply a decoded batch from engine ``source`` to ``index``.
 
-    ``BlockStored`` -> ``insert`` under holder ``source`` (``source#rank`` with a DP
-    rank) and the event's medium; ``BlockRemoved`` -> ``remove``; ``AllBlocksCleared``
-    -> ``clear`` of that holder in every medium.  A store whose parent is not held
-    (its parent's store was lost) is skipped and counted, never guessed at.  Only
-    KV cache group 0 (or events without a group) is applied; see ``skipped_groups``.
+    ``BlockStored`` -> ``insert`` under holder ``source#rank`` (``dp_rank`` when
+    given, else the batch's rank; plain ``source`` when neither) and the event's
+    medium; ``BlockRemoved`` -> ``remove``; ``AllBlocksCleared`` -> ``clear`` of that
+    holder in every medium.  Only KV cache group 0 (or events without a group) is
+    applied; see ``skipped_groups``.
+
+    A bad event never stops the batch.  It is counted in ``bad_events`` by kind,
+    logged (rate-limited) and skipped, keeping the index on the side of knowing
+    less than the engine: a store that cannot be applied is not stored (a store
+    whose parent is not held is ``skipped_orphans``); a removal that cannot be
+    applied as sent drops its blocks from every medium of the holder, or, when
+    even its hashes cannot be read, clears the holder.  Errors of the store
+    itself (``StoreError``) are not bad events and propagate.
 
     Cost: one index write per event.
-    """
-    from .errors import ParentNotFoundError
 
+    >>> import tempfile, sarp
+    >>> with sarp.open(tempfile.mkdtemp()) as index:
+    ...     s = apply(index, "e0", decode(encode_batch([("stored", [5, 6, 5], None, "GPU"),
+    ...                                                 ("stored", [1, 2], None, "GPU")])))
+    ...     dict(s.bad_events), index.match([1, 2]).by_holder
+    ({'repeated_hash': 1}, {'e0': 2})
+    """
     stats = stats or ApplyStats()
     started = time.perf_counter()
-    holder = holder_name(source, batch.dp_rank)
+    holder = holder_name(source, batch.dp_rank if dp_rank is None else dp_rank)
     for event in batch.events:
         stats.events += 1
         if getattr(event, "group_idx", None) not in (None, 0):
@@ -201,22 +315,70 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None) -> 
             # could only make the index claim blocks group 0 does not hold.
             stats.skipped_groups += 1
             continue
-        if isinstance(event, Stored):
-            try:
-                index.insert(event.block_hashes, parent=event.parent, holder=holder,
-                             medium=event.medium)
-                stats.blocks_stored += event.block_hashes.size
-            except ParentNotFoundError:
-                stats.skipped_orphans += 1
-        elif isinstance(event, Removed):
-            stats.blocks_removed += index.remove(event.block_hashes, holder=holder,
-                                                 medium=event.medium)
-        else:
-            index.clear(holder)
-            stats.clears += 1
+        try:
+            _apply_one(index, holder, event, stats)
+        except (StoreError, IndexClosedError):
+            raise  # the store itself failed: not the event's fault, nothing to skip
+        except Exception as exc:  # a bug of ours must not stop the stream either
+            log.exception("sarp: %s: applying %s failed", holder, type(event).__name__)
+            _bad(stats, holder, "internal_error", repr(exc))
+            if not isinstance(event, Stored):
+                index.clear(holder)  # it may have been a removal: only forgetting is safe
     stats.batches += 1
     stats.seconds += time.perf_counter() - started
     return stats
+
+
+def _apply_one(index, holder: str, event: Event, stats: ApplyStats) -> None:
+    if isinstance(event, Malformed):
+        _apply_malformed(index, holder, event, stats)
+    elif isinstance(event, Stored):
+        _apply_stored(index, holder, event, stats)
+    elif isinstance(event, Removed):
+        try:
+            stats.blocks_removed += index.remove(event.block_hashes, holder=holder,
+                                                 medium=event.medium)
+        except (ValueError, TypeError) as exc:
+            _bad(stats, holder, "rejected", str(exc))
+            stats.blocks_removed += _remove_everywhere(index, holder, event.block_hashes)
+    else:
+        index.clear(holder)
+        stats.clears += 1
+
+
+def _apply_stored(index, holder: str, event: Stored, stats: ApplyStats) -> None:
+    try:
+        index.insert(event.block_hashes, parent=event.parent, holder=holder,
+                     medium=event.medium)
+        stats.blocks_stored += event.block_hashes.size
+    except ParentNotFoundError:
+        stats.skipped_orphans += 1
+    except ChainConflictError as exc:
+        _bad(stats, holder, "chain_conflict", str(exc))
+    except (ValueError, TypeError) as exc:
+        _bad(stats, holder, "rejected", str(exc))
+
+
+def _apply_malformed(index, holder: str, event: Malformed, stats: ApplyStats) -> None:
+    _bad(stats, holder, event.kind, event.reason)
+    if event.event_type != "BlockRemoved":
+        return  # a store not applied, or an event we do not know: the index knows less
+    if event.block_hashes is not None:
+        stats.blocks_removed += _remove_everywhere(index, holder, event.block_hashes)
+    else:
+        # A removal of blocks we cannot name: only forgetting the holder is safe.
+        stats.blocks_removed += index.clear(holder)
+        stats.clears += 1
+
+
+def _remove_everywhere(index, holder: str, hashes: np.ndarray) -> int:
+    media = sorted({m for inst, m in index.holders_list() if inst == holder})
+    return sum(index.remove(hashes, holder=holder, medium=m) for m in media)
+
+
+def _bad(stats: ApplyStats, holder: str, kind: str, reason: str) -> None:
+    stats.bad_events[kind] += 1
+    _bad_event_log.warn(holder, kind, reason)
 
 
 def encode_batch(
@@ -224,35 +386,55 @@ def encode_batch(
     *,
     ts: float = 0.0,
     dp_rank: int | None = None,
-    keyed: bool = False,
+    style: str = "vllm-0.11",
 ) -> bytes:
-    """Encode a batch the way vLLM does (for the simulated cluster and tests).
+    """Encode a batch exactly as an engine does (for the simulated cluster and tests).
 
     ``events`` are ``("stored", hashes, parent, medium)``, ``("removed", hashes,
-    medium)`` or ``("cleared",)``.  ``keyed`` picks the map encoding of newer vLLM.
+    medium)`` or ``("cleared",)`` (a stored or removed tuple may end with a
+    ``group_idx``).  ``style`` picks the engine's encoding: ``"vllm-0.11"``
+    (positional batch, tagged-array events: vLLM 0.9 to 0.11), ``"vllm-0.33"``
+    (positional batch, tagged-map events with default fields omitted: vLLM 0.12
+    on) or ``"sglang"`` (positional batch with ``attn_dp_rank`` always present,
+    tagged maps, hashes as signed int64).
 
-    >>> decode(encode_batch([("cleared",)], keyed=True)).events
+    >>> decode(encode_batch([("cleared",)], style="sglang")).events
     [Cleared()]
     """
-    out = []
-    for e in events:
-        if e[0] == "stored":
-            hashes, parent, medium = [int(h) for h in e[1]], e[2], e[3]
-            fields = [hashes, parent, [], 16, None, medium, None]
-            names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                     "medium", "lora_name")
-            out.append({"type": "BlockStored", **dict(zip(names, fields, strict=True))} if keyed
-                       else ["BlockStored", *fields])
-        elif e[0] == "removed":
-            hashes, medium = [int(h) for h in e[1]], e[2]
-            out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
-                       if keyed else ["BlockRemoved", hashes, medium])
-        else:
-            out.append({"type": "AllBlocksCleared"} if keyed else ["AllBlocksCleared"])
-    if keyed:
-        batch: object = {"ts": ts, "events": out}
-        if dp_rank is not None:
-            batch["data_parallel_rank"] = dp_rank
-    else:
-        batch = [ts, out] + ([dp_rank] if dp_rank is not None else [])
-    return msgpack.packb(batch)
+    if style not in ENCODING_STYLES:
+        raise ValueError(f"style={style!r}; pick one of {ENCODING_STYLES}")
+    out = [_encode_event(e, style) for e in events]
+    if style == "sglang":
+        return msgpack.packb([ts, out, dp_rank])
+    return msgpack.packb([ts, out] + ([dp_rank] if dp_rank is not None else []))
+
+
+ENCODING_STYLES = ("vllm-0.11", "vllm-0.33", "sglang")
+
+
+def _encode_event(e: tuple, style: str) -> object:
+    def ints(hashes) -> list[int]:
+        values = [int(h) for h in hashes]
+        return [v - 2**64 if v >= 2**63 else v for v in values] if style == "sglang" else values
+
+    if e[0] == "cleared":
+        return {"type": "AllBlocksCleared"} if style != "vllm-0.11" else ["AllBlocksCleared"]
+    if e[0] == "stored":
+        parent = None if e[2] is None else ints([e[2]])[0]
+        group = e[4] if len(e) > 4 else None
+        if style == "vllm-0.11":
+            return ["BlockStored", ints(e[1]), parent, [], 16, None, e[3], None]
+        event = {"type": "BlockStored", "block_hashes": ints(e[1]), "parent_block_hash": parent,
+                 "token_ids": [], "block_size": 16, "lora_id": None, "medium": e[3]}
+        if style == "vllm-0.33":
+            event["lora_name"] = None
+        if group is not None:
+            event["group_idx"] = group
+        return event
+    group = e[3] if len(e) > 3 else None
+    if style == "vllm-0.11":
+        return ["BlockRemoved", ints(e[1]), e[2]]
+    event = {"type": "BlockRemoved", "block_hashes": ints(e[1]), "medium": e[2]}
+    if group is not None:
+        event["group_idx"] = group
+    return event

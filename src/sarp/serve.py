@@ -16,7 +16,8 @@ def run(args: argparse.Namespace) -> int:
     import sarp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sources = [Source.parse(spec) for spec in args.source]
+    sources = [s for spec in args.source
+               for s in Source.expand(spec, args.dp_ranks)]
     stop = {"now": False}
 
     def on_signal(signum, _frame) -> None:
@@ -27,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with sarp.open(args.index, durability=args.durability) as index:
         log.info("index %s recovered from %s in %.1f ms; following %s", args.index,
-                 index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.name for s in sources))
-        subscriber = Subscriber(index, sources)
+                 index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
+        subscriber = Subscriber(index, sources,
+                                replay_idle_timeout_s=args.replay_idle_timeout_s)
         last_snapshot = time.monotonic()
         last_report = time.monotonic()
 
@@ -41,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
             if now - last_report >= args.report_every_s:
                 for name, s in subscriber.summary().items():
                     log.info("%s: seq %s, %d batches, %d gaps, %d replayed, %d restarts, "
-                             "%d bad", name, s["last_seq"], s["batches"], s["gaps"],
-                             s["replayed"], s["restarts"], s["bad_payloads"])
+                             "%d bad batches, %d bad frames, bad events %s", name,
+                             s["last_seq"], s["batches"], s["gaps"], s["replayed"],
+                             s["restarts"], s["bad_payloads"], s["bad_frames"],
+                             dict(s["applied"]["bad_events"]) or "none")
                 last_report = now
             return stop["now"]
 

@@ -1,25 +1,40 @@
-"""Following engines' KV event streams over ZeroMQ, and keeping the index right.
+"""Following engines' KV event streams over ZeroMQ, and keeping the index true to them.
 
-Each source is one engine (all its DP ranks): a SUB socket on its PUB endpoint,
-frames ``(topic, 8-byte big-endian sequence, msgpack payload)``, and optionally
-its replay endpoint (a ROUTER: send the first wanted sequence as 8 bytes from a
-DEALER; it answers ``(seq, payload)`` frames, with or without a topic frame, and
-ends with sequence -1).
+A source is one engine publisher: vLLM and SGLang run one per DP rank, each on its
+own port (base + rank) with its own sequence from 0, so an engine with ranks is
+several sources (:meth:`Source.expand`).  Each has a SUB socket on its PUB
+endpoint (frames ``(topic, 8-byte big-endian sequence, msgpack payload)``) and
+optionally a replay endpoint (a ROUTER: send the first wanted sequence as 8 bytes
+from a DEALER; it answers ``(seq, payload)`` frames, with or without a topic
+frame, and ends with sequence -1).
 
-Per source the subscriber tracks the last applied sequence:
+The rule: **the index may know less than an engine, never more.**  Per source the
+subscriber keeps a fingerprint of the last applied batch: its sequence, a digest
+of its payload and its timestamp.  A batch is applied only when it continues what
+was applied, and continuity is *proven*, not assumed:
 
-* next in line: apply;
-* a gap: replay from the first missing sequence before applying anything newer
-  (live messages wait in the SUB socket's queue meanwhile, so a replayed store is
-  always applied before a later live remove, never after);
-* a gap the replay cannot fill (no replay endpoint, or the engine's buffer no
-  longer reaches back): clear that engine's holders and go on from there; the index
-  may then know less than the engine, never more;
-* a sequence that goes backwards: the engine restarted, so its holders are cleared.
+* the next sequence in line is applied (unless its timestamp is earlier than the
+  last applied one, or the SUB socket reconnected since: both are checked first);
+* anything else (a gap, a restart of ``sarp serve``, a reconnect, a sequence the
+  fingerprint cannot place) asks the engine's replay buffer from the last applied
+  sequence: if the buffer still holds that batch with the same digest, the
+  continuation is applied from the buffer; if not, the engine restarted (or its
+  buffer no longer reaches back), so its holders are cleared and rebuilt from
+  everything its buffer holds;
+* without a replay endpoint nothing can be proven, so those cases clear the
+  engine's holders and go on from the next batch;
+* the live stream of one engine only goes forward: a sequence at or below the last
+  one seen live means a new engine, handled as above.
 
-The last applied sequences are written to ``subscriber.json`` in the index
-directory, so a restarted subscriber resumes where it stopped (re-applying a few
-batches is harmless: every event sets or clears holder bits).
+Replays are read to their end marker with a deadline per message, not per replay,
+so a long replay is never cut off while it is still delivering.  A frame with a
+negative sequence, or one the engine's own buffer does not know, is a bad frame:
+counted and dropped.  A batch that cannot be decoded is a lost batch (the holders
+are cleared); a bad event inside a readable batch is skipped (:func:`sarp.events.apply`).
+
+The fingerprints are written to ``subscriber.json`` in the index directory after
+what they describe has committed, so a restarted subscriber resumes where it
+stopped (re-applying a batch is harmless: every event sets or clears holder bits).
 """
 
 from __future__ import annotations
@@ -27,27 +42,42 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import xxhash
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from .events import ApplyStats, BadEvent, apply, decode
+from .events import ApplyStats, BadEvent, Batch, apply, decode, holder_name
 
 log = logging.getLogger("sarp.subscriber")
 
 STATE_FILE = "subscriber.json"
+STATE_VERSION = 2
 END_OF_REPLAY = -1
+TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
+REPLAY_RETRIES = 3  # re-asks when a replay arrives with a hole (a ROUTER dropped frames)
 
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """An engine to follow: its name (the holder) and its endpoints."""
+    """An engine publisher to follow: the engine's name, its endpoints, its DP rank.
+
+    Blocks are held by ``NAME#r``: ``r`` is ``dp_rank`` when the source was
+    expanded per rank, else the rank each batch carries.
+    """
 
     name: str
     endpoint: str
     replay_endpoint: str | None = None
+    dp_rank: int | None = None
+
+    @property
+    def key(self) -> str:
+        """The source's name in stats and state: ``NAME``, or ``NAME#r`` per rank."""
+        return holder_name(self.name, self.dp_rank)
 
     @classmethod
     def parse(cls, spec: str) -> Source:
@@ -65,6 +95,57 @@ class Source:
             )
         return cls(name, endpoints[0], endpoints[1] if len(endpoints) == 2 else None)
 
+    @classmethod
+    def expand(cls, spec: str, dp_ranks: int | None = None) -> list[Source]:
+        """One source per DP rank, on the ports the engines bind: base port + rank.
+
+        vLLM and SGLang offset both endpoints' tcp port by the rank (``inproc``
+        endpoints get a ``_dp{r}`` suffix).  ``dp_ranks=None`` gives the single
+        source ``spec`` names.
+
+        >>> [s.endpoint for s in Source.expand("e=tcp://10.0.0.5:5557", dp_ranks=2)]
+        ['tcp://10.0.0.5:5557', 'tcp://10.0.0.5:5558']
+        >>> Source.expand("e=tcp://10.0.0.5:5557", dp_ranks=2)[1].key
+        'e#1'
+        """
+        base = cls.parse(spec)
+        if dp_ranks is None:
+            return [base]
+        if isinstance(dp_ranks, bool) or not isinstance(dp_ranks, int) or dp_ranks < 1:
+            raise ValueError(f"dp_ranks={dp_ranks!r}; pass the engine's DP size, an int >= 1")
+        return [cls(base.name, rank_endpoint(base.endpoint, r),
+                    None if base.replay_endpoint is None
+                    else rank_endpoint(base.replay_endpoint, r), r)
+                for r in range(dp_ranks)]
+
+
+def rank_endpoint(endpoint: str, dp_rank: int) -> str:
+    """The endpoint DP rank ``dp_rank`` of an engine binds, given rank 0's.
+
+    >>> rank_endpoint("tcp://127.0.0.1:5557", 3), rank_endpoint("inproc://kv", 1)
+    ('tcp://127.0.0.1:5560', 'inproc://kv_dp1')
+    """
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{dp_rank}"
+    head, _, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and port.isdigit() and int(port) > 0:
+        return f"{head}:{int(port) + dp_rank}"
+    raise ValueError(
+        f"endpoint {endpoint!r}: engines offset a tcp port (or an inproc name) per DP rank; "
+        "for other endpoints pass one --source per rank"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """What identifies the last applied batch of a source."""
+
+    seq: int
+    digest: int | None  # xxh3-64 of the payload; None when unknown (an old state file)
+    ts: float
+
 
 @dataclass(slots=True)
 class SourceStats:
@@ -74,14 +155,20 @@ class SourceStats:
     replayed: int = 0
     unrecoverable_gaps: int = 0
     restarts: int = 0
+    continuity_checks: int = 0
     bad_payloads: int = 0
+    bad_frames: int = 0
+    rank_mismatches: int = 0
     applied: ApplyStats = field(default_factory=ApplyStats)
 
 
 class Subscriber:
     """Apply the KV events of ``sources`` to ``index``; see the module docstring.
 
-    Cost: one index write per event; a replay round trip per gap.
+    ``replay_idle_timeout_s`` is how long a replay may go without delivering a
+    frame before it is taken as ended without its end marker.
+
+    Cost: one index write per event; a replay round trip per continuity check.
     """
 
     def __init__(
@@ -89,37 +176,56 @@ class Subscriber:
         index,
         sources: list[Source],
         *,
-        replay_timeout_s: float = 5.0,
+        replay_idle_timeout_s: float = 5.0,
         context: zmq.Context | None = None,
     ) -> None:
-        names = [s.name for s in sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"source names must be distinct, got {names}")
+        keys = [s.key for s in sources]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"sources must be distinct, got {keys}")
+        plain = {s.name for s in sources if s.dp_rank is None}
+        if any(s.name in plain for s in sources if s.dp_rank is not None):
+            raise ValueError(f"engine names must not be given both per rank and whole: {keys}")
         self.index = index
-        self.sources = {s.name: s for s in sources}
-        self.replay_timeout_s = replay_timeout_s
+        self.sources = {s.key: s for s in sources}
+        self.replay_idle_timeout_s = replay_idle_timeout_s
         self._ctx = context or zmq.Context.instance()
         self._state_path = Path(index.path) / STATE_FILE
-        self.last_seq: dict[str, int] = self._load_state()
-        self.stats = {name: SourceStats() for name in self.sources}
+        self.state: dict[str, Fingerprint] = self._load_state()
+        self.stats = {key: SourceStats() for key in self.sources}
         self._live_last: dict[str, int] = {}  # last sequence seen on the live stream
-        self._replayed_upto: dict[str, int] = {}  # highest sequence a replay delivered
+        self._ahead: dict[str, dict[int, int]] = {k: {} for k in self.sources}  # seq -> digest
+        self._connects: Counter = Counter()
+        self._verify: set[str] = set()  # sources whose continuity must be checked first
+        self._rejected = False  # the message being handled was a bad frame
         self._subs: dict[zmq.Socket, str] = {}
+        self._monitors: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
         for source in sources:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
             sock.connect(source.endpoint)
-            self._subs[sock] = source.name
+            self._subs[sock] = source.key
+            self._monitors[monitor] = source.key
+            self._poller.register(monitor, zmq.POLLIN)
             self._poller.register(sock, zmq.POLLIN)
+
+    @property
+    def last_seq(self) -> dict[str, int]:
+        """The last applied sequence of each source."""
+        return {key: fp.seq for key, fp in self.state.items()}
 
     # -- state -------------------------------------------------------------------------------
 
-    def _load_state(self) -> dict[str, int]:
+    def _load_state(self) -> dict[str, Fingerprint]:
         try:
             state = json.loads(self._state_path.read_text())
-            return {str(k): int(v) for k, v in state["last_seq"].items()}
+            if "last_seq" in state:  # version 1: sequences only, continuity unprovable
+                return {str(k): Fingerprint(int(v), None, 0.0)
+                        for k, v in state["last_seq"].items()}
+            return {str(k): Fingerprint(int(v["seq"]), v["digest"], float(v["ts"]))
+                    for k, v in state["sources"].items()}
         except FileNotFoundError:
             return {}
         except (ValueError, KeyError, TypeError) as exc:
@@ -127,10 +233,11 @@ class Subscriber:
             return {}
 
     def save_state(self, durable: bool = False) -> None:
-        """Write the last applied sequences (atomically; fsync when ``durable``)."""
+        """Write the fingerprints (atomically; fsync when ``durable``)."""
         tmp = self._state_path.with_suffix(".tmp")
         with open(tmp, "w") as f:
-            json.dump({"last_seq": self.last_seq}, f)
+            json.dump({"version": STATE_VERSION,
+                       "sources": {k: asdict(fp) for k, fp in self.state.items()}}, f)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -141,26 +248,35 @@ class Subscriber:
     def poll(self, timeout_ms: int = 100) -> int:
         """Handle every message that arrives within ``timeout_ms``; return batches applied."""
         applied = 0
-        for sock, _ in self._poller.poll(timeout_ms):
-            name = self._subs[sock]
+        ready = dict(self._poller.poll(timeout_ms))
+        for monitor, key in self._monitors.items():  # connections first
+            if monitor in ready:
+                self._drain_monitor(monitor, key)
+        for key in sorted(self._verify):
+            # A new connection may be a new engine on the same port, whose first
+            # batches went out before we were there: check now, not at its next batch.
+            self._verify.discard(key)
+            applied += self._resync(key, "reconnected")
+        for sock, key in self._subs.items():
+            if sock not in ready:
+                continue
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                applied += self._on_message(name, frames)
+                applied += self._on_message(key, frames)
         if applied:
             self.save_state()
         return applied
 
     def catch_up(self) -> int:
-        """Replay from each engine what came after our last applied batch.
+        """Prove each engine's continuity from its replay buffer, and apply what we lack.
 
         A SUB socket only sees messages published after it connects, so a
         (re)started subscriber asks first instead of waiting for a gap to show.
         """
-        applied = sum(self._replay(name, self.last_seq.get(name, -1) + 1)
-                      for name in self.sources)
+        applied = sum(self._resync(key, "start") for key in self.sources)
         self.save_state()
         return applied
 
@@ -176,115 +292,240 @@ class Subscriber:
     def close(self) -> None:
         self.save_state(durable=True)
         for sock in self._subs:
+            sock.disable_monitor()
+        for sock in [*self._subs, *self._monitors]:
             sock.close(linger=0)
         self._subs.clear()
+        self._monitors.clear()
 
     # -- one message -------------------------------------------------------------------------
 
-    def _on_message(self, name: str, frames: list[bytes]) -> int:
-        stats = self.stats[name]
+    def _drain_monitor(self, monitor: zmq.Socket, key: str) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connects[key] += 1
+                if self._connects[key] > 1:
+                    self._verify.add(key)
+
+    def _on_message(self, key: str, frames: list[bytes]) -> int:
         parsed = _parse_frames(frames)
-        if parsed is None:
-            stats.bad_payloads += 1
-            log.warning("sarp: %s sent %d frames, expected (topic, seq, payload)", name,
-                        len(frames))
+        if parsed is None or parsed[0] < 0:
+            self.stats[key].bad_frames += 1
+            log.warning("sarp: %s sent a bad frame (%d parts%s); dropped", key, len(frames),
+                        "" if parsed is None else f", sequence {parsed[0]}")
             return 0
         seq, payload = parsed
-        last = self.last_seq.get(name)
-        live_last = self._live_last.get(name)
-        self._live_last[name] = seq
+        live_last = self._live_last.get(key)
+        self._live_last[key] = seq
+        self._rejected = False
+        ahead = self._ahead[key]
         applied = 0
-        if last is not None and seq <= last:
-            went_back = live_last is not None and seq < live_last
-            if not went_back and (seq == last or seq <= self._replayed_upto.get(name, -1)):
-                stats.duplicates += 1  # already applied, e.g. through a replay
-                return 0
-            # The live stream went backwards, or the engine is behind what we applied
-            # with no replay to explain it: the engine restarted.
-            stats.restarts += 1
-            log.warning("sarp: %s sequence went back from %d to %d: engine restarted; "
-                        "clearing its holders", name, last, seq)
-            self._clear_source(name)
-            self._replayed_upto.pop(name, None)
-            last = None
-        expected = 0 if last is None else last + 1
-        if seq > expected:
-            stats.gaps += 1
-            applied += self._replay(name, expected)
-            last = self.last_seq.get(name)
-            if last is not None and seq <= last:
-                return applied  # the replay covered this one
-            if seq > (0 if last is None else last + 1):
-                self._give_up_gap(name, expected if last is None else last + 1, seq)
-        return applied + self._apply(name, seq, payload)
+        if live_last is not None and seq <= live_last:
+            # One engine's PUB stream only goes forward: this is a new engine.
+            applied += self._resync(key, f"live sequence went back from {live_last} to {seq}",
+                                    known_restart=True)
+        else:
+            for old in [s for s in ahead if s < seq]:
+                del ahead[old]
+        applied += self._on_live(key, seq, payload)
+        if self._rejected and live_last is not None:
+            self._live_last[key] = live_last  # a bad frame does not move the live stream
+        return applied
 
-    def _apply(self, name: str, seq: int, payload: bytes) -> int:
-        stats = self.stats[name]
-        self.last_seq[name] = seq
+    def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False) -> int:
+        """Place one live batch against the fingerprint; check continuity when in doubt."""
+        stats = self.stats[key]
+        fp = self.state.get(key)
+        expected = 0 if fp is None else fp.seq + 1
+        digest = _digest(payload)
+        if seq < expected:
+            if self._ahead[key].pop(seq, None) == digest:
+                stats.duplicates += 1  # applied already, through a replay
+                return 0
+            if checked:
+                stats.duplicates += 1  # older than what a proven replay applied
+                return 0
+            return self._resync(key, f"sequence {seq} is not the batch applied as {seq}") + \
+                self._on_live(key, seq, payload, checked=True)
+        if seq > expected:
+            if not checked:
+                stats.gaps += 1
+                applied, newest = self._resync_newest(key, f"gap: {expected}..{seq - 1} missing")
+                if newest is not None and newest < seq:
+                    stats.bad_frames += 1  # the engine's own buffer never had it
+                    self._rejected = True
+                    log.warning("sarp: %s sent sequence %d beyond its buffer's newest %d; "
+                                "dropped", key, seq, newest)
+                    return applied
+                return applied + self._on_live(key, seq, payload, checked=True)
+            self._give_up_gap(key, expected, seq)
+        batch = self._decode(key, seq, payload)
+        if (batch is not None and fp is not None and not checked
+                and batch.ts < fp.ts - TS_SLACK_S):
+            return self._resync(key, f"batch {seq} is {fp.ts - batch.ts:.1f} s older than "
+                                     f"batch {fp.seq}") + \
+                self._on_live(key, seq, payload, checked=True)
+        return self._apply(key, seq, payload, digest, batch)
+
+    def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
         try:
-            batch = decode(payload)
+            return decode(payload)
         except BadEvent as exc:
-            stats.bad_payloads += 1
-            log.warning("sarp: %s seq %d: %s", name, seq, exc)
+            self.stats[key].bad_payloads += 1
+            log.warning("sarp: %s seq %d: %s", key, seq, exc)
+            return None
+
+    def _apply(self, key: str, seq: int, payload: bytes, digest: int,
+               batch: Batch | None) -> int:
+        """Apply one batch in line, then (only then) advance the fingerprint."""
+        source, stats = self.sources[key], self.stats[key]
+        if batch is None:
+            # A batch we cannot read may have removed blocks: it is a lost batch.
+            self._forget(key, f"batch {seq} could not be decoded")
+            self.state[key] = Fingerprint(seq, digest, 0.0)
             return 0
-        apply(self.index, name, batch, stats.applied)
+        if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
+            stats.rank_mismatches += 1
+        apply(self.index, source.name, batch, stats.applied, dp_rank=source.dp_rank)
         stats.batches += 1
+        self.state[key] = Fingerprint(seq, digest, batch.ts)
         return 1
 
-    def _replay(self, name: str, start: int) -> int:
-        """Ask the engine for every batch from ``start``; apply the ones we lack."""
-        source = self.sources[name]
+    # -- continuity --------------------------------------------------------------------------
+
+    def _resync(self, key: str, reason: str, known_restart: bool = False) -> int:
+        return self._resync_newest(key, reason, known_restart)[0]
+
+    def _resync_newest(self, key: str, reason: str,
+                       known_restart: bool = False) -> tuple[int, int | None]:
+        """Prove continuity from the replay buffer and apply what follows, or start over.
+
+        Returns the batches applied and the newest sequence the engine's buffer
+        holds (None when unknown).
+        """
+        source, stats = self.sources[key], self.stats[key]
+        stats.continuity_checks += 1
+        fp = self.state.get(key)
+        if known_restart:
+            stats.restarts += 1
+            self._forget(key, reason)
+            fp = None
         if source.replay_endpoint is None:
-            return 0
+            if fp is not None or self._holds_anything(key):
+                stats.unrecoverable_gaps += 1
+                self._forget(key, f"{reason}; no replay endpoint to prove continuity")
+            return 0, None
+        frames, complete = self._fetch(key, 0 if fp is None else fp.seq)
+        if fp is not None:
+            if frames and frames[0][0] == fp.seq and fp.digest is not None \
+                    and _digest(frames[0][1]) == fp.digest:
+                frames = frames[1:]  # proven: the engine still has the batch we applied last
+            elif not frames and not complete:
+                stats.unrecoverable_gaps += 1
+                self._forget(key, f"{reason}: the replay endpoint did not answer")
+                return 0, None
+            else:
+                if frames and frames[0][0] == fp.seq or (complete and not frames):
+                    stats.restarts += 1
+                    why = "engine restarted"
+                else:
+                    stats.unrecoverable_gaps += 1
+                    why = "its buffer no longer reaches back"
+                self._forget(key, f"{reason}: continuity after batch {fp.seq} not proven "
+                                  f"({why})")
+                frames, complete = self._fetch(key, 0)
+        elif self._holds_anything(key):
+            self._forget(key, f"{reason}: nothing recorded proves what the index holds")
+        newest = None
+        if complete:
+            newest = frames[-1][0] if frames else (fp.seq if key in self.state else -1)
+        return self._apply_replayed(key, frames), newest
+
+    def _apply_replayed(self, key: str, frames: list[tuple[int, bytes]]) -> int:
+        applied = 0
+        for seq, payload in frames:
+            fp = self.state.get(key)
+            expected = 0 if fp is None else fp.seq + 1
+            if seq < expected:
+                continue
+            if seq > expected:
+                self._give_up_gap(key, expected, seq)
+            digest = _digest(payload)
+            applied += self._apply(key, seq, payload, digest, self._decode(key, seq, payload))
+            self._ahead[key][seq] = digest
+            self.stats[key].replayed += 1
+        return applied
+
+    def _fetch(self, key: str, start: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """Every batch the engine's buffer holds from ``start``, and whether it ended.
+
+        A replay that arrives with a hole (the engine's ROUTER dropped frames at its
+        high-water mark) is asked again from the hole, a few times.
+        """
+        frames, complete = self._fetch_once(key, start)
+        for _ in range(REPLAY_RETRIES):
+            hole = next((i for i in range(1, len(frames))
+                         if frames[i][0] != frames[i - 1][0] + 1), None)
+            if hole is None:
+                break
+            more, complete = self._fetch_once(key, frames[hole - 1][0] + 1)
+            frames = frames[:hole] + more
+        return frames, complete
+
+    def _fetch_once(self, key: str, start: int) -> tuple[list[tuple[int, bytes]], bool]:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        applied = 0
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        frames: list[tuple[int, bytes]] = []
+        idle_ms = max(1, int(1000 * self.replay_idle_timeout_s))
         try:
-            dealer.connect(source.replay_endpoint)
+            dealer.connect(self.sources[key].replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self.replay_timeout_s
-            while True:
-                remaining_ms = int(1000 * (deadline - time.monotonic()))
-                if remaining_ms <= 0 or not dealer.poll(remaining_ms):
-                    log.warning("sarp: replay from %s timed out", name)
-                    break
+            while dealer.poll(idle_ms):
                 parsed = _parse_frames(dealer.recv_multipart())
                 if parsed is None:
                     continue
-                seq, payload = parsed
-                if seq == END_OF_REPLAY:
-                    break
-                self._replayed_upto[name] = max(seq, self._replayed_upto.get(name, -1))
-                last = self.last_seq.get(name)
-                expected = 0 if last is None else last + 1
-                if seq < expected:
-                    continue
-                if seq > expected:
-                    self._give_up_gap(name, expected, seq)
-                applied += self._apply(name, seq, payload)
-                self.stats[name].replayed += 1
+                if parsed[0] == END_OF_REPLAY:
+                    return frames, True
+                if parsed[0] >= start and (not frames or parsed[0] > frames[-1][0]):
+                    frames.append(parsed)
+            log.warning("sarp: replay from %s went %.1f s without a frame; taking %d batches",
+                        key, self.replay_idle_timeout_s, len(frames))
+            return frames, False
         finally:
             dealer.close(linger=0)
-        return applied
 
-    def _give_up_gap(self, name: str, missing_from: int, got: int) -> None:
+    def _give_up_gap(self, key: str, missing_from: int, got: int) -> None:
         """Events ``missing_from .. got-1`` are gone: forget the engine, start over."""
-        self.stats[name].unrecoverable_gaps += 1
-        log.warning("sarp: %s events %d..%d cannot be replayed; clearing its holders so the "
-                    "index never reports blocks the engine may have removed", name,
-                    missing_from, got - 1)
-        self._clear_source(name)
+        self.stats[key].unrecoverable_gaps += 1
+        self._forget(key, f"events {missing_from}..{got - 1} cannot be replayed")
 
-    def _clear_source(self, name: str) -> None:
-        instances = {inst for inst, _ in self.index.holders_list()
-                     if inst == name or inst.startswith(name + "#")}
-        for instance in sorted(instances):
+    def _forget(self, key: str, reason: str) -> None:
+        """Clear the source's holders: the index may know less than the engine, never more."""
+        log.warning("sarp: %s: %s; clearing its holders", key, reason)
+        for instance in self._instances(key):
             self.index.clear(instance)
-        self.last_seq.pop(name, None)
+        self.state.pop(key, None)
+        self._ahead[key].clear()
+
+    def _instances(self, key: str) -> list[str]:
+        source = self.sources[key]
+        names = {inst for inst, _ in self.index.holders_list()}
+        if source.dp_rank is not None:
+            return [key] if key in names else []
+        return sorted(n for n in names if n == key or n.startswith(key + "#"))
+
+    def _holds_anything(self, key: str) -> bool:
+        return any(self.index.blocks_of(inst).size for inst in self._instances(key))
 
     def summary(self) -> dict[str, dict]:
-        return {name: {**asdict(s), "last_seq": self.last_seq.get(name)}
-                for name, s in self.stats.items()}
+        return {key: {**asdict(s), "last_seq": self.last_seq.get(key)}
+                for key, s in self.stats.items()}
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def _parse_frames(frames: list[bytes]) -> tuple[int, bytes] | None:

@@ -1,0 +1,294 @@
+"""The subscriber against engines that misbehave, restart and flood: real ZeroMQ sockets
+on loopback, publishers framing exactly as vLLM's and SGLang's ``ZmqEventPublisher``
+(``sarp.cluster.EnginePublisher``), engines with real LRU caches (``SimEngine``).
+
+The rule every test checks: the index may know less than an engine, never more; and
+where the engine's replay buffer allows it, exactly what the engine holds."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+import zmq
+
+import sarp
+from sarp.cluster import EnginePublisher, SimEngine
+from sarp.events import encode_batch
+from sarp.subscriber import Source, Subscriber
+
+
+def chains(seed: int, n: int, length: int = 6) -> list[list[int]]:
+    """Requests: chains sharing prefixes, hashes spread like an engine's."""
+    rng = random.Random(seed)
+    roots = [[rng.getrandbits(63) for _ in range(3)] for _ in range(5)]
+    return [rng.choice(roots) + [rng.getrandbits(63) for _ in range(length)] for _ in range(n)]
+
+
+def engine(name: str = "e", capacity: int = 60, **kw) -> SimEngine:
+    return SimEngine(name, capacity, EnginePublisher(zmq.Context.instance(), **kw))
+
+
+def wait_applied(subscriber: Subscriber, key: str, publisher: EnginePublisher,
+                 timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        subscriber.poll(5)
+        if subscriber.last_seq.get(key, -1) >= publisher.next_seq - 1:
+            return
+    raise AssertionError(f"{key}: applied {subscriber.last_seq.get(key)}, "
+                         f"engine at {publisher.next_seq - 1}")
+
+
+def held(index, holder: str) -> set[int]:
+    return set(index.blocks_of(holder).tolist())
+
+
+@pytest.fixture
+def index(tmp_path):
+    ix = sarp.open(tmp_path / "ix", durability="nosync")
+    yield ix
+    ix.close()
+
+
+def subscribe(index, eng: SimEngine, **kw) -> Subscriber:
+    pub = eng.publisher
+    sub = Subscriber(index, [Source(eng.name, pub.endpoint, pub.replay_endpoint)], **kw)
+    time.sleep(0.2)  # let the SUB socket connect
+    return sub
+
+
+def test_a_negative_sequence_is_a_bad_frame_not_a_restart(index):
+    eng = engine()
+    try:
+        sub = subscribe(index, eng)
+        for chain in chains(1, 20):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        before = held(index, eng.holder)
+        assert before == set(eng.cache)
+        payload = encode_batch([("cleared",)], dp_rank=0)
+        eng.publisher.pub.send_multipart([b"", (-5).to_bytes(8, "big", signed=True), payload])
+        eng.publisher.pub.send_multipart([b"", (-1).to_bytes(8, "big", signed=True), b""])
+        for chain in chains(2, 5):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        stats = sub.stats["e"]
+        assert stats.bad_frames == 2 and stats.restarts == 0
+        assert held(index, eng.holder) == set(eng.cache)
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+def test_a_frame_beyond_the_engines_buffer_is_dropped(index):
+    eng = engine()
+    try:
+        sub = subscribe(index, eng)
+        for chain in chains(3, 10):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        eng.publisher.pub.send_multipart([b"", (10**12).to_bytes(8, "big"),
+                                          encode_batch([("cleared",)], dp_rank=0)])
+        for chain in chains(4, 5):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        assert sub.stats["e"].bad_frames == 1 and sub.stats["e"].restarts == 0
+        assert held(index, eng.holder) == set(eng.cache) != set()
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+def test_an_engine_restart_while_the_subscriber_is_down_past_the_old_sequence(index):
+    eng = engine()
+    try:
+        sub = subscribe(index, eng)
+        for chain in chains(5, 30):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        old_last = eng.publisher.next_seq - 1
+        sub.close()  # serve stops; its fingerprint of batch old_last is on disk
+        eng.cache.clear()
+        eng.publisher.restart()  # a new engine: sequences from 0, a new buffer
+        for chain in chains(6, 45):
+            eng.serve(chain)
+        assert eng.publisher.next_seq - 1 > old_last  # the new engine passed the old sequence
+        sub = subscribe(index, eng)
+        sub.catch_up()
+        wait_applied(sub, "e", eng.publisher)
+        assert sub.stats["e"].restarts == 1
+        assert held(index, eng.holder) == set(eng.cache)
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+@pytest.mark.parametrize("published_while_away", ["past", "exactly_next"])
+def test_an_engine_restart_while_the_subscriber_runs(index, published_while_away):
+    eng = engine()
+    try:
+        sub = subscribe(index, eng)
+        for chain in chains(7, 30):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        old_last = eng.publisher.next_seq - 1
+        eng.cache.clear()
+        eng.publisher.restart(rebind=True)
+        # The new engine's first batches go out before the SUB socket reconnects: to
+        # nobody.  "exactly_next": the first one the subscriber sees is old_last + 1.
+        target = old_last + (20 if published_while_away == "past" else 0)
+        for chain in chains(8, 400):
+            if eng.publisher.next_seq > target:
+                break
+            eng.serve(chain)
+        time.sleep(0.5)  # the SUB socket reconnects
+        for chain in chains(9, 5):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        assert sub.stats["e"].restarts == 1
+        assert held(index, eng.holder) == set(eng.cache)
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+def test_a_flood_replayed_while_it_is_applied_leaves_the_index_equal_to_the_engine(index):
+    # 20,000 batches published as fast as the engine can, while serve is down; serve
+    # starts and catches up from the engine's buffer.  Applying the backlog takes far
+    # longer than the replay deadline (0.5 s per message here); the replay itself
+    # streams in well within it.  Before, the deadline covered the whole replay, it
+    # "timed out" part-way, and the rest of the backlog was never applied.
+    eng = engine(capacity=3000)
+    rng = random.Random(11)
+    roots = [[rng.getrandbits(63) for _ in range(4)] for _ in range(50)]
+    try:
+        for _ in range(20_000):
+            eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(3)])
+        assert eng.publisher.next_seq == 20_000
+        sub = subscribe(index, eng, replay_idle_timeout_s=0.5)
+        sub.catch_up()
+        assert sub.last_seq["e"] == 19_999
+        stats = sub.stats["e"]
+        assert stats.unrecoverable_gaps == 0 and stats.restarts == 0
+        assert stats.replayed == 20_000
+        assert held(index, eng.holder) == set(eng.cache)
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+def free_port_pair() -> int:
+    """A base port P with P and P+1 free on loopback (bind-tested, then released)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65000:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return base
+    raise RuntimeError("no two adjacent free ports on loopback")
+
+
+def test_dp_ranks_from_one_source_spec(index):
+    pub_base, replay_base = free_port_pair(), free_port_pair()
+    ctx = zmq.Context.instance()
+    ranks = []
+    try:
+        for r in range(2):
+            pub = EnginePublisher(ctx, bind=(f"tcp://127.0.0.1:{pub_base + r}",
+                                             f"tcp://127.0.0.1:{replay_base + r}"),
+                                  replay_topic=True)
+            ranks.append(SimEngine("e", 40, pub, dp_rank=r))
+        spec = f"e=tcp://127.0.0.1:{pub_base},tcp://127.0.0.1:{replay_base}"
+        sources = Source.expand(spec, dp_ranks=2)
+        assert [s.key for s in sources] == ["e#0", "e#1"]
+        sub = Subscriber(index, sources)
+        time.sleep(0.2)
+        for i, chain in enumerate(chains(12, 60)):
+            ranks[i % 2].serve(chain, style="sglang")  # SGLang names its rank attn_dp_rank
+        for r, rank in enumerate(ranks):
+            # Each rank has its own sequence from 0 on its own port.
+            wait_applied(sub, f"e#{r}", rank.publisher)
+            assert held(index, f"e#{r}") == set(rank.cache) != set()
+            assert sub.stats[f"e#{r}"].rank_mismatches == 0
+        sub.close()
+    finally:
+        for rank in ranks:
+            rank.publisher.close()
+
+
+def test_source_expand_refuses_what_engines_cannot_bind():
+    with pytest.raises(ValueError, match="one --source per rank"):
+        Source.expand("e=ipc:///tmp/kv", dp_ranks=2)
+    with pytest.raises(ValueError, match="DP size"):
+        Source.expand("e=tcp://127.0.0.1:5557", dp_ranks=0)
+    assert Source.expand("e=ipc:///tmp/kv", dp_ranks=1)[0].key == "e#0"
+
+
+def test_sarp_serve_with_dp_ranks_outlives_every_bad_input(tmp_path):
+    """The process end to end: `sarp serve --dp-ranks 2`, fed what stopped it before."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import msgpack
+
+    pub_base, replay_base = free_port_pair(), free_port_pair()
+    ctx = zmq.Context.instance()
+    pubs = [EnginePublisher(ctx, bind=(f"tcp://127.0.0.1:{pub_base + r}",
+                                       f"tcp://127.0.0.1:{replay_base + r}")) for r in range(2)]
+    cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(tmp_path / "ix"),
+           "--durability", "nosync", "--dp-ranks", "2", "--source",
+           f"eng=tcp://127.0.0.1:{pub_base},tcp://127.0.0.1:{replay_base}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    state = tmp_path / "ix" / "subscriber.json"
+
+    def seqs() -> dict:
+        try:
+            return {k: v["seq"] for k, v in json.loads(state.read_text())["sources"].items()}
+        except (FileNotFoundError, ValueError, KeyError):
+            return {}
+
+    try:
+        deadline = time.monotonic() + 30
+        while not state.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        for r, pub in enumerate(pubs):
+            pub.publish(encode_batch([("stored", [1, 2, 3], None, "GPU")], dp_rank=r))
+            pub.publish(msgpack.packb([1.0, [
+                ["BlockStored", [777, 778, 777], None, [], 16, None, "GPU"],
+                ["BlockStored", [2], None, [], 16, None, "GPU"],  # ChainConflictError
+                ["BlockStored", [9], 3, [], 16, None, "GPU\x00"],
+                ["BlockStored", [9], 3, [], 16, None, "x" * 1000],
+                ["BlockStored", [60, 61], 61, [], 16, None, "GPU"],
+                ["BlockStored", [4], 3, [], 16, None, "CPU_PINNED"],
+            ], r]))
+            pub.pub.send_multipart([b"", (-3).to_bytes(8, "big", signed=True), b"\x90"])
+            pub.publish(encode_batch([("removed", [3], "GPU")], dp_rank=r, style="vllm-0.33"))
+        deadline = time.monotonic() + 30
+        while seqs() != {"eng#0": 2, "eng#1": 2} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seqs() == {"eng#0": 2, "eng#1": 2}
+        assert proc.poll() is None  # still serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pub in pubs:
+            pub.close()
+    with sarp.open(tmp_path / "ix") as index:
+        m = index.match([1, 2, 3, 4])
+        assert m.by_medium == {"eng#0": {"GPU": 2}, "eng#1": {"GPU": 2}}
+        assert index.match([777]).num_blocks == index.match([60]).num_blocks == 0
