@@ -38,13 +38,31 @@ def test_presence_per_block_matches_the_holders(index):
 
 def test_custom_weights_and_token_ids(index):
     tokens = list(range(64))
-    index.insert(sarp.hash_blocks(tokens, 16), holder="e", medium="NVME")
-    (only,) = score(index, token_ids=tokens, block_size=16, weights={"NVME": 0.25})
+    index.insert(sarp.hash_blocks(tokens, 16), holder="e", medium="EXTERNAL")
+    (only,) = score(index, token_ids=tokens, block_size=16, weights={"EXTERNAL": 0.25})
     assert only.matched_blocks == 4 and only.score == pytest.approx(1.0)
     (default,) = score(index, token_ids=tokens, block_size=16)
     assert default.score == pytest.approx(4 * 0.3)  # a medium with no weight given
     with pytest.raises(ValueError, match="block_size"):
         score(index, token_ids=tokens)
-    with pytest.raises(ValueError, match="weight"):
-        score(index, [1], weights={"GPU": -1})
+    (custom,) = score(index, token_ids=tokens, block_size=16, unknown_weight=0.1)
+    assert custom.score == pytest.approx(0.4)
+    for bad in (-1, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="weight"):
+            score(index, [1], weights={"GPU": bad})
+    with pytest.raises(ValueError, match="block_size"):
+        score(index, [1], block_size=-16)
     assert score(index, np.array([12345], np.uint64)) == []
+
+
+def test_engine_media_aliases_weigh_as_their_tier(index):
+    # SGLang's host tier is CPU_PINNED, LMCache's "cpu", vLLM 0.33's disk tier STORAGE.
+    index.insert([1, 2], holder="sglang#0", medium="CPU_PINNED")
+    index.insert([1, 2], holder="vllm#0", medium="CPU")
+    index.insert([1, 2], holder="lmcache", medium="cpu")
+    index.insert([1, 2], holder="offload#0", medium="STORAGE")
+    scores = {s.instance: s.score for s in score(index, [1, 2])}
+    assert scores == {"sglang#0": 1.6, "vllm#0": 1.6, "lmcache": 1.6, "offload#0": 1.0}
+    (only,) = [s for s in score(index, [1, 2], weights={"cpu_pinned": 0.9, "GPU": 1.0})
+               if s.instance == "sglang#0"]
+    assert only.score == pytest.approx(1.8)

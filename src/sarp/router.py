@@ -8,15 +8,21 @@ block counts the weight of the best medium it is held in).
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .hashing import HashesLike, hash_blocks
+from .media import canonical_medium
+
+log = logging.getLogger("sarp.router")
 
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5}
 UNKNOWN_TIER_WEIGHT = 0.3
+_warned_unknown: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +45,17 @@ def score(
     token_ids: Sequence[int] | np.ndarray | None = None,
     block_size: int | None = None,
     weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
+    unknown_weight: float = UNKNOWN_TIER_WEIGHT,
 ) -> list[InstanceScore]:
     """Per-instance prefix scores for one request, best first.
 
     Pass block ``hashes``, or ``token_ids`` and ``block_size`` (hashed with
     :func:`sarp.hash_blocks`, so only for engines that hash the same way).
-    ``weights`` maps a medium to its weight (media not named weigh
-    ``UNKNOWN_TIER_WEIGHT``).  Tokens are reported when ``block_size`` is given.
+    ``weights`` maps a medium to its weight; engines' aliases count as their
+    canonical tier on both sides (``CPU_PINNED`` and ``cpu`` are ``CPU``,
+    ``STORAGE`` is ``DISK``: :mod:`sarp.media`), and a medium ``weights`` does not
+    name weighs ``unknown_weight`` (logged once per medium).  Tokens are reported
+    when ``block_size`` is given.
 
     Cost: one ``match`` plus numpy work over the matched blocks.
 
@@ -60,15 +70,29 @@ def score(
         if token_ids is None or block_size is None:
             raise ValueError("pass hashes, or token_ids together with block_size")
         hashes = hash_blocks(token_ids, block_size)
-    for medium, weight in weights.items():
-        if not isinstance(weight, int | float) or weight < 0:
-            raise ValueError(f"weight for {medium!r} is {weight!r}; pass a number >= 0")
+    tier_weights = {canonical_medium(medium): _check_weight(medium, weight)
+                    for medium, weight in weights.items()}
+    unknown_weight = _check_weight("unknown media", unknown_weight)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                   or block_size <= 0):
+        raise ValueError(f"block_size={block_size!r}; pass the engine's block size, an int > 0")
+
+    def weight_of(medium: str) -> float:
+        tier = canonical_medium(medium)
+        if tier in tier_weights:
+            return tier_weights[tier]
+        if tier not in _warned_unknown:
+            _warned_unknown.add(tier)
+            log.warning("sarp: medium %r has no weight; it counts %s (pass weights= or "
+                        "unknown_weight= to set it)", tier, unknown_weight)
+        return unknown_weight
+
     m = index.match(hashes, with_presence=True)
     out = []
     for instance, blocks in m.by_holder.items():
         media = sorted(medium for (inst, medium) in m.presence if inst == instance)
         rows = np.stack([m.presence[(instance, medium)][:blocks] for medium in media])
-        w = np.array([weights.get(medium, UNKNOWN_TIER_WEIGHT) for medium in media])
+        w = np.array([weight_of(medium) for medium in media])
         weighted = rows * w[:, None]
         best = weighted.argmax(axis=0)
         counts = np.bincount(best, minlength=len(media))
@@ -85,3 +109,10 @@ def score(
         ))
     out.sort(key=lambda s: (-s.score, -s.matched_blocks, s.instance))
     return out
+
+
+def _check_weight(medium: str, weight: object) -> float:
+    if (isinstance(weight, bool) or not isinstance(weight, int | float)
+            or not math.isfinite(weight) or weight < 0):
+        raise ValueError(f"weight for {medium!r} is {weight!r}; pass a finite number >= 0")
+    return float(weight)
