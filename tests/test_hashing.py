@@ -1,8 +1,11 @@
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import sarp
-from sarp.hashing import as_hash, as_hashes
+from sarp.hashing import as_hash, as_hashes, block_digests
 
 
 def test_all_engine_forms_normalise_to_the_same_uint64():
@@ -75,3 +78,41 @@ def test_hash_blocks_rejects_bad_arguments():
         sarp.hash_blocks([1, 2], 0)
     with pytest.raises(ValueError, match="2\\*\\*32"):
         sarp.hash_blocks([-1] * 16, 16)
+
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "engine_hashes.json").read_text())
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _vector_id(v: dict) -> str:
+    keys = "keys" if v["extra_keys"] else "plain"
+    return f"{v['engine']}-{v['scheme']}-seed{v['seed']}-bs{v['block_size']}-{keys}"
+
+
+@pytest.mark.parametrize("vector", VECTORS["vectors"], ids=_vector_id)
+def test_engine_hashes_from_token_ids_match_the_engines_own_code(vector, monkeypatch):
+    # The vectors were made by running vLLM's and SGLang's own hashing code from their
+    # released wheels (tests/vectors/make_engine_hashes.py says how).
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    keys = None if vector["extra_keys"] is None else [_tuples(k) for k in vector["extra_keys"]]
+    got = sarp.hash_blocks(vector["tokens"], vector["block_size"], scheme=vector["scheme"],
+                           seed=vector["seed"], extra_keys=keys)
+    assert got.tolist() == sarp.as_hashes(vector["hashes"]).tolist()
+
+
+def test_engine_schemes_continue_a_chain_from_a_digest_and_refuse_a_64_bit_parent():
+    tokens = list(range(64))
+    for scheme in ("vllm-sha256", "vllm-sha256-cbor", "sglang"):
+        whole = sarp.hash_blocks(tokens, 16, scheme=scheme, seed="1")
+        digests = block_digests(tokens[:32], 16, scheme=scheme, seed="1")
+        rest = sarp.hash_blocks(tokens[32:], 16, digests[-1], scheme=scheme, seed="1")
+        assert whole[2:].tolist() == rest.tolist()
+        with pytest.raises(ValueError, match="32-byte digest"):
+            sarp.hash_blocks(tokens, 16, int(whole[0]), scheme=scheme)
+    with pytest.raises(ValueError, match="scheme"):
+        sarp.hash_blocks(tokens, 16, scheme="md5")
+    with pytest.raises(ValueError, match="extra_keys"):
+        sarp.hash_blocks(tokens, 16, scheme="vllm-sha256", extra_keys=[None])

@@ -66,3 +66,13 @@ def test_engine_media_aliases_weigh_as_their_tier(index):
     (only,) = [s for s in score(index, [1, 2], weights={"cpu_pinned": 0.9, "GPU": 1.0})
                if s.instance == "sglang#0"]
     assert only.score == pytest.approx(1.8)
+
+
+def test_token_ids_are_hashed_in_the_engines_scheme(index):
+    tokens = list(range(1000, 1064))
+    hashes = sarp.hash_blocks(tokens, 16, scheme="vllm-sha256-cbor", seed="42")
+    index.insert(hashes, holder="vllm#0", medium="GPU")
+    (only,) = score(index, token_ids=tokens, block_size=16, scheme="vllm-sha256-cbor",
+                    seed="42")
+    assert only.matched_blocks == 4 and only.matched_tokens == 64
+    assert score(index, token_ids=tokens, block_size=16) == []  # xxh3 names other blocks

@@ -8,6 +8,8 @@ only ever sees that form.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -135,33 +137,113 @@ def _bytes_to_int(b: bytes, name: str) -> int:
     return int.from_bytes(b[-8:], "big")
 
 
+SCHEMES = ("xxh3", "vllm-sha256", "vllm-sha256-cbor", "sglang")
+VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM 0.12+ when PYTHONHASHSEED is unset (sha256 schemes)
+
+
 def hash_blocks(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,
     parent: int | bytes | None = None,
     extra: bytes | str | None = None,
+    *,
+    scheme: str = "xxh3",
+    seed: str | None = None,
+    extra_keys: Sequence[tuple | None] | None = None,
 ) -> np.ndarray:
-    """Chained xxh3-64 hashes of the full blocks of ``token_ids``.
+    """The block hashes of the full blocks of ``token_ids``, as the engines' events carry them.
 
-    Block ``i`` hashes its parent's hash (``parent`` for the first block, 0 when
-    ``None``), ``extra`` (a namespace such as a LoRA name or cache salt) and its
-    ``block_size`` tokens as little-endian uint32.  A trailing partial block is
-    ignored.  Deterministic across processes and machines.
+    A trailing partial block is ignored.  ``scheme`` picks whose hash:
 
-    Cost: O(len(token_ids)), one xxh3 call per block.
+    * ``"xxh3"`` (sarp's own): block ``i`` is xxh3-64 of its parent's hash
+      (``parent`` for the first block, 0 when ``None``), ``extra`` (a namespace
+      such as a LoRA name or cache salt) and its tokens as little-endian uint32;
+    * ``"vllm-sha256"`` / ``"vllm-sha256-cbor"``: vLLM's prefix-caching hashes
+      (``--prefix-caching-hash-algo sha256`` / ``sha256_cbor``): SHA-256 of the
+      pickled / canonical-CBOR tuple ``(parent digest, token ids, extra keys)``,
+      the first block's parent being ``NONE_HASH`` = hash of ``seed``.  ``seed``
+      defaults to ``$PYTHONHASHSEED``, else ``"vllm-none-hash"`` (what vLLM 0.12
+      on uses; vLLM 0.11 and older draw a random seed when ``PYTHONHASHSEED`` is
+      unset, so set it on the engines).  ``extra_keys`` is vLLM's per-block tuple
+      (LoRA, multimodal, cache salt) or ``None``.  The value returned is the low
+      64 bits of each digest, which is what vLLM's events carry;
+    * ``"sglang"``: SGLang 0.5.x's page hash (events without a LoRA or cache-salt
+      namespace): SHA-256 of the previous page's digest and the page's tokens as
+      little-endian uint32 (uint64 after a 0xff byte for a page with a token of
+      2**32 or more); the value is the digest's first 8 bytes.
+
+    For the vLLM and SGLang schemes ``parent`` is the previous block's full 32-byte
+    digest (:func:`block_digests`), since a 64-bit value cannot continue a chain.
+
+    Cost: O(len(token_ids)), one hash call per block.
 
     >>> h = hash_blocks(list(range(40)), 16)
     >>> len(h), bool((h == hash_blocks(list(range(32)), 16)).all())
     (2, True)
+    >>> hash_blocks(list(range(32)), 16, scheme="vllm-sha256-cbor", seed="0").dtype
+    dtype('uint64')
     """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r}; pick one of {SCHEMES}")
+    if scheme == "xxh3":
+        tokens, num_blocks = _blocks(token_ids, block_size)
+        return _xxh3_chain(tokens, num_blocks, block_size, parent, extra)
+    digests = block_digests(token_ids, block_size, parent, scheme=scheme, seed=seed,
+                            extra_keys=extra_keys, extra=extra)
+    view = slice(-8, None) if scheme.startswith("vllm") else slice(0, 8)
+    return np.array([int.from_bytes(d[view], "big") for d in digests], dtype=np.uint64)
+
+
+def block_digests(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: bytes | None = None,
+    *,
+    scheme: str,
+    seed: str | None = None,
+    extra_keys: Sequence[tuple | None] | None = None,
+    extra: object = None,
+) -> list[bytes]:
+    """The full 32-byte block digests of an engine's scheme (see :func:`hash_blocks`).
+
+    Cost: one SHA-256 per block over its serialised tokens.
+
+    >>> d = block_digests([1] * 32, 16, scheme="sglang")
+    >>> len(d), len(d[0]), block_digests([1] * 16, 16, d[0], scheme="sglang") == d[1:]
+    (2, 32, True)
+    """
+    if scheme not in SCHEMES or scheme == "xxh3":
+        raise ValueError(f"scheme={scheme!r}; pick one of {SCHEMES[1:]} (xxh3 has no digests)")
+    if extra is not None:
+        raise ValueError(f"extra= is for scheme='xxh3'; for {scheme!r} pass extra_keys= "
+                         "(vLLM) or hash without a namespace (SGLang)")
+    if parent is not None and (not isinstance(parent, bytes | bytearray) or len(parent) != 32):
+        raise ValueError(f"parent={parent!r}; for scheme {scheme!r} pass the parent block's "
+                         "32-byte digest (block_digests), not its 64-bit event value")
+    tokens, num_blocks = _blocks(token_ids, block_size, max_token=(1 << 63) - 1)
+    if scheme == "sglang":
+        if extra_keys is not None:
+            raise ValueError("extra_keys= is for the vLLM schemes")
+        return _sglang_chain(tokens, num_blocks, block_size, parent)
+    if extra_keys is not None and len(extra_keys) < num_blocks:
+        raise ValueError(f"extra_keys has {len(extra_keys)} entries; pass one per full block "
+                         f"({num_blocks}), None where a block has none")
+    return _vllm_chain(tokens, num_blocks, block_size, parent, scheme, seed, extra_keys)
+
+
+def _blocks(token_ids, block_size: int, max_token: int = 0xFFFFFFFF) -> tuple[np.ndarray, int]:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
         raise TypeError(f"token_ids must be a 1-D sequence of ints, got dtype {tokens.dtype}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
-        raise ValueError("token_ids must be in [0, 2**32); got a value outside that range")
-    num_blocks = tokens.size // block_size
+    if tokens.size and (tokens.min() < 0 or tokens.max() > max_token):
+        bound = "2**32" if max_token == 0xFFFFFFFF else "2**63"
+        raise ValueError(f"token_ids must be in [0, {bound}); got a value outside that range")
+    return tokens, tokens.size // block_size
+
+
+def _xxh3_chain(tokens: np.ndarray, num_blocks: int, block_size: int, parent, extra) -> np.ndarray:
     data = tokens[: num_blocks * block_size].astype("<u4").tobytes()
     salt = extra.encode() if isinstance(extra, str) else (extra or b"")
     prev = 0 if parent is None else as_hash(parent)
@@ -175,6 +257,42 @@ def hash_blocks(
     return out
 
 
+def _vllm_chain(tokens, num_blocks, block_size, parent, scheme, seed, extra_keys) -> list[bytes]:
+    import pickle
+
+    if scheme == "vllm-sha256":
+        def digest(obj: object) -> bytes:
+            return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    else:
+        import cbor2
+
+        def digest(obj: object) -> bytes:
+            return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED)
+    prev = bytes(parent) if parent is not None else digest(seed)
+    values = tokens[: num_blocks * block_size].tolist()  # Python ints: pickle must see ints
+    out = []
+    for i in range(num_blocks):
+        keys = None if extra_keys is None else extra_keys[i]
+        prev = digest((prev, tuple(values[i * block_size : (i + 1) * block_size]), keys))
+        out.append(prev)
+    return out
+
+
+def _sglang_chain(tokens, num_blocks, block_size, parent) -> list[bytes]:
+    prev = bytes(parent) if parent is not None else b""
+    out = []
+    for i in range(num_blocks):
+        page = tokens[i * block_size : (i + 1) * block_size]
+        if page.max(initial=0) > 0xFFFFFFFF:
+            data = b"\xff" + page.astype("<u8").tobytes()  # SGLang's wide-token encoding
+        else:
+            data = page.astype("<u4").tobytes()
+        prev = hashlib.sha256(prev + data).digest()
+        out.append(prev)
+    return out
 
 
 def splitmix64(values: np.ndarray) -> np.ndarray:

@@ -46,11 +46,14 @@ def score(
     block_size: int | None = None,
     weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
     unknown_weight: float = UNKNOWN_TIER_WEIGHT,
+    scheme: str = "xxh3",
+    seed: str | None = None,
 ) -> list[InstanceScore]:
     """Per-instance prefix scores for one request, best first.
 
-    Pass block ``hashes``, or ``token_ids`` and ``block_size`` (hashed with
-    :func:`sarp.hash_blocks`, so only for engines that hash the same way).
+    Pass block ``hashes``, or ``token_ids`` and ``block_size``, hashed with
+    :func:`sarp.hash_blocks` in the engines' ``scheme`` (``"vllm-sha256-cbor"``,
+    ``"vllm-sha256"`` with their ``seed``, ``"sglang"``, or sarp's ``"xxh3"``).
     ``weights`` maps a medium to its weight; engines' aliases count as their
     canonical tier on both sides (``CPU_PINNED`` and ``cpu`` are ``CPU``,
     ``STORAGE`` is ``DISK``: :mod:`sarp.media`), and a medium ``weights`` does not
@@ -69,7 +72,7 @@ def score(
     if hashes is None:
         if token_ids is None or block_size is None:
             raise ValueError("pass hashes, or token_ids together with block_size")
-        hashes = hash_blocks(token_ids, block_size)
+        hashes = hash_blocks(token_ids, block_size, scheme=scheme, seed=seed)
     tier_weights = {canonical_medium(medium): _check_weight(medium, weight)
                     for medium, weight in weights.items()}
     unknown_weight = _check_weight("unknown media", unknown_weight)
