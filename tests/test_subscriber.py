@@ -102,8 +102,12 @@ def test_a_frame_beyond_the_engines_buffer_is_dropped(index):
         eng.publisher.close()
 
 
-def test_an_engine_restart_while_the_subscriber_is_down_past_the_old_sequence(index):
-    eng = engine()
+@pytest.mark.parametrize("replay_topic", [False, True], ids=["vllm-0.11-replay",
+                                                            "vllm-0.33-sglang-replay"])
+def test_an_engine_restart_while_the_subscriber_is_down_past_the_old_sequence(index,
+                                                                             replay_topic):
+    # Replay frames with and without the topic frame, as each engine version sends them.
+    eng = engine(replay_topic=replay_topic)
     try:
         sub = subscribe(index, eng)
         for chain in chains(5, 30):
