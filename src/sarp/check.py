@@ -10,11 +10,13 @@ from .directory import Directory
 from .errors import CorruptRecordError
 from .filters import HolderSegments
 from .segment import decode
-from .store import Store
+from .store import ReadTxn
 
 
-def check(store: Store, directory: Directory, holders: HolderSegments) -> list[str]:
+def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str]:
     """Every problem found, as one line each; an empty list means consistent.
+
+    ``directory`` and ``holders`` must describe the state ``r`` reads.
 
     Cost: one scan of the segments and of the blocks table.
     """
@@ -22,7 +24,7 @@ def check(store: Store, directory: Directory, holders: HolderSegments) -> list[s
     expected_blocks: dict[int, tuple[int, int]] = {}
     expected_directory: dict[int, int] = {}
     expected_holders: dict[int, set[int]] = {}
-    for seg_id, record in store.iter_raw_segments():
+    for seg_id, record in r.raw_segments():
         try:
             seg = decode(seg_id, record)
         except CorruptRecordError as exc:
@@ -46,7 +48,7 @@ def check(store: Store, directory: Directory, holders: HolderSegments) -> list[s
         expected_directory[int(seg.hashes[0])] = seg_id
         for holder_id in seg.holder_ids.tolist():
             expected_holders.setdefault(holder_id, set()).add(seg_id)
-    for h, seg_id, offset in store.iter_blocks():
+    for h, seg_id, offset in r.blocks():
         want = expected_blocks.pop(h, None)
         if want != (seg_id, offset):
             problems.append(f"blocks table: {h} -> ({seg_id}, {offset}), segments say {want}")

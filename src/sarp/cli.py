@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.path.exists():
         print(f"sarp: {args.path} does not exist", file=sys.stderr)
         return 2
-    with sarp.open(args.path, create=False) as index:
+    # Readonly: works beside a running writer (sarp serve) and changes nothing.
+    with sarp.open(args.path, readonly=True) as index:
         if args.command == "stats":
             print(json.dumps(index.stats(), indent=2))
             return 0

@@ -33,6 +33,14 @@ class StoreError(SarpError):
     """LMDB refused an operation (I/O error, damaged environment)."""
 
 
+class ReadersFullError(StoreError):
+    """More processes have the index open than LMDB's reader table holds (``max_readers``)."""
+
+
+class ReadOnlyIndexError(SarpError):
+    """A write (``insert``, ``remove``, ``clear``, ``snapshot``) on a ``readonly=True`` index."""
+
+
 class StoreFullError(StoreError):
     """The LMDB map could not grow to hold a write (disk full or map size limit)."""
 

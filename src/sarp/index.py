@@ -22,7 +22,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +33,12 @@ from tqdm import tqdm
 from . import snapshot as snapshots
 from .check import check
 from .directory import Directory
-from .errors import CorruptRecordError, IndexClosedError
+from .errors import CorruptRecordError, IndexClosedError, ReadOnlyIndexError, StoreError
 from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes
 from .packing import Packer, Plan
 from .segment import decode
-from .store import Store
+from .store import DEFAULT_MAX_READERS, ReadTxn, Store
 from .verify import Match, PrefixWalk, examine
 
 log = logging.getLogger("sarp")
@@ -63,6 +64,8 @@ class _Counters:
     snapshots: int = 0
     changes_since_snapshot: int = 0
     corrupt_records: int = 0  # damaged segment records a match stopped at
+    snapshot_reloads: int = 0  # a reader found the log trimmed past it and reloaded
+    reader_rebuilds: int = 0  # ... and had no usable snapshot: rebuilt in memory
 
 
 def open(  # noqa: A001 - the public name the design asks for
@@ -74,6 +77,8 @@ def open(  # noqa: A001 - the public name the design asks for
     map_size_bytes: int = 1 << 36,
     create: bool = True,
     progress: bool | None = None,
+    readonly: bool = False,
+    max_readers: int = DEFAULT_MAX_READERS,
 ) -> Index:
     """Open (creating, or recovering after a restart or crash) the index at ``path``.
 
@@ -84,8 +89,17 @@ def open(  # noqa: A001 - the public name the design asks for
     (and always at ``close``).  ``progress``: show a bar during a rebuild (default:
     when stderr is a terminal).
 
+    ``readonly=True`` opens an existing index as a reader, in any number of
+    processes beside one writer (an ``Index`` or ``sarp serve``) or none: it takes
+    no lock and writes nothing; each ``match`` first reads the log entries the
+    writer committed since the last one, in the same LMDB read transaction as the
+    match, so every answer is one consistent state and sees every write that has
+    returned in the writer.  Writes on a reader raise ``ReadOnlyIndexError``.
+    ``max_readers``: LMDB's reader table, set by the first process to open the
+    index (every open process takes a slot).
+
     Cost: loads the snapshot memory-mapped and replays the log after it; without a
-    usable snapshot, one scan of every segment.
+    usable snapshot, one scan of every segment (a reader does it in memory only).
 
     >>> import tempfile, sarp
     >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -101,6 +115,8 @@ def open(  # noqa: A001 - the public name the design asks for
         map_size_bytes=map_size_bytes,
         create=create,
         progress=progress,
+        readonly=readonly,
+        max_readers=max_readers,
     )
 
 
@@ -117,6 +133,8 @@ class Index:
         map_size_bytes: int,
         create: bool,
         progress: bool | None,
+        readonly: bool = False,
+        max_readers: int = DEFAULT_MAX_READERS,
     ) -> None:
         _check_int("segment_blocks", segment_blocks, 1, MAX_SEGMENT_BLOCKS)
         _check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
@@ -128,12 +146,16 @@ class Index:
         self._lock = threading.RLock()
         self._counters = _Counters()
         self._match_observers: list[Callable[[np.ndarray], None]] = []
+        self.readonly = readonly
+        self._watermark = 0  # the log sequence memory reflects (readers keep it current)
         self._store: Store | None = Store(
-            path, durability=durability, map_size_bytes=map_size_bytes, create=create
+            path, durability=durability, map_size_bytes=map_size_bytes, create=create,
+            readonly=readonly, max_readers=max_readers,
         )
         try:
-            self._load_holders()
-            self._recover()
+            with self._store.read() as r:
+                self._load_holders(r.holder_names())
+                self._recover(r)
         except BaseException:
             self._store.close()
             self._store = None
@@ -157,7 +179,8 @@ class Index:
             if self._store is None:
                 return
             try:
-                if self._counters.changes_since_snapshot or not self._snapshot_present:
+                if not self.readonly and (self._counters.changes_since_snapshot
+                                          or not self._snapshot_present):
                     self.snapshot()
             finally:
                 self._store.close()
@@ -177,10 +200,18 @@ class Index:
             raise IndexClosedError(f"{self.path}: the index is closed; open it again")
         return self._store
 
+    def _writable_store(self, operation: str) -> Store:
+        store = self._live_store()
+        if self.readonly:
+            raise ReadOnlyIndexError(
+                f"{self.path}: {operation} on an index opened readonly=True; writes go through "
+                "the one writer (sarp serve, or sarp.open without readonly)"
+            )
+        return store
+
     # -- recovery --------------------------------------------------------------------------
 
-    def _load_holders(self) -> None:
-        names = self._store.holder_names()
+    def _load_holders(self, names: dict[int, str]) -> None:
         self._holder_names: dict[int, tuple[str, str]] = {}
         self._instances: dict[str, int] = {}
         self._instance_names: list[str] = []
@@ -201,48 +232,57 @@ class Index:
             self._instance_of.extend([-1] * (holder_id + 1 - len(self._instance_of)))
         self._instance_of[holder_id] = inst
 
-    def _recover(self) -> None:
-        store = self._store
-        self.recovered_from = "new" if store.num_segments() == 0 else "rebuild"
+    def _recover(self, r: ReadTxn) -> None:
+        """Load the snapshot and replay the log after it, or rebuild; all as of ``r``."""
+        self.recovered_from = "new" if r.stat("segments")["entries"] == 0 else "rebuild"
         self.recovery_reason = ""
         self.replayed_changes = 0
         try:
             snap = snapshots.load(self.path)
-            problem = self._stale_reason(snap)
+            problem = self._stale_reason(snap, r)
             if problem:
                 raise snapshots.SnapshotUnusable(problem)
         except snapshots.SnapshotUnusable as exc:
             self._snapshot_present = False
             if self.recovered_from == "rebuild":  # a new, empty index needs no reason
                 self.recovery_reason = str(exc)
-                log.warning("sarp: %s; rebuilding the directory from the segments", exc)
-            self._rebuild()
+                # A reader builds in memory and writes nothing: routine, not a warning.
+                (log.info if self.readonly else log.warning)(
+                    "sarp: %s; rebuilding the directory from the segments", exc)
+            self._rebuild(r)
             return
         self._snapshot_present = True
         self.directory, self.holders = snap.directory, snap.holders
         self.recovered_from = "snapshot"
-        for _, seg_id, first_hash in store.log_since(snap.watermark):
-            self._replay(seg_id, first_hash)
-            self.replayed_changes += 1
+        self._watermark = snap.watermark
+        self.replayed_changes = self._replay_log(r)
         self._counters.changes_since_snapshot = self.replayed_changes
 
-    def _stale_reason(self, snap: snapshots.Snapshot) -> str:
-        store = self._store
-        if snap.index_id != store.index_id:
+    def _stale_reason(self, snap: snapshots.Snapshot, r: ReadTxn) -> str:
+        if snap.index_id != self._store.index_id:
             return "snapshot belongs to another index"
-        if snap.watermark < store.counter("log_trimmed_upto"):
+        if snap.watermark < r.counter("log_trimmed_upto"):
             return f"snapshot watermark {snap.watermark} is older than the trimmed log"
-        if snap.watermark > store.counter("next_seq"):
+        if snap.watermark > r.counter("next_seq"):
             return f"snapshot watermark {snap.watermark} is ahead of the store"
         return ""
 
-    def _replay(self, seg_id: int, first_hash: int) -> None:
-        with self._store.read() as r:
-            try:
-                seg = r.segment(seg_id)
-            except CorruptRecordError as exc:
-                log.warning("sarp: replay skips %s", exc)
-                seg = None
+    def _replay_log(self, r: ReadTxn) -> int:
+        """Apply the log entries after the watermark, as of ``r``; return how many."""
+        count = 0
+        for seq, seg_id, first_hash in r.log_since(self._watermark):
+            self._replay(r, seg_id, first_hash)
+            self._watermark = seq
+            count += 1
+        self._watermark = max(self._watermark, r.counter("next_seq"))
+        return count
+
+    def _replay(self, r: ReadTxn, seg_id: int, first_hash: int) -> None:
+        try:
+            seg = r.segment(seg_id)
+        except CorruptRecordError as exc:
+            log.warning("sarp: replay skips %s", exc)
+            seg = None
         self.holders.discard_everywhere(seg_id)
         if seg is None:
             self.directory.remove(first_hash, seg_id)
@@ -251,15 +291,55 @@ class Index:
         for holder_id in seg.holder_ids.tolist():
             self.holders.add(holder_id, seg_id)
 
-    def _rebuild(self) -> None:
-        """Scan every segment to rebuild the directory and holder filters."""
-        total = self._store.num_segments()
+    def _catch_up(self, r: ReadTxn) -> bool:
+        """A reader: bring memory to the state of ``r``.  False: retry with a newer ``r``.
+
+        Cost: one counter read when nothing changed; else one segment read per
+        changed segment, or a snapshot load when the writer trimmed the log past us.
+        """
+        seq = r.counter("next_seq")
+        if seq == self._watermark:
+            return True
+        if r.counter("next_holder_id") != len(self._holder_names):
+            self._load_holders(r.holder_names())
+        trimmed = r.counter("log_trimmed_upto")
+        if trimmed > self._watermark:
+            try:
+                snap = snapshots.load(self.path)
+            except snapshots.SnapshotUnusable:
+                snap = None
+            if snap is not None and snap.watermark > seq:
+                return False  # a snapshot newer than this transaction: take a newer one
+            if snap is None or self._stale_reason(snap, r):
+                self._rebuild(r)  # in memory only
+                self._counters.reader_rebuilds += 1
+                return True
+            self.directory, self.holders = snap.directory, snap.holders
+            self._watermark = snap.watermark
+            self._counters.snapshot_reloads += 1
+        self._replay_log(r)
+        return True
+
+    @contextmanager
+    def _read(self) -> Iterator[ReadTxn]:
+        """A read transaction, with a reader's memory brought up to it first."""
+        store = self._live_store()
+        for _ in range(8):
+            with store.read() as r:
+                if not self.readonly or self._catch_up(r):
+                    yield r
+                    return
+        raise StoreError(f"{self.path}: the writer kept replacing its snapshot; try again")
+
+    def _rebuild(self, r: ReadTxn) -> None:
+        """Scan every segment (as of ``r``) to rebuild the directory and holder filters."""
+        total = r.stat("segments")["entries"]
         keys = np.empty(total, np.uint64)
         segs = np.empty(total, np.uint32)
         by_holder: dict[int, list[int]] = {}
         count = 0
         bar = tqdm(
-            self._store.iter_raw_segments(),
+            r.raw_segments(),
             total=total,
             desc="sarp: rebuilding directory",
             unit="seg",
@@ -282,6 +362,7 @@ class Index:
         for holder_id, seg_ids in by_holder.items():
             self.holders.add_many(holder_id, seg_ids)
         self._counters.changes_since_snapshot = count
+        self._watermark = r.counter("next_seq")
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -326,7 +407,7 @@ class Index:
         name = _holder_name(holder, medium)
         values = _as_meta(meta, chain.size)
         with self._lock:
-            store = self._live_store()
+            store = self._writable_store("insert")
             plan = store.write(lambda w: self._packer.insert(w, chain, parent_hash, name, values))
             self._apply(plan)
             self._counters.inserts += 1
@@ -353,7 +434,7 @@ class Index:
         chain = as_hashes(hashes)
         name = _holder_name(holder, medium)
         with self._lock:
-            store = self._live_store()
+            store = self._writable_store("remove")
             plan = store.write(lambda w: self._packer.remove(w, chain, name))
             self._apply(plan)
             self._counters.removes += 1
@@ -381,7 +462,7 @@ class Index:
         elif not isinstance(holder, str) or not holder:
             raise ValueError(f"holder={holder!r}; pass the instance name as a non-empty str")
         with self._lock:
-            store = self._live_store()
+            store = self._writable_store("clear")
             holder_ids = [
                 h for h, (inst, med) in self._holder_names.items()
                 if inst == holder and (medium is None or med == medium)
@@ -436,43 +517,43 @@ class Index:
         """
         query = as_hashes(hashes)
         query_bytes = query.astype("<u8", copy=False).tobytes()
-        walk = PrefixWalk(self._instance_of if self._multi_medium else None, with_meta,
-                          with_presence)
-        with self._lock:
-            store = self._live_store()
-            lookup = self.directory.lookup
-            with store.read() as r:
-                pos, parent = 0, None
-                while pos < query.size:
-                    first = _U64_LE.unpack_from(query_bytes, 8 * pos)[0]
-                    seg_id = lookup(first)
-                    if seg_id is None:
-                        break
-                    record = r.record(seg_id)
-                    if record is None:
-                        break
-                    try:
-                        found = examine(seg_id, record, query_bytes, pos, parent)
-                    except CorruptRecordError as exc:
-                        # The prefix verified so far is still exact; stop there rather
-                        # than fail the caller's request. `sarp verify` names the damage.
-                        self._counters.corrupt_records += 1
-                        log.error("sarp: match stops at %s", exc)
-                        break
-                    if found is None:
-                        break
-                    step = walk.step(seg_id, record, *found)
-                    pos += step
-                    if not walk.going:
-                        break
-                    parent = _U64_LE.unpack_from(query_bytes, 8 * (pos - 1))[0]
-                reads = r.reads
+        with self._lock, self._read() as r:
+            walk = PrefixWalk(self._instance_of if self._multi_medium else None, with_meta,
+                              with_presence)
+            self._walk(r, walk, query, query_bytes)
             for observe in self._match_observers:
                 observe(query)
             self._counters.matches += 1
             self._counters.matched_blocks += walk.total
-            self._counters.storage_reads += reads
-            return walk.result(self._holder_names, self._instance_names, reads)
+            self._counters.storage_reads += r.reads
+            return walk.result(self._holder_names, self._instance_names, r.reads)
+
+    def _walk(self, r: ReadTxn, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes) -> None:
+        """One directory probe and one record read per segment step, verified."""
+        lookup = self.directory.lookup
+        pos, parent = 0, None
+        while pos < query.size:
+            first = _U64_LE.unpack_from(query_bytes, 8 * pos)[0]
+            seg_id = lookup(first)
+            if seg_id is None:
+                break
+            record = r.record(seg_id)
+            if record is None:
+                break
+            try:
+                found = examine(seg_id, record, query_bytes, pos, parent)
+            except CorruptRecordError as exc:
+                # The prefix verified so far is still exact; stop there rather
+                # than fail the caller's request. `sarp verify` names the damage.
+                self._counters.corrupt_records += 1
+                log.error("sarp: match stops at %s", exc)
+                break
+            if found is None:
+                break
+            pos += walk.step(seg_id, record, *found)
+            if not walk.going:
+                break
+            parent = _U64_LE.unpack_from(query_bytes, 8 * (pos - 1))[0]
 
     # -- snapshots, stats, checks ------------------------------------------------------------
 
@@ -482,7 +563,7 @@ class Index:
         Then drop the log entries it covers.  Cost: O(directory entries).
         """
         with self._lock:
-            store = self._live_store()
+            store = self._writable_store("snapshot")
             watermark = store.counter("next_seq")
             size = snapshots.write(
                 self.path, store.index_id, watermark, self.directory, self.holders
@@ -498,12 +579,13 @@ class Index:
 
         ``memory_bytes`` counts the directory arrays and the holder bitmaps exactly.
         """
-        with self._lock:
+        with self._lock, self._read() as r:
             store = self._live_store()
-            with store.env.begin() as txn:
-                blocks = txn.stat(store.blocks_db)["entries"]
-                segments = txn.stat(store.segments_db)["entries"]
+            blocks = r.stat("blocks")["entries"]
+            segments = r.stat("segments")["entries"]
             out: dict[str, object] = {
+                "readonly": self.readonly,
+                "log_watermark": self._watermark,
                 "segments": segments,
                 "blocks": blocks,
                 "directory_entries": len(self.directory),
@@ -534,8 +616,8 @@ class Index:
         ...     index.check()
         []
         """
-        with self._lock:
-            return check(self._live_store(), self.directory, self.holders)
+        with self._lock, self._read() as r:
+            return check(r, self.directory, self.holders)
 
     def blocks_of(self, holder: str, medium: str | None = None) -> np.ndarray:
         """Every block ``holder`` holds (in ``medium``, or in any), as sorted uint64.
@@ -548,19 +630,17 @@ class Index:
         ...     index.blocks_of("w0").tolist()
         [5, 7]
         """
-        with self._lock:
-            store = self._live_store()
+        with self._lock, self._read() as r:
             wanted = {
                 h for h, (inst, med) in self._holder_names.items()
                 if inst == holder and (medium is None or med == medium)
             }
             parts = [np.empty(0, np.uint64)]
-            with store.read() as r:
-                seg_ids = sorted({s for h in wanted for s in self.holders.segments(h)})
-                for seg_id in seg_ids:
-                    seg = r.segment(seg_id)
-                    rows = np.isin(seg.holder_ids, list(wanted))
-                    parts.append(seg.hashes[seg.presence[rows].any(axis=0)])
+            seg_ids = sorted({s for h in wanted for s in self.holders.segments(h)})
+            for seg_id in seg_ids:
+                seg = r.segment(seg_id)
+                rows = np.isin(seg.holder_ids, list(wanted))
+                parts.append(seg.hashes[seg.presence[rows].any(axis=0)])
             return np.unique(np.concatenate(parts))
 
     def observe_matches(self, callback: Callable[[np.ndarray], None]) -> None:
@@ -576,7 +656,7 @@ class Index:
 
     def holders_list(self) -> list[tuple[str, str]]:
         """Every (instance, medium) the index has seen."""
-        with self._lock:
+        with self._lock, self._read():
             return sorted(self._holder_names.values())
 
 

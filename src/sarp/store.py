@@ -31,6 +31,7 @@ from .errors import (
     FormatVersionError,
     IndexLockedError,
     NotAnIndexError,
+    ReadersFullError,
     StoreError,
     StoreFullError,
 )
@@ -40,6 +41,7 @@ FORMAT_VERSION = 1
 DURABILITY_MODES = ("sync", "nosync")
 MAX_SEGMENT_ID = 0xFFFFFFFF
 LOCK_FILE = "sarp.lock"
+DEFAULT_MAX_READERS = 512
 
 _U64 = struct.Struct(">Q")
 _BLOCK_VALUE = struct.Struct("<IH")
@@ -66,6 +68,8 @@ class Store:
         durability: str = "sync",
         map_size_bytes: int = 1 << 36,
         create: bool = True,
+        readonly: bool = False,
+        max_readers: int = DEFAULT_MAX_READERS,
     ) -> None:
         if durability not in DURABILITY_MODES:
             raise ValueError(
@@ -76,30 +80,48 @@ class Store:
             map_size_bytes < 1 << 20
         ):
             raise ValueError(f"map_size_bytes={map_size_bytes!r}; pass an int of at least 1 MiB")
+        if isinstance(max_readers, bool) or not isinstance(max_readers, int) or not (
+            1 <= max_readers <= 1 << 16
+        ):
+            raise ValueError(f"max_readers={max_readers!r}; pass an int from 1 to 65536")
         self.path = Path(path)
         self.durability = durability
-        _check_path(self.path, create)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _take_lock(self.path / LOCK_FILE)
+        self.readonly = readonly
+        self.max_readers = max_readers
+        self._lock_fd = None
+        if readonly:
+            _check_readable(self.path)
+        else:
+            _check_path(self.path, create)
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _take_lock(self.path / LOCK_FILE)
         try:
             self.env = lmdb.open(
                 str(self.path),
                 map_size=map_size_bytes,
                 max_dbs=8,
-                max_readers=256,
+                max_readers=max_readers,
                 sync=durability == "sync",
                 metasync=durability == "sync",
                 readahead=False,
                 lock=True,
+                readonly=readonly,
+                create=not readonly,
             )
-            self.meta_db = self.env.open_db(b"meta")
-            self.segments_db = self.env.open_db(b"segments")
-            self.blocks_db = self.env.open_db(b"blocks")
-            self.holders_db = self.env.open_db(b"holders")
-            self.log_db = self.env.open_db(b"log")
-            self._init_meta()
+            if readonly:
+                self._open_tables_readonly()
+            else:
+                self.meta_db = self.env.open_db(b"meta")
+                self.segments_db = self.env.open_db(b"segments")
+                self.blocks_db = self.env.open_db(b"blocks")
+                self.holders_db = self.env.open_db(b"holders")
+                self.log_db = self.env.open_db(b"log")
+                self._init_meta()
+        except lmdb.ReadersFullError as exc:
+            self.close()
+            raise _readers_full(self.path, self.max_readers, exc) from exc
         except lmdb.Error as exc:
-            self._release_lock()
+            self.close()
             raise NotAnIndexError(f"{self.path}: not an LMDB environment: {exc}") from exc
         except BaseException:
             self.close()
@@ -126,6 +148,40 @@ class Store:
                         f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
                     )
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+
+    def _open_tables_readonly(self) -> None:
+        """Open the named tables without creating anything (a reader writes nothing)."""
+        try:
+            for name in (b"meta", b"segments", b"blocks", b"holders", b"log"):
+                # Without txn=, py-lmdb opens each table in a read transaction of its
+                # own and keeps the handle; a handle opened in our txn would not last.
+                setattr(self, f"{name.decode()}_db", self.env.open_db(name, create=False))
+        except lmdb.NotFoundError:
+            raise NotAnIndexError(
+                f"{self.path}: an LMDB environment without sarp's tables; not an index yet"
+            ) from None
+        with self._begin() as txn:
+            version = txn.get(b"format_version", db=self.meta_db)
+            if version is None:
+                raise NotAnIndexError(f"{self.path}: no sarp metadata; not an index yet")
+            (self.format_version,) = _U64.unpack(version)
+            if self.format_version > FORMAT_VERSION:
+                raise FormatVersionError(
+                    f"{self.path}: on-disk format {self.format_version} is newer than this "
+                    f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
+                )
+            self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+
+    def _begin(self, **kwargs) -> lmdb.Transaction:
+        """A read transaction; adopts a map the writer grew, names a full reader table."""
+        for _ in range(3):
+            try:
+                return self.env.begin(**kwargs)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # 0: take the size the writer set
+            except lmdb.ReadersFullError as exc:
+                raise _readers_full(self.path, self.max_readers, exc) from exc
+        return self.env.begin(**kwargs)
 
     def close(self) -> None:
         env = getattr(self, "env", None)
@@ -176,44 +232,30 @@ class Store:
             raise StoreFullError(f"{self.path}: cannot grow map to {new_size} B: {exc}") from exc
 
     def counter(self, name: str) -> int:
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             return _U64.unpack(txn.get(name.encode(), db=self.meta_db))[0]
 
     def num_segments(self) -> int:
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             return txn.stat(self.segments_db)["entries"]
 
     def iter_raw_segments(self) -> Iterator[tuple[int, bytes]]:
-        with self.env.begin() as txn:
-            for key, record in txn.cursor(db=self.segments_db):
-                yield _U64.unpack(key)[0], record
+        with self.read() as r:
+            yield from r.raw_segments()
 
     def iter_blocks(self) -> Iterator[tuple[int, int, int]]:
         """(hash, segment id, offset) for every entry of the ``blocks`` table."""
-        with self.env.begin() as txn:
-            for key, value in txn.cursor(db=self.blocks_db):
-                seg_id, offset = _BLOCK_VALUE.unpack(value)
-                yield _U64.unpack(key)[0], seg_id, offset
+        with self.read() as r:
+            yield from r.blocks()
 
     def holder_names(self) -> dict[int, str]:
-        with self.env.begin() as txn:
-            cur = txn.cursor(db=self.holders_db)
-            out = {}
-            if cur.set_range(b"i:"):
-                for key, value in cur:
-                    if not key.startswith(b"i:"):
-                        break
-                    out[struct.unpack(">H", key[2:])[0]] = value.decode()
-            return out
+        with self.read() as r:
+            return r.holder_names()
 
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
-        with self.env.begin() as txn:
-            cur = txn.cursor(db=self.log_db)
-            if cur.set_range(_U64.pack(seq + 1)):
-                for key, value in cur:
-                    seg_id, first = _LOG_VALUE.unpack(value)
-                    yield _U64.unpack(key)[0], seg_id, first
+        with self.read() as r:
+            yield from r.log_since(seq)
 
     def trim_log(self, upto: int) -> None:
         """Delete log entries with sequence <= ``upto`` (a durable snapshot covers them)."""
@@ -230,7 +272,9 @@ class Store:
 
 
 class ReadTxn:
-    """Read-only view used by ``match``: segments only, never the ``blocks`` table."""
+    """One consistent view of the store, for ``match`` (segment records, counted as
+    reads) and for a reader keeping its directory current (counters, the log, holder
+    names), all in the same LMDB read transaction."""
 
     __slots__ = ("_store", "_txn", "reads")
 
@@ -240,7 +284,7 @@ class ReadTxn:
         self.reads = 0
 
     def __enter__(self) -> ReadTxn:
-        self._txn = self._store.env.begin(db=self._store.segments_db)
+        self._txn = self._store._begin(db=self._store.segments_db)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -253,8 +297,42 @@ class ReadTxn:
         return self._txn.get(_U64.pack(seg_id))
 
     def segment(self, seg_id: int) -> Segment | None:
-        record = self.record(seg_id)
+        """The decoded segment (not counted as a match read)."""
+        record = self._txn.get(_U64.pack(seg_id))
         return None if record is None else decode(seg_id, record)
+
+    def counter(self, name: str) -> int:
+        return _U64.unpack(self._txn.get(name.encode(), db=self._store.meta_db))[0]
+
+    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
+        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
+        cur = self._txn.cursor(db=self._store.log_db)
+        if cur.set_range(_U64.pack(seq + 1)):
+            for key, value in cur:
+                seg_id, first = _LOG_VALUE.unpack(value)
+                yield _U64.unpack(key)[0], seg_id, first
+
+    def raw_segments(self) -> Iterator[tuple[int, bytes]]:
+        for key, record in self._txn.cursor(db=self._store.segments_db):
+            yield _U64.unpack(key)[0], record
+
+    def blocks(self) -> Iterator[tuple[int, int, int]]:
+        for key, value in self._txn.cursor(db=self._store.blocks_db):
+            seg_id, offset = _BLOCK_VALUE.unpack(value)
+            yield _U64.unpack(key)[0], seg_id, offset
+
+    def holder_names(self) -> dict[int, str]:
+        cur = self._txn.cursor(db=self._store.holders_db)
+        out = {}
+        if cur.set_range(b"i:"):
+            for key, value in cur:
+                if not key.startswith(b"i:"):
+                    break
+                out[struct.unpack(">H", key[2:])[0]] = value.decode()
+        return out
+
+    def stat(self, table: str) -> dict:
+        return self._txn.stat(getattr(self._store, f"{table}_db"))
 
 
 class WriteTxn:
@@ -354,6 +432,22 @@ def _check_path(path: Path, create: bool) -> None:
             f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
             "pass a new or empty directory"
         )
+
+
+def _check_readable(path: Path) -> None:
+    if not (path / "data.mdb").is_file():
+        raise NotAnIndexError(
+            f"{path} holds no sarp index yet (no data.mdb); a reader opens an existing index: "
+            "start the writer (sarp serve, or sarp.open without readonly) first"
+        )
+
+
+def _readers_full(path: Path, max_readers: int, exc: Exception) -> ReadersFullError:
+    return ReadersFullError(
+        f"{path}: LMDB's reader table is full ({exc}); every process with the index open "
+        f"takes a slot. Close some readers, or have the writer open the index with a larger "
+        f"max_readers (now {max_readers}; the first process to open the index sets it)"
+    )
 
 
 def _take_lock(lock_path: Path) -> int:

@@ -1,0 +1,203 @@
+"""Readers in other processes beside a writer: `sarp.open(path, readonly=True)`.
+
+Real processes (spawned), a real LMDB file.  After every acknowledged write, each
+reader's next answer must equal an exact model of what the writer holds: no stale
+answer, no false positive, across snapshots with log trims, map growth and a writer
+restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import random
+import subprocess
+import sys
+
+import pytest
+
+import sarp
+
+NUM_READERS = 2
+
+
+def reader_main(path: str, conn) -> None:
+    """A reader process: answer each batch of queries with by_holder per query."""
+    index = sarp.open(path, readonly=True)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            if msg == "stats":
+                stats = index.stats()
+                conn.send(stats["snapshot_reloads"] + stats["reader_rebuilds"])
+                continue
+            if msg == "write":
+                try:
+                    index.insert([1], holder="intruder")
+                    conn.send("accepted")
+                except sarp.ReadOnlyIndexError as exc:
+                    conn.send(f"refused: {exc}")
+                continue
+            conn.send([index.match(q).by_holder for q in msg])
+    finally:
+        index.close()
+        conn.close()
+
+
+class Model:
+    """What the writer holds: holder -> set of blocks; answers by_holder exactly."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[int]] = {}
+
+    def by_holder(self, query: list[int]) -> dict[str, int]:
+        out = {}
+        for holder, blocks in self.held.items():
+            n = 0
+            while n < len(query) and query[n] in blocks:
+                n += 1
+            if n:
+                out[holder] = n
+        return out
+
+
+def test_readers_in_other_processes_see_every_acknowledged_write(tmp_path):
+    path = str(tmp_path / "ix")
+    rng = random.Random(3)
+    writer = sarp.open(path, durability="nosync", map_size_bytes=1 << 20,
+                       snapshot_every_changes=40, segment_blocks=16)
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(NUM_READERS):
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=reader_main, args=(path, there), daemon=True)
+        proc.start()
+        pipes.append(here)
+        procs.append(proc)
+    model = Model()
+    chains: list[list[int]] = []  # every chain ever stored, for queries
+    holders = ["e0#0", "e1#0", "e2#1"]
+    first_map = writer._store.env.info()["map_size"]
+    stale = steps = 0
+    done = {"snapshot": 0, "restart": 0}
+    try:
+        for _step in range(160):
+            op = rng.random()
+            holder = rng.choice(holders)
+            if op < 0.55 or not chains:
+                base = rng.choice(chains) if chains and rng.random() < 0.6 else []
+                cut = rng.randrange(len(base) + 1)
+                new = [rng.getrandbits(62) + 1 for _ in range(rng.randrange(1, 60))]
+                prefix = base[:cut]
+                # Insert the holder's whole prefix first (idempotent for held blocks).
+                writer.insert(prefix + new, holder=holder, medium="GPU")
+                chains.append(prefix + new)
+                model.held.setdefault(holder, set()).update(prefix + new)
+            elif op < 0.85:
+                chain = rng.choice(chains)
+                gone = chain[rng.randrange(len(chain)):]
+                writer.remove(gone, holder=holder, medium="GPU")
+                model.held.setdefault(holder, set()).difference_update(gone)
+            elif op < 0.93:
+                writer.clear(holder)
+                model.held[holder] = set()
+            elif op < 0.97:
+                writer.snapshot()  # and trim the log the readers follow
+                done["snapshot"] += 1
+            else:
+                writer.close()  # a writer restart, readers staying
+                writer = sarp.open(path, durability="nosync", segment_blocks=16,
+                                   snapshot_every_changes=40)
+                done["restart"] += 1
+            queries = [rng.choice(chains) + [12345] for _ in range(8)]
+            expected = [model.by_holder(q) for q in queries]
+            for conn in pipes:
+                conn.send(queries)
+            for conn in pipes:
+                got = conn.recv()
+                stale += sum(g != e for g, e in zip(got, expected, strict=True))
+            steps += 1
+        assert stale == 0, f"{stale} answers differed from the writer's acknowledged state"
+        assert writer._store.env.info()["map_size"] > first_map  # the map grew meanwhile
+        assert done["snapshot"] >= 2 and done["restart"] >= 2, done
+        for conn in pipes:
+            conn.send("stats")
+            assert conn.recv() > 0  # the log was trimmed past a reader: it reloaded
+            conn.send("write")
+            assert conn.recv().startswith("refused:")
+        assert writer.check() == []
+    finally:
+        for conn in pipes:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(None)
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+        writer.close()
+    assert steps == 160
+
+
+def test_a_reader_refuses_writes_and_changes_nothing(tmp_path):
+    with sarp.open(tmp_path / "ix") as writer:
+        writer.insert([1, 2], holder="a")
+    reader = sarp.open(tmp_path / "ix", readonly=True)
+    try:
+        for call in (lambda: reader.insert([3], parent=2, holder="a"),
+                     lambda: reader.remove([2], holder="a"),
+                     lambda: reader.clear("a"),
+                     reader.snapshot):
+            with pytest.raises(sarp.ReadOnlyIndexError, match="readonly=True"):
+                call()
+        assert reader.match([1, 2, 3]).by_holder == {"a": 2}
+        assert reader.stats()["readonly"] is True
+    finally:
+        reader.close()
+    with sarp.open(tmp_path / "ix") as writer:
+        assert writer.match([1, 2, 3]).by_holder == {"a": 2}
+
+
+def test_a_reader_of_a_folder_that_is_not_an_index_gets_a_clear_error(tmp_path):
+    with pytest.raises(sarp.NotAnIndexError, match="start the writer"):
+        sarp.open(tmp_path / "nothing-here", readonly=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(sarp.NotAnIndexError, match="no data.mdb"):
+        sarp.open(tmp_path / "empty", readonly=True)
+    assert not (tmp_path / "nothing-here").exists()  # a reader creates nothing
+
+
+def test_more_readers_than_the_reader_table_is_a_clear_error(tmp_path):
+    # LMDB rounds the table up to fill its lock page (about 60 slots for max_readers=2),
+    # so a reader process holds read transactions until the table is full.
+    path = str(tmp_path / "ix")
+    with sarp.open(path, max_readers=2) as writer:  # the first to open sets the table
+        writer.insert([1], holder="a")
+        script = (
+            "import sarp\n"
+            f"ix = sarp.open({path!r}, readonly=True)\n"
+            "held = []\n"
+            "try:\n"
+            "    for _ in range(10_000):\n"
+            "        held.append(ix._store.read().__enter__())\n"
+            "except sarp.ReadersFullError as exc:\n"
+            "    print(len(held), exc)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 0, out.stderr
+    count, message = out.stdout.split(" ", 1)
+    assert 1 < int(count) < 10_000
+    assert "reader table is full" in message and "max_readers" in message
+
+
+def test_verify_and_stats_work_beside_a_running_writer(tmp_path):
+    path = tmp_path / "ix"
+    with sarp.open(path, durability="nosync") as writer:
+        writer.insert([1, 2, 3], holder="a")
+        for command in ("verify", "stats"):
+            out = subprocess.run([sys.executable, "-m", "sarp.cli", command, str(path)],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+        assert '"blocks": 3' in out.stdout
