@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
+from sarp.bench.traces import read_requests
 from sarp.hashing import splitmix64
-from sarp.traces import read_requests
 from sarp.workingset import WorkingSet, analyze, simulate_lru
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from sarp import bench
-from sarp.baselines import opener
-from sarp.traces import Request, read_requests, split_blocks
-from sarp.workload import builtin
+from sarp.bench.baselines import opener
+from sarp.bench.traces import Request, read_requests, split_blocks
+from sarp.bench.workload import builtin
 
 
 def test_trace_reading_handles_jsonl_gz_extra_fields_and_split(tmp_path):

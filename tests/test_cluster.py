@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp.cluster import Cluster
-from sarp.subscriber import Source, Subscriber
-from sarp.traces import read_requests
-from sarp.workload import builtin
+from sarp.bench.traces import read_requests
+from sarp.bench.workload import builtin
+from sarp.serving.cluster import Cluster
+from sarp.serving.subscriber import Source, Subscriber
 
 
 def synced(subscriber: Subscriber, cluster: Cluster, timeout_s: float = 5.0):
@@ -187,7 +187,7 @@ def test_blocks_of_lists_what_a_holder_holds(tmp_path):
 def test_junk_on_the_wire_is_counted_and_the_stream_goes_on(tmp_path):
     import random
 
-    from sarp.events import encode_batch
+    from sarp.serving.events import encode_batch
 
     cluster = Cluster(engines=1, capacity_blocks=100, transport="ipc", ipc_dir=str(tmp_path))
     try:

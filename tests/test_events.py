@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp.events import (
+from sarp.serving.events import (
     ENCODING_STYLES,
     BadEvent,
     Cleared,

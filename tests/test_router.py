@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp.router import score
+from sarp.serving.router import score
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The subscriber against engines that misbehave, restart and flood: real ZeroMQ sockets
 on loopback, publishers framing exactly as vLLM's and SGLang's ``ZmqEventPublisher``
-(``sarp.cluster.EnginePublisher``), engines with real LRU caches (``SimEngine``).
+(``sarp.serving.cluster.EnginePublisher``), engines with real LRU caches (``SimEngine``).
 
 The rule every test checks: the index may know less than an engine, never more; and
 where the engine's replay buffer allows it, exactly what the engine holds."""
@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 import sarp
-from sarp.cluster import EnginePublisher, SimEngine
-from sarp.events import encode_batch
-from sarp.subscriber import Source, Subscriber
+from sarp.serving.cluster import EnginePublisher, SimEngine
+from sarp.serving.events import encode_batch
+from sarp.serving.subscriber import Source, Subscriber
 
 
 def chains(seed: int, n: int, length: int = 6) -> list[list[int]]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp.traces import read_requests
+from sarp.bench.traces import read_requests
 
 pytestmark = pytest.mark.traces
 

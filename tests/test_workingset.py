@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sarp.traces import read_requests
+from sarp.bench.traces import read_requests
+from sarp.bench.workload import builtin
 from sarp.workingset import WorkingSet, analyze
 from sarp.workingset import simulate_lru as simulate
-from sarp.workload import builtin
 
 
 def capacities(curve, count: int = 10) -> list[int]:
@@ -153,7 +153,7 @@ def test_workingset_command_writes_the_fields_the_issue_asks_for(tmp_path):
 
 
 def test_dense_ids_group_equal_values_whatever_their_spread():
-    from sarp.workingset import _dense_ids
+    from sarp.workingset.analyzer import _dense_ids
 
     rng = np.random.default_rng(3)
     for distinct in (rng.integers(0, 50, 20, dtype=np.int64).astype(np.uint64),

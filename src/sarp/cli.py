@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cluster":
         return _cluster(args)
     if args.command == "serve":
-        from .serve import run as serve_run
+        from .serving.serve import run as serve_run
 
         try:
             return serve_run(args)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sarp serve: {exc}", file=sys.stderr)
             return 2
     if args.command == "workingset":
-        from .workingset_cli import run
+        from .workingset.cli import run
 
         return run(args)
     import sarp
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cluster(args: argparse.Namespace) -> int:
     from .bench import load_requests
-    from .cluster import POLICIES, simulate
+    from .serving.cluster import POLICIES, simulate
 
     policies = args.policies.split(",")
     if any(p not in POLICIES for p in policies) or not 0 <= args.drop_rate < 1:
@@ -140,7 +140,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
-    from .baselines import NAMES
+    from .bench.baselines import NAMES
 
     indexes = args.indexes.split(",") if args.indexes else list(bench.DEFAULT_INDEXES)
     unknown = [n for n in indexes if n not in NAMES]

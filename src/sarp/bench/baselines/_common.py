@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..hashing import as_hashes
-from ..store import hash_keys
+from ...hashing import as_hashes
+from ...store import hash_keys
 
 
 @dataclass(frozen=True, slots=True)

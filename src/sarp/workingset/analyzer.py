@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .hashing import HashesLike, as_hashes, splitmix64
+from ..hashing import HashesLike, as_hashes, splitmix64
 
 _WORD_BITS = 64
 _SUPER_WORDS = 256  # words per superblock of popcount prefix sums

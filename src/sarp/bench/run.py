@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ..hashing import splitmix64
 from .baselines import dir_bytes, opener
-from .hashing import splitmix64
 from .traces import Request, read_requests
 
 DEFAULT_INDEXES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block")
@@ -90,7 +90,7 @@ def replay(name: str, requests: list[Request], folder: Path, options: dict, prog
 def cold_restart(name: str, folder: Path, queries: Path, options: dict) -> dict:
     """Evict the files, then time recovery and cold matches in a fresh process."""
     evict(folder)
-    cmd = [sys.executable, "-m", "sarp.bench", "restart", name, str(folder), str(queries),
+    cmd = [sys.executable, "-m", "sarp.bench.run", "restart", name, str(folder), str(queries),
            json.dumps(options)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .hashing import HashesLike, hash_blocks
+from ..hashing import HashesLike, hash_blocks
 from .media import canonical_medium
 
 log = logging.getLogger("sarp.router")
@@ -56,7 +56,7 @@ def score(
     ``"vllm-sha256"`` with their ``seed``, ``"sglang"``, or sarp's ``"xxh3"``).
     ``weights`` maps a medium to its weight; engines' aliases count as their
     canonical tier on both sides (``CPU_PINNED`` and ``cpu`` are ``CPU``,
-    ``STORAGE`` is ``DISK``: :mod:`sarp.media`), and a medium ``weights`` does not
+    ``STORAGE`` is ``DISK``: :mod:`sarp.serving.media`), and a medium ``weights`` does not
     name weighs ``unknown_weight`` (logged once per medium).  Tokens are reported
     when ``block_size`` is given.
 

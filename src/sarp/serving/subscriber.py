@@ -30,7 +30,7 @@ Replays are read to their end marker with a deadline per message, not per replay
 so a long replay is never cut off while it is still delivering.  A frame with a
 negative sequence, or one the engine's own buffer does not know, is a bad frame:
 counted and dropped.  A batch that cannot be decoded is a lost batch (the holders
-are cleared); a bad event inside a readable batch is skipped (:func:`sarp.events.apply`).
+are cleared); a bad event inside a readable batch is skipped (:func:`sarp.serving.events.apply`).
 
 The fingerprints are written to ``subscriber.json`` in the index directory after
 what they describe has committed, so a restarted subscriber resumes where it

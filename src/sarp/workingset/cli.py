@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from .traces import read_requests
-from .workingset import HitCurve, WorkingSet, analyze
+from ..bench.traces import read_requests
+from .analyzer import HitCurve, WorkingSet, analyze
 
 
 def run(args: argparse.Namespace) -> int:

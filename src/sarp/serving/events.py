@@ -16,14 +16,14 @@ and SGLang 0.5.x; msgspec structs encoded with msgpack):
 A batch sent as a map (``{"ts", "events", "data_parallel_rank"}``) is accepted too,
 for publishers that encode it that way.  Hashes are uint64 ints (vLLM), signed
 int64 (SGLang) or bytes (vLLM with int hashes off: the low 64 bits, big-endian).
-Media names are mapped to canonical tiers (:mod:`sarp.media`).
+Media names are mapped to canonical tiers (:mod:`sarp.serving.media`).
 
 A payload whose batch cannot be read is a :class:`BadEvent` (a ``SarpError``),
 raised before anything is applied.  One bad event inside a readable batch does
 not spoil the others: it decodes to a :class:`Malformed` naming its kind, and
 :func:`apply` counts it and applies the rest.  This is the only module that
-imports msgpack (pyzmq enters through :mod:`sarp.subscriber`, and through
-:mod:`sarp.cluster` for the simulated engines).
+imports msgpack (pyzmq enters through :mod:`sarp.serving.subscriber`, and through
+:mod:`sarp.serving.cluster` for the simulated engines).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from .errors import (
+from ..errors import (
     ChainConflictError,
     IndexClosedError,
     ParentNotFoundError,
     SarpError,
     StoreError,
 )
-from .hashing import as_hash, as_hashes
+from ..hashing import as_hash, as_hashes
 from .media import canonical_medium, is_valid_medium
 
 log = logging.getLogger("sarp.events")

@@ -1,0 +1,8 @@
+"""Engine-facing code: what sits between the serving engines and the index.
+
+``events`` (the engines' KV event wire formats, applied to an index), ``media``
+(tier names), ``subscriber`` (following engines over ZeroMQ, true to what they
+hold), ``serve`` (``sarp serve``), ``router`` (per-instance prefix scores),
+``http`` (``sarp serve --http``) and ``cluster`` (simulated engines for tests and
+benchmarks).  Nothing in the index core imports this package.
+"""
