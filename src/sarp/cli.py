@@ -57,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
                        "ports of rank 0 + r (as vLLM and SGLang bind them); holders NAME#r")
     serve.add_argument("--replay-idle-timeout-s", type=float, default=5.0,
                        help="a replay that delivers nothing for this long is over")
+    serve.add_argument("--http", default=None, metavar="HOST:PORT",
+                       help="also answer POST /v1/match, GET /metrics, /healthz, /readyz")
+    serve.add_argument("--http-workers", type=int, default=2,
+                       help="HTTP worker processes, each with a readonly open of the index")
+    serve.add_argument("--hash-scheme", default="vllm-sha256-cbor",
+                       choices=["vllm-sha256-cbor", "vllm-sha256", "sglang", "xxh3"],
+                       help="how /v1/match hashes token_ids (the engines' scheme)")
+    serve.add_argument("--hash-seed", default=None,
+                       help="the engines' PYTHONHASHSEED, for the vLLM schemes")
+    serve.add_argument("--block-size", type=int, default=None,
+                       help="the engines' block size, for token_ids requests without one")
     serve.add_argument("--durability", default="sync", choices=["sync", "nosync"])
     serve.add_argument("--snapshot-every-s", type=float, default=60.0)
     serve.add_argument("--report-every-s", type=float, default=30.0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..hashing import HashesLike, hash_blocks
+from ..verify import Match
 from .media import canonical_medium
 
 log = logging.getLogger("sarp.router")
@@ -69,6 +70,33 @@ def score(
     ...     [(s.instance, s.matched_blocks, s.score) for s in score(index, [1, 2, 3, 4])]
     [('w0', 4, 3.2), ('w1#0', 2, 2.0)]
     """
+    return score_match(index, hashes, token_ids=token_ids, block_size=block_size,
+                       weights=weights, unknown_weight=unknown_weight, scheme=scheme,
+                       seed=seed)[1]
+
+
+def score_match(
+    index,
+    hashes: HashesLike | None = None,
+    *,
+    token_ids: Sequence[int] | np.ndarray | None = None,
+    block_size: int | None = None,
+    weights: Mapping[str, float] = DEFAULT_TIER_WEIGHTS,
+    unknown_weight: float = UNKNOWN_TIER_WEIGHT,
+    scheme: str = "xxh3",
+    seed: str | None = None,
+) -> tuple[Match, list[InstanceScore]]:
+    """:func:`score`, and the ``Match`` it was computed from (for ``num_blocks``).
+
+    Cost: as :func:`score`.
+
+    >>> import tempfile, sarp
+    >>> with sarp.open(tempfile.mkdtemp()) as index:
+    ...     _ = index.insert([1, 2, 3], holder="w0")
+    ...     m, scores = score_match(index, [1, 2, 3, 4])
+    ...     m.num_blocks, [s.instance for s in scores]
+    (3, ['w0'])
+    """
     if hashes is None:
         if token_ids is None or block_size is None:
             raise ValueError("pass hashes, or token_ids together with block_size")
@@ -111,7 +139,7 @@ def score(
             score=round(float(weighted.max(axis=0).sum()), 6),
         ))
     out.sort(key=lambda s: (-s.score, -s.matched_blocks, s.instance))
-    return out
+    return m, out
 
 
 def _check_weight(medium: str, weight: object) -> float:

@@ -1,23 +1,40 @@
-"""``sarp serve``: follow engines' KV events into an index on disk until SIGTERM."""
+"""``sarp serve``: follow engines' KV events into an index on disk until SIGTERM.
+
+With ``--http HOST:PORT`` it also starts HTTP worker processes that answer queries
+from readonly opens of the same index (:mod:`sarp.serving.http`); this process
+stays the one writer and keeps a status file the workers report from.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 from .subscriber import Source, Subscriber
 
 log = logging.getLogger("sarp.serve")
+
+STATUS_EVERY_S = 0.5
 
 
 def run(args: argparse.Namespace) -> int:
     import sarp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sources = [s for spec in args.source
-               for s in Source.expand(spec, args.dp_ranks)]
+    sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
+    http = None
+    if args.http:
+        from .http import parse_address
+
+        http = parse_address(args.http)
+        if args.http_workers < 1:
+            raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
     stop = {"now": False}
 
     def on_signal(signum, _frame) -> None:
@@ -31,28 +48,72 @@ def run(args: argparse.Namespace) -> int:
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
         subscriber = Subscriber(index, sources,
                                 replay_idle_timeout_s=args.replay_idle_timeout_s)
-        last_snapshot = time.monotonic()
-        last_report = time.monotonic()
+        workers = _start_http(args, http) if http else None
+        try:
+            _follow(args, index, subscriber, stop, with_status=http is not None)
+        finally:
+            subscriber.close()
+            if workers:
+                _stop_http(*workers)
+        log.info("stopped; writing the snapshot")
+    return 0
 
-        def should_stop() -> bool:
-            nonlocal last_snapshot, last_report
+
+def _follow(args, index, subscriber: Subscriber, stop: dict, with_status: bool) -> None:
+    from .http import write_status
+
+    started = time.time()
+    path = Path(args.index)
+    if with_status:
+        write_status(path, subscriber, caught_up=False, started=started)
+    subscriber.catch_up()
+    last_snapshot = last_report = last_status = time.monotonic()
+    try:
+        while not stop["now"]:
+            subscriber.poll(100)
             now = time.monotonic()
             if now - last_snapshot >= args.snapshot_every_s:
                 index.snapshot()
                 last_snapshot = now
+            if with_status and now - last_status >= STATUS_EVERY_S:
+                write_status(path, subscriber, caught_up=True, started=started)
+                last_status = now
             if now - last_report >= args.report_every_s:
-                for name, s in subscriber.summary().items():
-                    log.info("%s: seq %s, %d batches, %d gaps, %d replayed, %d restarts, "
-                             "%d bad batches, %d bad frames, bad events %s", name,
-                             s["last_seq"], s["batches"], s["gaps"], s["replayed"],
-                             s["restarts"], s["bad_payloads"], s["bad_frames"],
-                             dict(s["applied"]["bad_events"]) or "none")
+                _report(subscriber)
                 last_report = now
-            return stop["now"]
+    finally:
+        subscriber.save_state(durable=True)
 
-        try:
-            subscriber.run(should_stop)
-        finally:
-            subscriber.close()
-        log.info("stopped; writing the snapshot")
-    return 0
+
+def _report(subscriber: Subscriber) -> None:
+    for name, s in subscriber.summary().items():
+        log.info("%s: seq %s, %d batches, %d gaps, %d replayed, %d restarts, "
+                 "%d bad batches, %d bad frames, bad events %s", name,
+                 s["last_seq"], s["batches"], s["gaps"], s["replayed"],
+                 s["restarts"], s["bad_payloads"], s["bad_frames"],
+                 dict(s["applied"]["bad_events"]) or "none")
+
+
+def _start_http(args, address: tuple[str, int]) -> tuple[list, str]:
+    from .http import HttpConfig, worker_main
+
+    metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
+    config = HttpConfig(str(args.index), address[0], address[1], metrics_dir,
+                        scheme=args.hash_scheme, seed=args.hash_seed, block_size=args.block_size)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(config,), name=f"sarp-http-{i}", daemon=True)
+             for i in range(args.http_workers)]
+    for proc in procs:
+        proc.start()
+    log.info("HTTP on %s:%d with %d worker processes", *address, len(procs))
+    return procs, metrics_dir
+
+
+def _stop_http(procs: list, metrics_dir: str) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    shutil.rmtree(metrics_dir, ignore_errors=True)

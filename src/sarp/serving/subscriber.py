@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -197,6 +198,7 @@ class Subscriber:
         self._connects: Counter = Counter()
         self._verify: set[str] = set()  # sources whose continuity must be checked first
         self._rejected = False  # the message being handled was a bad frame
+        self.last_applied_at: dict[str, float] = {}  # wall-clock time of the last batch
         self._subs: dict[zmq.Socket, str] = {}
         self._monitors: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
@@ -390,6 +392,7 @@ class Subscriber:
         apply(self.index, source.name, batch, stats.applied, dp_rank=source.dp_rank)
         stats.batches += 1
         self.state[key] = Fingerprint(seq, digest, batch.ts)
+        self.last_applied_at[key] = time.time()
         return 1
 
     # -- continuity --------------------------------------------------------------------------

@@ -1,0 +1,310 @@
+"""``sarp serve --http HOST:PORT``: the index as a service for routers in any language.
+
+Endpoints:
+
+* ``POST /v1/match`` with ``{"block_hashes": [int, ...]}`` (uint64 or signed int64),
+  or ``{"token_ids": [int, ...]}`` hashed in the scheme ``sarp serve`` was given;
+  optional ``"block_size"`` (token counts; required with ``token_ids`` unless serve
+  has one) and ``"weights"`` (per medium).  The answer is :func:`router.score`'s:
+  ``{"matched_blocks": N, "instances": [{"instance", "engine", "dp_rank",
+  "matched_blocks", "matched_tokens", "by_medium", "score"}, ...]}``, best first.
+  Bad input gets ``400`` and ``{"error": ..., "field": ...}``; the server stays up.
+* ``GET /metrics``: Prometheus text.  Per source (read from the writer's status
+  file at scrape time): batches, events, gaps, replays, engine restarts, bad
+  batches, bad frames, bad events by kind, seconds since the last applied batch.
+  Per service (summed over the worker processes): matches and a match-latency
+  histogram.  Index sizes.
+* ``GET /healthz``: the worker is alive.  ``GET /readyz``: every source has been
+  caught up since serve started, and the writer's status is fresh.
+
+Queries are answered by worker processes, each with its own ``readonly=True`` open
+of the index and its own aiohttp server on the same port (``SO_REUSEPORT``: the
+kernel spreads connections).  Processes, not threads, because ingestion and
+matching are both CPU work in Python: in one process they would take turns on the
+GIL, and a burst of queries would stall ingestion.  aiohttp because it is a
+maintained server with a C HTTP parser, keep-alive, request size limits, and
+``reuse_port``.  prometheus_client's multiprocess mode sums the workers' counters.
+This module is the only one that imports aiohttp and prometheus_client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("sarp.http")
+
+STATUS_FILE = "serve-status.json"
+STATUS_FRESH_S = 10.0  # /readyz wants a writer heartbeat at most this old
+MAX_BODY_BYTES = 8 << 20  # 1M hashes as JSON text
+_U64_MAX = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """What a worker needs: where, and how to hash token ids."""
+
+    index_path: str
+    host: str
+    port: int
+    metrics_dir: str
+    scheme: str = "vllm-sha256-cbor"
+    seed: str | None = None
+    block_size: int | None = None
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port).
+
+    >>> parse_address("127.0.0.1:8080")
+    ('127.0.0.1', 8080)
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--http {text!r}: write HOST:PORT, e.g. 127.0.0.1:8080")
+    return host, int(port)
+
+
+# -- the status file the writer keeps --------------------------------------------------------
+
+
+def write_status(index_path: Path, subscriber, *, caught_up: bool, started: float) -> None:
+    """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``."""
+    now = time.time()
+    sources = {}
+    for key, summary in subscriber.summary().items():
+        applied = summary.pop("applied")
+        last = subscriber.last_applied_at.get(key)
+        sources[key] = {**summary, "events": applied["events"],
+                        "bad_events": dict(applied["bad_events"]),
+                        "skipped_orphans": applied["skipped_orphans"],
+                        "seconds_since_last_applied": None if last is None else now - last}
+    status = {"pid": os.getpid(), "started": started, "heartbeat": now,
+              "caught_up": caught_up, "sources": sources}
+    tmp = index_path / (STATUS_FILE + ".tmp")
+    tmp.write_text(json.dumps(status))
+    os.replace(tmp, index_path / STATUS_FILE)
+
+
+def read_status(index_path: Path) -> dict | None:
+    try:
+        return json.loads((index_path / STATUS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+class BadRequest(ValueError):
+    """A request the service refuses: ``field`` names what is wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def parse_match(body: bytes, config: HttpConfig) -> dict:
+    """Check a ``/v1/match`` body; return the keyword arguments for ``score_match``.
+
+    >>> cfg = HttpConfig("ix", "127.0.0.1", 1, "m")
+    >>> parse_match(b'{"block_hashes": [1, -1], "block_size": 16}', cfg)["hashes"]
+    [1, -1]
+    """
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest("body", f"the body is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("body", "the body must be a JSON object, e.g. "
+                                 '{"block_hashes": [1, 2, 3]}')
+    unknown = set(obj) - {"block_hashes", "token_ids", "block_size", "weights"}
+    if unknown:
+        raise BadRequest(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r}; known: "
+                         "block_hashes, token_ids, block_size, weights")
+    block_size = obj.get("block_size", None)
+    if block_size is not None and not _is_int(block_size, 1, 1 << 20):
+        raise BadRequest("block_size", f"block_size must be an int from 1 to 2**20, got "
+                                       f"{_show(block_size)}")
+    weights = obj.get("weights", None)
+    if weights is not None:
+        if not isinstance(weights, dict):
+            raise BadRequest("weights", 'weights must be an object, e.g. {"GPU": 1.0}')
+        for medium, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) \
+                    or w < 0:
+                raise BadRequest(f"weights.{medium}", f"weight for {medium!r} must be a finite "
+                                                      f"number >= 0, got {_show(w)}")
+    out: dict = {"block_size": block_size}
+    if weights is not None:
+        out["weights"] = weights
+    if ("block_hashes" in obj) == ("token_ids" in obj):
+        raise BadRequest("block_hashes", "pass exactly one of block_hashes and token_ids")
+    if "block_hashes" in obj:
+        out["hashes"] = _int_list(obj["block_hashes"], "block_hashes", _I64_MIN, _U64_MAX)
+        return out
+    tokens = _int_list(obj["token_ids"], "token_ids", 0, 0xFFFFFFFF)
+    size = block_size or config.block_size
+    if size is None:
+        raise BadRequest("block_size", "token_ids need a block_size (in the request, or "
+                                       "sarp serve --block-size)")
+    out.update(token_ids=tokens, block_size=size, scheme=config.scheme, seed=config.seed)
+    return out
+
+
+def _int_list(value: object, field: str, low: int, high: int) -> list[int]:
+    if not isinstance(value, list):
+        raise BadRequest(field, f"{field} must be an array of ints, got {_show(value)}")
+    for i, v in enumerate(value):
+        if not _is_int(v, low, high):
+            raise BadRequest(f"{field}[{i}]", f"{field}[{i}] must be an int from {low} to "
+                                              f"{high}, got {_show(v)}")
+    return value
+
+
+def _is_int(v: object, low: int, high: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else repr(
+        value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# -- the worker -----------------------------------------------------------------------------
+
+
+def worker_main(config: HttpConfig) -> None:
+    """One HTTP worker process: a readonly open of the index and an aiohttp server."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
+    from aiohttp import web
+
+    import sarp
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    index = sarp.open(config.index_path, readonly=True)
+    app = make_app(index, config)
+    web.run_app(app, host=config.host, port=config.port, reuse_port=True, access_log=None,
+                print=None, handle_signals=True, shutdown_timeout=1.0)
+    index.close()
+
+
+def make_app(index, config: HttpConfig):
+    """The aiohttp application of one worker (see the module docstring)."""
+    from aiohttp import web
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        CollectorRegistry,
+        Counter,
+        Histogram,
+        generate_latest,
+        multiprocess,
+    )
+
+    from .router import score_match
+
+    matches = Counter("sarp_matches", "match requests answered")
+    rejected = Counter("sarp_match_rejected", "match requests refused with 400")
+    latency = Histogram("sarp_match_seconds", "time to answer one match request",
+                        buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1))
+    path = Path(config.index_path)
+
+    def refuse(field: str, message: str) -> web.Response:
+        rejected.inc()
+        return web.json_response({"error": message, "field": field}, status=400)
+
+    async def match(request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return refuse("body", f"the body is over {MAX_BODY_BYTES} bytes; send fewer hashes")
+        try:
+            kwargs = parse_match(body, config)
+            m, scores = score_match(index, **kwargs)
+        except BadRequest as exc:
+            return refuse(exc.field, str(exc))
+        except ValueError as exc:  # e.g. a hash scheme refusing the token ids
+            return refuse("body", str(exc))
+        answer = {"matched_blocks": m.num_blocks,
+                  "instances": [asdict(s) for s in scores]}
+        latency.observe(time.perf_counter() - started)
+        matches.inc()
+        return web.json_response(answer)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "alive", "pid": os.getpid()})
+
+    async def readyz(_: web.Request) -> web.Response:
+        status = read_status(path)
+        fresh = status is not None and time.time() - status["heartbeat"] < STATUS_FRESH_S
+        ready = fresh and status["caught_up"]
+        body = {"ready": bool(ready), "caught_up": bool(status and status["caught_up"]),
+                "writer_heartbeat_fresh": bool(fresh)}
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def metrics(_: web.Request) -> web.Response:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(_StatusCollector(path, index))
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/match", match)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+class _StatusCollector:
+    """Per-source counters from the writer's status file, index sizes from this reader."""
+
+    _COUNTERS = (("batches", "batches applied"), ("events", "events applied"),
+                 ("gaps", "sequence gaps seen"), ("replayed", "batches applied from replays"),
+                 ("restarts", "engine restarts detected"),
+                 ("unrecoverable_gaps", "gaps no replay could fill (holders cleared)"),
+                 ("bad_payloads", "batches that could not be decoded"),
+                 ("bad_frames", "frames dropped (bad sequence or shape)"))
+
+    def __init__(self, path: Path, index) -> None:
+        self.path, self.index = path, index
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        status = read_status(self.path) or {"sources": {}, "caught_up": False}
+        sources = status["sources"]
+        for name, text in self._COUNTERS:
+            family = CounterMetricFamily(f"sarp_source_{name}", text, labels=["source"])
+            for key, s in sources.items():
+                family.add_metric([key], s.get(name, 0))
+            yield family
+        bad = CounterMetricFamily("sarp_source_bad_events", "bad events skipped, by kind",
+                                  labels=["source", "kind"])
+        for key, s in sources.items():
+            for kind, count in s.get("bad_events", {}).items():
+                bad.add_metric([key, kind], count)
+        yield bad
+        since = GaugeMetricFamily("sarp_source_seconds_since_last_applied",
+                                  "seconds since the source's last applied batch",
+                                  labels=["source"])
+        age = time.time() - status.get("heartbeat", time.time())
+        for key, s in sources.items():
+            if s.get("seconds_since_last_applied") is not None:
+                since.add_metric([key], s["seconds_since_last_applied"] + age)
+        yield since
+        yield GaugeMetricFamily("sarp_ready", "every source caught up since start",
+                                value=1.0 if status.get("caught_up") else 0.0)
+        stats = self.index.stats()
+        for name in ("segments", "blocks", "directory_entries", "memory_bytes", "disk_bytes"):
+            yield GaugeMetricFamily(f"sarp_index_{name}", f"index {name.replace('_', ' ')}",
+                                    value=float(stats[name]))

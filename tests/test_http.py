@@ -1,0 +1,190 @@
+"""`sarp serve --http` against a real server on loopback: a real `sarp serve` process
+following a simulated engine over ZeroMQ, HTTP worker processes with readonly opens,
+clients speaking plain HTTP/1.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+import sarp
+from sarp.serving.cluster import EnginePublisher
+from sarp.serving.events import encode_batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(port: int, method: str, path: str, body: bytes | None = None,
+         timeout_s: float = 10.0) -> tuple[int, dict | str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request(method, path, body=body,
+                     headers={"Content-Type": "application/json"} if body is not None else {})
+        resp = conn.getresponse()
+        data = resp.read()
+        ctype = resp.getheader("Content-Type", "")
+        return resp.status, json.loads(data) if "json" in ctype else data.decode()
+    finally:
+        conn.close()
+
+
+def match(port: int, payload: object) -> tuple[int, dict]:
+    return call(port, "POST", "/v1/match", json.dumps(payload).encode())
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """sarp serve --http with one engine (DP rank 0) that stored a few chains."""
+    folder = tmp_path_factory.mktemp("http")
+    pub = EnginePublisher(zmq.Context.instance())
+    port = free_port()
+    cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(folder / "ix"),
+           "--durability", "nosync", "--source", f"eng={pub.endpoint},{pub.replay_endpoint}",
+           "--http", f"127.0.0.1:{port}", "--http-workers", "2", "--hash-scheme",
+           "vllm-sha256-cbor", "--hash-seed", "0", "--block-size", "16"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    tokens = list(range(100, 164))
+    hashes = sarp.hash_blocks(tokens, 16, scheme="vllm-sha256-cbor", seed="0").tolist()
+    pub.publish(encode_batch([("stored", [1, 2, 3, 2**64 - 5], None, "GPU"),
+                              ("stored", [1, 2], None, "CPU_PINNED"),
+                              ("stored", hashes, None, "GPU")], dp_rank=0))
+    pub.publish(encode_batch([("stored", [7, 8], None, "GPU"), ("stored", [7], None, "GPU")],
+                             dp_rank=1))
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                status, body = call(port, "GET", "/readyz", timeout_s=2)
+                if status == 200:
+                    s, m = match(port, {"block_hashes": [7]})
+                    if s == 200 and m["matched_blocks"] == 1:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        else:
+            proc.kill()
+            raise AssertionError(f"sarp serve --http never got ready: {proc.stderr.read()}")
+        yield {"port": port, "tokens": tokens, "proc": proc}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        pub.close()
+
+
+def test_match_answers_the_shape_of_router_score(service):
+    status, body = match(service["port"], {"block_hashes": [1, 2, 3, -5, 99],
+                                           "block_size": 16})
+    assert status == 200
+    assert body["matched_blocks"] == 4
+    (best,) = body["instances"]  # eng#1 holds none of these blocks
+    assert best == {"instance": "eng#0", "engine": "eng", "dp_rank": 0, "matched_blocks": 4,
+                    "matched_tokens": 64, "by_medium": {"GPU": 4}, "score": 4.0}
+    status, body = match(service["port"], {"block_hashes": [7, 8]})
+    assert [(s["instance"], s["matched_blocks"]) for s in body["instances"]] == [("eng#1", 2)]
+
+
+def test_match_by_token_ids_in_the_engines_scheme(service):
+    status, body = match(service["port"], {"token_ids": service["tokens"] + [1, 2, 3]})
+    assert status == 200 and body["matched_blocks"] == 4
+    assert body["instances"][0]["matched_tokens"] == 64
+
+
+def test_weights_per_medium(service):
+    status, body = match(service["port"], {"block_hashes": [1, 2],
+                                           "weights": {"GPU": 0.5, "CPU": 1.0}})
+    assert status == 200
+    assert body["instances"][0]["by_medium"] == {"CPU": 2}
+    assert body["instances"][0]["score"] == 2.0
+
+
+@pytest.mark.parametrize("body, field", [
+    (b"not json", "body"),
+    (b"[1, 2]", "body"),
+    (b"{}", "block_hashes"),
+    (json.dumps({"block_hashes": "1,2"}).encode(), "block_hashes"),
+    (json.dumps({"block_hashes": [1, "2"]}).encode(), "block_hashes[1]"),
+    (json.dumps({"block_hashes": [1, 2.5]}).encode(), "block_hashes[1]"),
+    (json.dumps({"block_hashes": [True]}).encode(), "block_hashes[0]"),
+    (json.dumps({"block_hashes": [2**64]}).encode(), "block_hashes[0]"),
+    (json.dumps({"block_hashes": [-(2**63) - 1]}).encode(), "block_hashes[0]"),
+    (json.dumps({"block_hashes": [1], "block_size": 0}).encode(), "block_size"),
+    (json.dumps({"block_hashes": [1], "block_size": "16"}).encode(), "block_size"),
+    (json.dumps({"block_hashes": [1], "weights": {"GPU": -1}}).encode(), "weights.GPU"),
+    (json.dumps({"block_hashes": [1], "weights": [1]}).encode(), "weights"),
+    (json.dumps({"block_hashes": [1], "extra": 1}).encode(), "extra"),
+    (json.dumps({"token_ids": [-1]}).encode(), "token_ids[0]"),
+    (json.dumps({"block_hashes": [1], "token_ids": [1]}).encode(), "block_hashes"),
+    (b'{"block_hashes": [' + b"1," * (5 << 20) + b"1]}", "body"),
+])
+def test_bad_input_gets_400_naming_the_field_and_the_server_stays_up(service, body, field):
+    status, answer = call(service["port"], "POST", "/v1/match", body)
+    assert status == 400, answer
+    assert answer["field"] == field and answer["error"]
+    assert match(service["port"], {"block_hashes": [7]})[1]["matched_blocks"] == 1
+
+
+def test_eight_concurrent_clients_get_exact_answers(service):
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", service["port"], timeout=10)
+        try:
+            for j in range(50):
+                query = [1, 2, 3, 2**64 - 5][: 1 + (i + j) % 4] + [424242]
+                conn.request("POST", "/v1/match", body=json.dumps({"block_hashes": query}),
+                             headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                body = json.loads(resp.read())
+                if resp.status != 200 or body["matched_blocks"] != len(query) - 1:
+                    errors.append(f"client {i}: {resp.status} {body}")
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(f"client {i}: {exc!r}")
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+
+
+def test_health_readiness_and_metrics_read_back_by_prometheus_client(service):
+    port = service["port"]
+    assert call(port, "GET", "/healthz")[0] == 200
+    status, ready = call(port, "GET", "/readyz")
+    assert status == 200 and ready["ready"] is True
+    for _ in range(4):
+        match(port, {"block_hashes": [1, 2]})
+    status, text = call(port, "GET", "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in families.values() for s in f.samples}
+    assert samples[("sarp_source_batches_total", (("source", "eng"),))] == 2
+    assert samples[("sarp_source_events_total", (("source", "eng"),))] == 5
+    assert samples[("sarp_source_restarts_total", (("source", "eng"),))] == 0
+    assert ("sarp_source_seconds_since_last_applied", (("source", "eng"),)) in samples
+    assert samples[("sarp_matches_total", ())] >= 4  # summed over the worker processes
+    assert samples[("sarp_match_seconds_count", ())] >= 4
+    assert samples[("sarp_index_blocks", ())] == 4 + 4 + 2
+    assert samples[("sarp_ready", ())] == 1.0
