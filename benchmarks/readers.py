@@ -421,29 +421,69 @@ def _stop_and_drain(control, state: Path) -> None:
         time.sleep(0.05)  # drain: the next idle pass starts with no backlog
 
 
+WRK_SCRIPT = """
+local bodies, i = {}, 0
+init = function(args)
+  for line in io.lines(args[1]) do bodies[#bodies + 1] = line end
+end
+request = function()
+  i = i % #bodies + 1
+  return wrk.format("POST", "/v1/match", {["Content-Type"] = "application/json"}, bodies[i])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('{"p50_us": %d, "p99_us": %d, "requests": %d, "errors": %d}\\n',
+    latency:percentile(50), latency:percentile(99), summary.requests,
+    e.status + e.connect + e.read + e.write + e.timeout))
+end
+"""
+
+
+def wrk_pass(port: int, bodies_file: str, script_file: str, duration_s: float) -> dict:
+    """8 connections from one wrk thread (C: a client that costs the server little CPU)."""
+    out = subprocess.run(["wrk", "-t1", "-c8", f"-d{max(1, round(duration_s))}s", "-s", script_file,
+                          f"http://127.0.0.1:{port}", "--", bodies_file],
+                         capture_output=True, text=True, timeout=duration_s + 60)
+    line = [x for x in out.stdout.splitlines() if x.startswith('{"p50_us"')][-1]
+    r = json.loads(line)
+    if r["errors"]:
+        raise RuntimeError(f"wrk saw {r['errors']} errors:\n{out.stdout}")
+    return {"p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3,
+            "requests_per_s": r["requests"] / duration_s, "requests": r["requests"]}
+
+
 def http_passes(args, port: int, path: str, queries, queries_file: str) -> dict:
+    import shutil
+
     bodies = [json.dumps({"block_hashes": q.tolist(), "block_size": 16}).encode()
               for q in queries]
-    http_runs, local_runs = [], []
+    work = Path(queries_file).parent
+    bodies_file, script_file = str(work / "bodies.txt"), str(work / "match.lua")
+    Path(bodies_file).write_bytes(b"\n".join(bodies) + b"\n")
+    Path(script_file).write_text(WRK_SCRIPT)
+    use_wrk = shutil.which("wrk") is not None
+    runs: dict[str, list] = {"http_python_8_clients": [], "http_wrk_8_connections": [],
+                             "in_process": []}
     for _ in range(args.passes):
         lat = in_child(http_client_main, port, bodies, args.pass_s, 8)
-        http_runs.append(summarize_latency(lat, args.pass_s))
+        runs["http_python_8_clients"].append(summarize_latency(lat, args.pass_s))
+        if use_wrk:
+            runs["http_wrk_8_connections"].append(wrk_pass(port, bodies_file, script_file,
+                                                           args.pass_s))
         lat = in_child(inprocess_main, path, queries_file, args.pass_s)
-        local_runs.append(summarize_latency(lat, args.pass_s))
+        runs["in_process"].append(summarize_latency(lat, args.pass_s))
 
-    def med(runs, key):
-        return statistics.median(r[key] for r in runs)
-
-    out = {"http_8_clients": http_runs, "in_process": local_runs,
-           "http_p50_ms": med(http_runs, "p50_ms"), "http_p99_ms": med(http_runs, "p99_ms"),
-           "http_requests_per_s": med(http_runs, "requests_per_s"),
-           "in_process_p50_ms": med(local_runs, "p50_ms"),
-           "in_process_p99_ms": med(local_runs, "p99_ms"),
-           "in_process_requests_per_s": med(local_runs, "requests_per_s")}
-    print(f"HTTP, 8 clients: p50 {out['http_p50_ms']:.2f} ms, p99 {out['http_p99_ms']:.2f} ms, "
-          f"{out['http_requests_per_s']:,.0f} req/s; in-process: p50 "
-          f"{out['in_process_p50_ms']:.3f} ms, p99 {out['in_process_p99_ms']:.3f} ms, "
-          f"{out['in_process_requests_per_s']:,.0f} req/s", flush=True)
+    out: dict = {"runs": runs}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        for key in ("p50_ms", "p99_ms", "requests_per_s"):
+            out[f"{name}_{key}"] = statistics.median(r[key] for r in rs)
+        out[f"{name}_p99_ms_range"] = [min(r["p99_ms"] for r in rs),
+                                       max(r["p99_ms"] for r in rs)]
+        print(f"{name}: p50 {out[name + '_p50_ms']:.3f} ms, p99 {out[name + '_p99_ms']:.3f} ms "
+              f"({out[name + '_p99_ms_range'][0]:.2f}-{out[name + '_p99_ms_range'][1]:.2f}), "
+              f"{out[name + '_requests_per_s']:,.0f} req/s", flush=True)
     return out
 
 
@@ -466,6 +506,7 @@ def plot(result: dict, out: Path) -> None:
         ax.boxplot(r["ratio"], positions=[k], widths=0.5)
     ax.axhline(0.8, ls="--", c="gray", lw=1)
     ax.set_xticks([0, 1], ["1 reader", "2 readers"])
+    ax.set_ylim(0, 1.1)
     ax.set_ylabel("matches/s while serve ingests / idle")
     ax.set_title("(a) readers beside a busy writer")
     ax = axes[1]
@@ -476,11 +517,15 @@ def plot(result: dict, out: Path) -> None:
     ax.set_title("(b) visibility lag")
     ax = axes[2]
     h = result["http"]
-    ax.bar([0, 1], [h["http_p50_ms"], h["http_p99_ms"]], width=0.35, label="HTTP, 8 clients")
-    ax.bar([0.4, 1.4], [h["in_process_p50_ms"], h["in_process_p99_ms"]], width=0.35,
-           label="in-process")
+    series = [("http_python_8_clients", "HTTP, 8 Python clients"),
+              ("http_wrk_8_connections", "HTTP, wrk 8 connections"), ("in_process", "in-process")]
+    series = [(k, label) for k, label in series if f"{k}_p50_ms" in h]
+    width = 0.8 / len(series)
+    for j, (k, label) in enumerate(series):
+        ax.bar([j * width, 1 + j * width], [h[f"{k}_p50_ms"], h[f"{k}_p99_ms"]], width=width,
+               label=label)
     ax.axhline(5, ls="--", c="gray", lw=1)
-    ax.set_xticks([0.2, 1.2], ["p50", "p99"])
+    ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["p50", "p99"])
     ax.set_ylabel("ms per match request")
     ax.set_title("(c) /v1/match latency")
     ax.legend()

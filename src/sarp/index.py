@@ -64,6 +64,8 @@ class _Counters:
     snapshots: int = 0
     changes_since_snapshot: int = 0
     corrupt_records: int = 0  # damaged segment records a match stopped at
+    batches: int = 0  # apply_batch / batch() commits
+    batched_ops: int = 0  # operations they carried
     snapshot_reloads: int = 0  # a reader found the log trimmed past it and reloaded
     reader_rebuilds: int = 0  # ... and had no usable snapshot: rebuilt in memory
 
@@ -473,10 +475,82 @@ class Index:
             self._maybe_snapshot()
             return plan.removed_blocks
 
+    def batch(self) -> Batch:
+        """Collect inserts, removes and clears; apply them in one transaction on exit.
+
+        One commit (one fsync at ``durability="sync"``), each touched segment
+        encoded and written once however many operations touched it, memory updated
+        after the commit.  An operation that refuses inside the batch (a parent no
+        longer held, a chain conflict) is skipped and reported in ``result.failed``;
+        nothing of it is written, and the others are applied in order.  Bad
+        arguments raise at the call that adds them, which adds nothing.  On an
+        exception inside the ``with`` block nothing is applied.
+
+        Cost: the operations' lookups, one record write per touched segment, one
+        commit.
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     with index.batch() as b:
+        ...         b.insert([1, 2, 3], holder="w0")
+        ...         b.insert([4], parent=3, holder="w0")
+        ...         b.insert([9], parent=777, holder="w0")   # its parent is not stored
+        ...         b.remove([3, 4], holder="w0")
+        ...     [type(e).__name__ for _, e in b.result.failed], index.match([1, 2, 3]).num_blocks
+        (['ParentNotFoundError'], 2)
+        """
+        return Batch(self)
+
+    def apply_batch(self, ops: Sequence[tuple]) -> BatchResult:
+        """Apply ``ops`` in one write transaction (see :meth:`batch`).
+
+        ``ops`` are ``("insert", hashes, parent, holder, medium)``, ``("remove",
+        hashes, holder, medium)`` and ``("clear", holder, medium_or_None)``.  An
+        operation with bad arguments is reported in ``failed`` like one that
+        refuses, and the rest are applied.
+
+        Cost: as :meth:`batch`.
+        """
+        prepared, failed, positions = [], [], []
+        for i, op in enumerate(ops):
+            try:
+                prepared.append(_prepare(op))
+                positions.append(i)
+            except (ValueError, TypeError) as exc:
+                failed.append((i, exc))
+        return self._apply_prepared(prepared, positions, failed, len(ops))
+
+    def _apply_prepared(self, prepared: list[tuple], positions: list[int],
+                        failed: list[tuple[int, Exception]], num_ops: int) -> BatchResult:
+        ops = range(num_ops)
+        with self._lock:
+            store = self._writable_store("batch")
+            if not prepared:
+                return BatchResult(num_ops, failed, 0, [0] * num_ops)
+            plan, refused = store.write(
+                lambda w: self._packer.batch(w, prepared, self.holders, self._holder_ids_of))
+            self._apply(plan)
+            failed += [(positions[j], exc) for j, exc in refused]
+            failed.sort(key=lambda f: f[0])
+            removed = [0] * len(ops)
+            for j, count in enumerate(plan.removed_per_op):
+                removed[positions[j]] = count
+            self._counters.batches += 1
+            self._counters.batched_ops += len(prepared)
+            self._counters.inserted_blocks += plan.new_blocks
+            self._counters.removed_blocks += plan.removed_blocks
+            self._maybe_snapshot()
+            return BatchResult(len(ops), failed, plan.new_blocks, removed)
+
+    def _holder_ids_of(self, instance: str, medium: str | None) -> list[int]:
+        return [h for h, (inst, med) in self._holder_names.items()
+                if inst == instance and (medium is None or med == medium)]
+
     def _apply(self, plan: Plan) -> None:
         """Bring memory up to date with a committed write."""
-        if plan.holder_name is not None and plan.holder_name[0] not in self._holder_names:
-            self._register_holder(*plan.holder_name)
+        for holder_id, name in plan.holder_names:
+            if holder_id not in self._holder_names:
+                self._register_holder(holder_id, name)
         for seg_id, first_hash, holder_ids, is_new in plan.segments:
             if holder_ids is None:
                 self.holders.discard_everywhere(seg_id)
@@ -658,6 +732,73 @@ class Index:
         """Every (instance, medium) the index has seen."""
         with self._lock, self._read():
             return sorted(self._holder_names.values())
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What a batch did: operations refused (position, error), blocks new and removed."""
+
+    operations: int
+    failed: list[tuple[int, Exception]]
+    new_blocks: int
+    removed_per_op: list[int]
+
+
+class Batch:
+    """Operations collected for one transaction: ``with index.batch() as b: b.insert(...)``."""
+
+    def __init__(self, index: Index) -> None:
+        self._index = index
+        self._ops: list[tuple] = []
+        self.result: BatchResult | None = None
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            n = len(self._ops)
+            self.result = self._index._apply_prepared(self._ops, list(range(n)), [], n)
+
+    def insert(self, hashes: HashesLike, parent: int | bytes | None = None, *, holder: str,
+               medium: str = DEFAULT_MEDIUM) -> None:
+        """Add an insert (as :meth:`Index.insert`, without ``meta``)."""
+        self._ops.append(_prepare(("insert", hashes, parent, holder, medium)))
+
+    def remove(self, hashes: HashesLike, *, holder: str, medium: str = DEFAULT_MEDIUM) -> None:
+        """Add a remove (as :meth:`Index.remove`)."""
+        self._ops.append(_prepare(("remove", hashes, holder, medium)))
+
+    def clear(self, holder: str, medium: str | None = None) -> None:
+        """Add a clear (as :meth:`Index.clear`)."""
+        self._ops.append(_prepare(("clear", holder, medium)))
+
+
+def _prepare(op: tuple) -> tuple:
+    """Check one batch operation's arguments; return the packer's form of it."""
+    kind = op[0] if isinstance(op, tuple | list) and op else None
+    if kind == "insert":
+        _, hashes, parent, holder, medium = op
+        chain = as_hashes(hashes)
+        if np.unique(chain).size != chain.size:
+            raise ValueError("hashes repeat a value; a chain of block hashes names each block "
+                             "once (hash blocks with their parent, e.g. sarp.hash_blocks)")
+        parent_hash = None if parent is None else as_hash(parent)
+        if parent_hash is not None and (chain == parent_hash).any():
+            raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
+                             "blocks after it")
+        return ("insert", chain, parent_hash, _holder_name(holder, medium), None)
+    if kind == "remove":
+        _, hashes, holder, medium = op
+        return ("remove", as_hashes(hashes), _holder_name(holder, medium))
+    if kind == "clear":
+        _, holder, medium = op
+        if medium is not None:
+            _holder_name(holder, medium)
+        elif not isinstance(holder, str) or not holder:
+            raise ValueError(f"holder={holder!r}; pass the instance name as a non-empty str")
+        return ("clear", holder, medium)
+    raise ValueError(f"batch operation {kind!r}; use 'insert', 'remove' or 'clear'")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -2,7 +2,9 @@
 
 Each method runs inside one :meth:`sarp.store.Store.write` transaction and returns a
 :class:`Plan` of what changed, which the index applies to memory only after the
-commit (so a failed write changes nothing).  Packing rules (docs/design.md):
+commit (so a failed write changes nothing).  :meth:`Packer.batch` runs many of them
+in one transaction, writing each touched segment once.  Packing rules
+(docs/design.md):
 
 * a block is stored once; inserting it again only adds the holder's presence bit,
   after checking it sits at the claimed position after the claimed parent;
@@ -47,16 +49,69 @@ class Packer:
 
         Cost: a batched lookup per block, one record write per touched segment.
         """
-        holder_id = w.holder_id(name, create=True)
-        plan = Plan(holder_name=(holder_id, name))
-        touched = Touched(w)
+        plan, touched = Plan(), Touched(w)
+        self.add_insert(w, touched, plan, chain, parent, name, meta)
+        touched.flush(plan)
+        return plan
+
+    def batch(self, w: WriteTxn, ops: list[tuple], holders: HolderSegments,
+              holder_ids_of) -> tuple[Plan, list[tuple[int, Exception]]]:
+        """Apply many operations in one transaction; each touched segment is written once.
+
+        ``ops`` are ``("insert", chain, parent, name, meta)``, ``("remove", chain,
+        name)`` and ``("clear", instance, medium_or_None)``.  An operation that
+        refuses (``ParentNotFoundError``, ``ChainConflictError``) is reported with its
+        position and has written nothing; the others are applied in order.
+        ``holder_ids_of(instance, medium)`` names the committed holder ids a clear
+        covers.
+
+        Cost: the operations' lookups, then one record write per touched segment.
+        """
+        plan, touched = Plan(), Touched(w)
+        failed: list[tuple[int, Exception]] = []
+        for i, op in enumerate(ops):
+            before = plan.removed_blocks
+            try:
+                if op[0] == "insert":
+                    self.add_insert(w, touched, plan, *op[1:])
+                elif op[0] == "remove":
+                    self.add_remove(w, touched, plan, *op[1:])
+                else:
+                    ids = set(holder_ids_of(op[1], op[2]))
+                    ids.update(h for h, name in plan.holder_names
+                               if _matches(name, op[1], op[2]))
+                    self.add_clear(touched, plan, sorted(ids), holders)
+            except (ParentNotFoundError, ChainConflictError) as exc:
+                failed.append((i, exc))
+            plan.removed_per_op.append(plan.removed_blocks - before)
+        touched.flush(plan)
+        return plan, failed
+
+    def add_insert(
+        self,
+        w: WriteTxn,
+        touched: Touched,
+        plan: Plan,
+        chain: np.ndarray,
+        parent: int | None,
+        name: str,
+        meta: np.ndarray | None,
+    ) -> None:
+        """Insert into ``touched`` (and the ``blocks`` table of ``w``).  Everything that
+        can refuse is checked before anything is changed, so a refused insert inside a
+        batch leaves no trace."""
         start_pos, parent_at = 0, None
         if parent is not None:
             parent_at = self._held_parent(w, touched, parent)
             seg = touched.get(parent_at[0])
             start_pos = seg.start_pos + parent_at[1] + 1
         seg_ids, offsets = w.locate(chain)
-        self._mark_existing(touched, chain, parent, start_pos, seg_ids, offsets, holder_id, meta)
+        self._check_existing(touched, chain, parent, start_pos, seg_ids, offsets)
+        holder_id = w.holder_id(name, create=False)
+        if holder_id is None:
+            holder_id = w.holder_id(name, create=True)
+            plan.holder_names.append((holder_id, name))
+        self._mark_existing(touched, seg_ids, offsets, holder_id, meta)
         new = np.flatnonzero(seg_ids == 0)
         if new.size:
             breaks = np.flatnonzero(np.diff(new) != 1) + 1
@@ -64,9 +119,7 @@ class Packer:
                 i, j = int(run[0]), int(run[-1]) + 1
                 prev_at = (int(seg_ids[i - 1]), int(offsets[i - 1])) if i > 0 else parent_at
                 self._pack_run(w, touched, chain, i, j, start_pos, parent, prev_at, holder_id, meta)
-            plan.new_blocks = int(new.size)
-        touched.flush(plan)
-        return plan
+            plan.new_blocks += int(new.size)
 
     def _held_parent(self, w: WriteTxn, touched: Touched, parent: int) -> tuple[int, int]:
         seg_ids, offsets = w.locate(np.array([parent], np.uint64))
@@ -79,7 +132,7 @@ class Packer:
             "from its first block (parent=None) or from a block that is still stored"
         )
 
-    def _mark_existing(
+    def _check_existing(
         self,
         touched: Touched,
         chain: np.ndarray,
@@ -87,10 +140,8 @@ class Packer:
         start_pos: int,
         seg_ids: np.ndarray,
         offsets: np.ndarray,
-        holder_id: int,
-        meta: np.ndarray | None,
     ) -> None:
-        """Add the holder to blocks already stored, after checking they sit where claimed."""
+        """Refuse an insert whose already-stored blocks sit elsewhere than it claims."""
         for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
             idx = np.flatnonzero(seg_ids == seg_id)
             seg = touched.get(seg_id)
@@ -108,6 +159,20 @@ class Packer:
                     f"{start_pos + idx[b]} after {int(claimed[b])}; block hashes must be "
                     "chained (a hash names its whole prefix)"
                 )
+
+    def _mark_existing(
+        self,
+        touched: Touched,
+        seg_ids: np.ndarray,
+        offsets: np.ndarray,
+        holder_id: int,
+        meta: np.ndarray | None,
+    ) -> None:
+        """Add the holder to blocks already stored (checked by ``_check_existing``)."""
+        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
+            idx = np.flatnonzero(seg_ids == seg_id)
+            seg = touched.get(seg_id)
+            offs = offsets[idx].astype(np.int64)
             row = seg.row_of(holder_id)
             seg.presence[row, offs] = 1
             if meta is not None:
@@ -177,11 +242,16 @@ class Packer:
 
     def remove(self, w: WriteTxn, chain: np.ndarray, name: str) -> Plan:
         """Clear holder ``name``'s presence bits for ``chain``; blocks it lacks are skipped."""
-        plan = Plan()
+        plan, touched = Plan(), Touched(w)
+        self.add_remove(w, touched, plan, chain, name)
+        touched.flush(plan)
+        return plan
+
+    def add_remove(self, w: WriteTxn, touched: Touched, plan: Plan, chain: np.ndarray,
+                   name: str) -> None:
         holder_id = w.holder_id(name, create=False)
         if holder_id is None:
-            return plan
-        touched = Touched(w)
+            return
         seg_ids, offsets = w.locate(chain)
         for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
             seg = touched.get(seg_id)
@@ -193,34 +263,44 @@ class Packer:
             seg.presence[rows[0], offs] = 0
             if seg.meta is not None:
                 seg.meta[rows[0], offs] = -1
-        touched.flush(plan)
-        return plan
 
     def clear(self, w: WriteTxn, holder_ids: list[int], holders: HolderSegments) -> Plan:
         """Clear every block of ``holder_ids``, visiting only their segments (``holders``)."""
-        plan = Plan()
-        touched = Touched(w)
+        plan, touched = Plan(), Touched(w)
+        self.add_clear(touched, plan, holder_ids, holders)
+        touched.flush(plan)
+        return plan
+
+    def add_clear(self, touched: Touched, plan: Plan, holder_ids: list[int],
+                  holders: HolderSegments) -> None:
         for holder_id in holder_ids:
-            for seg_id in holders.segments(holder_id):
+            # Committed segments from the filter, and any this transaction touched
+            # (new ones, or ones the holder joined earlier in a batch).
+            seg_ids = set(holders.segments(holder_id)) | touched.holding(holder_id)
+            for seg_id in sorted(seg_ids):
                 seg = touched.get(seg_id)
                 rows = np.flatnonzero(seg.holder_ids == holder_id)
                 if rows.size:
                     plan.removed_blocks += int(seg.presence[rows[0]].sum())
                     seg.presence[rows[0]] = 0
-        touched.flush(plan)
-        return plan
+
+
+def _matches(name: str, instance: str, medium: str | None) -> bool:
+    inst, _, med = name.partition("\0")
+    return inst == instance and (medium is None or med == medium)
 
 
 @dataclass(slots=True)
 class Plan:
     """What a committed write changed, to apply to memory afterwards."""
 
-    holder_name: tuple[int, str] | None = None
+    holder_names: list[tuple[int, str]] = field(default_factory=list)  # created by the write
     # (segment id, first hash, holder ids now in it or None if deleted, is new)
     segments: list[tuple[int, int, list[int] | None, bool]] = field(default_factory=list)
     dropped: dict[int, list[int]] = field(default_factory=dict)
     new_blocks: int = 0
     removed_blocks: int = 0
+    removed_per_op: list[int] = field(default_factory=list)  # a batch's, in order
 
 
 class Touched:
@@ -238,6 +318,10 @@ class Touched:
         if seg is None:
             seg = self._segs[seg_id] = writable(self._w.segment(seg_id))
         return seg
+
+    def holding(self, holder_id: int) -> set[int]:
+        """Touched segments with a row for ``holder_id``."""
+        return {sid for sid, seg in self._segs.items() if holder_id in seg.holder_ids}
 
     def add_new(self, seg: Segment) -> None:
         self._segs[seg.seg_id] = seg

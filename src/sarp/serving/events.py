@@ -279,7 +279,7 @@ _bad_event_log = _RateLimitedLog()
 
 def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None, *,
           dp_rank: int | None = None) -> ApplyStats:
-    """Apply a decoded batch from engine ``source`` to ``index``.
+    """Apply a decoded batch from engine ``source`` to ``index`` (one index batch).
 
     ``BlockStored`` -> ``insert`` under holder ``source#rank`` (``dp_rank`` when
     given, else the batch's rank; plain ``source`` when neither) and the event's
@@ -295,7 +295,7 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None, *,
     even its hashes cannot be read, clears the holder.  Errors of the store
     itself (``StoreError``) are not bad events and propagate.
 
-    Cost: one index write per event.
+    Cost: one index write transaction (see :class:`Applier` for many batches in one).
 
     >>> import tempfile, sarp
     >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -305,75 +305,130 @@ def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None, *,
     ({'repeated_hash': 1}, {'e0': 2})
     """
     stats = stats or ApplyStats()
-    started = time.perf_counter()
-    holder = holder_name(source, batch.dp_rank if dp_rank is None else dp_rank)
-    for event in batch.events:
-        stats.events += 1
-        if getattr(event, "group_idx", None) not in (None, 0):
-            # Hybrid models report each KV cache group separately; a block counts as
-            # cached when group 0 (full attention) has it, so other groups' events
-            # could only make the index claim blocks group 0 does not hold.
-            stats.skipped_groups += 1
-            continue
-        try:
-            _apply_one(index, holder, event, stats)
-        except (StoreError, IndexClosedError):
-            raise  # the store itself failed: not the event's fault, nothing to skip
-        except Exception as exc:  # a bug of ours must not stop the stream either
-            log.exception("sarp: %s: applying %s failed", holder, type(event).__name__)
-            _bad(stats, holder, "internal_error", repr(exc))
-            if not isinstance(event, Stored):
-                index.clear(holder)  # it may have been a removal: only forgetting is safe
-    stats.batches += 1
-    stats.seconds += time.perf_counter() - started
+    applier = Applier(index)
+    applier.add(source, batch, stats, dp_rank=dp_rank)
+    applier.flush()
     return stats
 
 
-def _apply_one(index, holder: str, event: Event, stats: ApplyStats) -> None:
-    if isinstance(event, Malformed):
-        _apply_malformed(index, holder, event, stats)
-    elif isinstance(event, Stored):
-        _apply_stored(index, holder, event, stats)
-    elif isinstance(event, Removed):
+class Applier:
+    """Turns decoded batches into index operations and applies many in one transaction.
+
+    ``add`` queues a batch's events; ``flush`` applies everything queued with one
+    :meth:`sarp.Index.apply_batch` (one commit, each touched segment written once)
+    and settles the counts: what was stored and removed, and each refused
+    operation as a bad event or an orphan.  A removal the index refused is
+    followed, in a second batch, by a clear of its holder (never more than the
+    engine).
+
+    Cost: one write transaction per flush.
+    """
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self._ops: list[tuple] = []
+        self._meta: list[tuple[ApplyStats, str, str]] = []  # per op: stats, holder, kind
+        self._batches: list[ApplyStats] = []
+
+    @property
+    def pending_ops(self) -> int:
+        return len(self._ops)
+
+    def add(self, source: str, batch: Batch, stats: ApplyStats, *,
+            dp_rank: int | None = None) -> None:
+        """Queue a decoded batch's events (nothing is written until :meth:`flush`)."""
+        holder = holder_name(source, batch.dp_rank if dp_rank is None else dp_rank)
+        for event in batch.events:
+            stats.events += 1
+            if getattr(event, "group_idx", None) not in (None, 0):
+                # Hybrid models report each KV cache group separately; a block counts as
+                # cached when group 0 (full attention) has it, so other groups' events
+                # could only make the index claim blocks group 0 does not hold.
+                stats.skipped_groups += 1
+            elif isinstance(event, Stored):
+                self._queue(stats, holder, "store",
+                            ("insert", event.block_hashes, event.parent, holder, event.medium))
+            elif isinstance(event, Removed):
+                self._queue(stats, holder, "remove",
+                            ("remove", event.block_hashes, holder, event.medium))
+            elif isinstance(event, Cleared):
+                self._queue(stats, holder, "clear", ("clear", holder, None))
+            else:
+                self._add_malformed(stats, holder, event)
+        self._batches.append(stats)
+
+    def _queue(self, stats: ApplyStats, holder: str, kind: str, op: tuple) -> None:
+        self._ops.append(op)
+        self._meta.append((stats, holder, kind))
+
+    def _add_malformed(self, stats: ApplyStats, holder: str, event: Malformed) -> None:
+        _bad(stats, holder, event.kind, event.reason)
+        if event.event_type != "BlockRemoved":
+            return  # a store not applied, or an event we do not know: the index knows less
+        if event.block_hashes is None:
+            # A removal of blocks we cannot name: only forgetting the holder is safe.
+            self._queue(stats, holder, "clear", ("clear", holder, None))
+            return
+        for medium in self._media_of(holder):
+            self._queue(stats, holder, "remove", ("remove", event.block_hashes, holder, medium))
+
+    def _media_of(self, holder: str) -> list[str]:
+        known = {m for inst, m in self.index.holders_list() if inst == holder}
+        queued = {op[4] for op in self._ops if op[0] == "insert" and op[3] == holder}
+        return sorted(known | queued | {DEFAULT_MEDIUM})
+
+    def flush(self) -> None:
+        """Apply everything queued in one index batch; settle the counts."""
+        if not self._ops and not self._batches:
+            return
+        started = time.perf_counter()
+        ops, meta, batches = self._ops, self._meta, self._batches
+        self._ops, self._meta, self._batches = [], [], []
         try:
-            stats.blocks_removed += index.remove(event.block_hashes, holder=holder,
-                                                 medium=event.medium)
-        except (ValueError, TypeError) as exc:
-            _bad(stats, holder, "rejected", str(exc))
-            stats.blocks_removed += _remove_everywhere(index, holder, event.block_hashes)
-    else:
-        index.clear(holder)
-        stats.clears += 1
+            result = self.index.apply_batch(ops)
+        except (StoreError, IndexClosedError):
+            raise  # the store itself failed: not the events' fault, nothing to skip
+        except Exception as exc:  # a bug of ours must not stop the stream either
+            log.exception("sarp: applying a batch of %d operations failed", len(ops))
+            self._after_internal_error(ops, meta, exc)
+        else:
+            self._settle(ops, meta, result)
+        share = (time.perf_counter() - started) / max(1, len(batches))
+        for stats in batches:
+            stats.seconds += share  # apply time, split evenly over the batches applied
+            stats.batches += 1
 
+    def _settle(self, ops: list[tuple], meta: list, result) -> None:
+        failed = dict(result.failed)
+        fallback: list[tuple] = []
+        for i, (op, (stats, holder, kind)) in enumerate(zip(ops, meta, strict=True)):
+            exc = failed.get(i)
+            if exc is None:
+                if kind == "store":
+                    stats.blocks_stored += op[1].size
+                elif kind == "remove":
+                    stats.blocks_removed += result.removed_per_op[i]
+                else:
+                    stats.clears += 1
+                    stats.blocks_removed += result.removed_per_op[i]
+            elif isinstance(exc, ParentNotFoundError):
+                stats.skipped_orphans += 1
+            else:
+                _bad(stats, holder, "chain_conflict" if isinstance(exc, ChainConflictError)
+                     else "rejected", str(exc))
+                if kind != "store":
+                    fallback.append(("clear", holder, None))
+        if fallback:
+            self.index.apply_batch(fallback)
 
-def _apply_stored(index, holder: str, event: Stored, stats: ApplyStats) -> None:
-    try:
-        index.insert(event.block_hashes, parent=event.parent, holder=holder,
-                     medium=event.medium)
-        stats.blocks_stored += event.block_hashes.size
-    except ParentNotFoundError:
-        stats.skipped_orphans += 1
-    except ChainConflictError as exc:
-        _bad(stats, holder, "chain_conflict", str(exc))
-    except (ValueError, TypeError) as exc:
-        _bad(stats, holder, "rejected", str(exc))
-
-
-def _apply_malformed(index, holder: str, event: Malformed, stats: ApplyStats) -> None:
-    _bad(stats, holder, event.kind, event.reason)
-    if event.event_type != "BlockRemoved":
-        return  # a store not applied, or an event we do not know: the index knows less
-    if event.block_hashes is not None:
-        stats.blocks_removed += _remove_everywhere(index, holder, event.block_hashes)
-    else:
-        # A removal of blocks we cannot name: only forgetting the holder is safe.
-        stats.blocks_removed += index.clear(holder)
-        stats.clears += 1
-
-
-def _remove_everywhere(index, holder: str, hashes: np.ndarray) -> int:
-    media = sorted({m for inst, m in index.holders_list() if inst == holder})
-    return sum(index.remove(hashes, holder=holder, medium=m) for m in media)
+    def _after_internal_error(self, ops: list[tuple], meta: list, exc: Exception) -> None:
+        forget = set()
+        for _op, (stats, holder, kind) in zip(ops, meta, strict=True):
+            _bad(stats, holder, "internal_error", repr(exc))
+            if kind != "store":
+                forget.add(holder)  # it may have been a removal: only forgetting is safe
+        if forget:
+            self.index.apply_batch([("clear", h, None) for h in sorted(forget)])
 
 
 def _bad(stats: ApplyStats, holder: str, kind: str, reason: str) -> None:

@@ -51,7 +51,7 @@ import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .events import ApplyStats, BadEvent, Batch, apply, decode, holder_name
+from .events import Applier, ApplyStats, BadEvent, Batch, decode, holder_name
 
 log = logging.getLogger("sarp.subscriber")
 
@@ -60,6 +60,8 @@ STATE_VERSION = 2
 END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 REPLAY_RETRIES = 3  # re-asks when a replay arrives with a hole (a ROUTER dropped frames)
+MAX_BATCH_OPS = 4096  # events applied in one index transaction, at most
+MAX_BATCH_MS = 50.0  # ... and how long the first of them may wait for the commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +193,11 @@ class Subscriber:
         self.replay_idle_timeout_s = replay_idle_timeout_s
         self._ctx = context or zmq.Context.instance()
         self._state_path = Path(index.path) / STATE_FILE
-        self.state: dict[str, Fingerprint] = self._load_state()
+        self.state: dict[str, Fingerprint] = self._load_state()  # applied or queued
+        self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
+        self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
+        self._applier = Applier(index)
+        self._queued_since: float | None = None
         self.stats = {key: SourceStats() for key in self.sources}
         self._live_last: dict[str, int] = {}  # last sequence seen on the live stream
         self._ahead: dict[str, dict[int, int]] = {k: {} for k in self.sources}  # seq -> digest
@@ -239,7 +245,7 @@ class Subscriber:
         tmp = self._state_path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             json.dump({"version": STATE_VERSION,
-                       "sources": {k: asdict(fp) for k, fp in self.state.items()}}, f)
+                       "sources": {k: asdict(fp) for k, fp in self._committed.items()}}, f)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -268,9 +274,33 @@ class Subscriber:
                 except zmq.Again:
                     break
                 applied += self._on_message(key, frames)
-        if applied:
+                self._maybe_flush()
+        if self.flush():
             self.save_state()
         return applied
+
+    def flush(self) -> bool:
+        """Commit every queued batch in one index transaction; True if anything was.
+
+        Only then do the fingerprints of those batches go to ``subscriber.json``.
+        """
+        if not self._dirty and not self._applier.pending_ops:
+            return False
+        self._applier.flush()
+        now = time.time()
+        for key, fp in self._dirty.items():
+            self._committed[key] = fp
+            self.last_applied_at[key] = now
+        self._dirty.clear()
+        self._queued_since = None
+        return True
+
+    def _maybe_flush(self) -> None:
+        if self._queued_since is None:
+            return
+        waited_ms = 1000 * (time.monotonic() - self._queued_since)
+        if self._applier.pending_ops >= MAX_BATCH_OPS or waited_ms >= MAX_BATCH_MS:
+            self.flush()
 
     def catch_up(self) -> int:
         """Prove each engine's continuity from its replay buffer, and apply what we lack.
@@ -279,6 +309,7 @@ class Subscriber:
         (re)started subscriber asks first instead of waiting for a gap to show.
         """
         applied = sum(self._resync(key, "start") for key in self.sources)
+        self.flush()
         self.save_state()
         return applied
 
@@ -289,9 +320,11 @@ class Subscriber:
             while not should_stop():
                 self.poll(timeout_ms)
         finally:
+            self.flush()
             self.save_state(durable=True)
 
     def close(self) -> None:
+        self.flush()
         self.save_state(durable=True)
         for sock in self._subs:
             sock.disable_monitor()
@@ -380,20 +413,25 @@ class Subscriber:
 
     def _apply(self, key: str, seq: int, payload: bytes, digest: int,
                batch: Batch | None) -> int:
-        """Apply one batch in line, then (only then) advance the fingerprint."""
+        """Queue one batch in line for the next commit, and advance the fingerprint
+        (``subscriber.json`` follows only when the commit is done: :meth:`flush`)."""
         source, stats = self.sources[key], self.stats[key]
         if batch is None:
             # A batch we cannot read may have removed blocks: it is a lost batch.
             self._forget(key, f"batch {seq} could not be decoded")
-            self.state[key] = Fingerprint(seq, digest, 0.0)
+            self._advance(key, Fingerprint(seq, digest, 0.0))
             return 0
         if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
-        apply(self.index, source.name, batch, stats.applied, dp_rank=source.dp_rank)
+        self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank)
         stats.batches += 1
-        self.state[key] = Fingerprint(seq, digest, batch.ts)
-        self.last_applied_at[key] = time.time()
+        self._advance(key, Fingerprint(seq, digest, batch.ts))
         return 1
+
+    def _advance(self, key: str, fp: Fingerprint) -> None:
+        self.state[key] = self._dirty[key] = fp
+        if self._queued_since is None:
+            self._queued_since = time.monotonic()
 
     # -- continuity --------------------------------------------------------------------------
 
@@ -507,9 +545,11 @@ class Subscriber:
     def _forget(self, key: str, reason: str) -> None:
         """Clear the source's holders: the index may know less than the engine, never more."""
         log.warning("sarp: %s: %s; clearing its holders", key, reason)
+        self.flush()  # what was queued before this happened goes first
         for instance in self._instances(key):
             self.index.clear(instance)
-        self.state.pop(key, None)
+        for table in (self.state, self._committed, self._dirty):
+            table.pop(key, None)
         self._ahead[key].clear()
 
     def _instances(self, key: str) -> list[str]:
@@ -520,6 +560,7 @@ class Subscriber:
         return sorted(n for n in names if n == key or n.startswith(key + "#"))
 
     def _holds_anything(self, key: str) -> bool:
+        self.flush()
         return any(self.index.blocks_of(inst).size for inst in self._instances(key))
 
     def summary(self) -> dict[str, dict]:

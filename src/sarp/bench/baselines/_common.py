@@ -30,6 +30,11 @@ class HolderBits:
             self.bits[key] = len(self.bits)
         return 1 << self.bits[key]
 
+    def mask(self, holder: str, medium: str | None) -> int:
+        """The bits of ``holder`` in ``medium`` (every medium when None)."""
+        return sum(1 << b for (h, m), b in self.bits.items()
+                   if h == holder and (medium is None or m == medium))
+
 
 def chain_of(hashes) -> np.ndarray:
     return as_hashes(hashes)
@@ -55,6 +60,42 @@ class DictBlocks:
             new += old == 0
             blocks[h] = old | bit
         return new
+
+    def remove(self, hashes, *, holder: str, medium: str = "GPU") -> int:
+        keep = ~self.holders.bit(holder, medium)
+        blocks = self.blocks
+        removed = 0
+        for h in chain_of(hashes).tolist():
+            old = blocks.get(h)
+            if old is None:
+                continue
+            removed += old & ~keep != 0
+            if old & keep:
+                blocks[h] = old & keep
+            else:
+                del blocks[h]
+        return removed
+
+    def clear(self, holder: str, medium: str | None = None) -> int:
+        mask = self.holders.mask(holder, medium)
+        gone = [h for h, bits in self.blocks.items() if bits & mask]
+        for h in gone:
+            bits = self.blocks[h] & ~mask
+            if bits:
+                self.blocks[h] = bits
+            else:
+                del self.blocks[h]
+        return len(gone)
+
+    def apply_ops(self, ops) -> None:
+        """Apply event operations (``sarp.Index.apply_batch``'s form), one after another."""
+        for op in ops:
+            if op[0] == "insert":
+                self.insert(op[1], op[2], holder=op[3], medium=op[4])
+            elif op[0] == "remove":
+                self.remove(op[1], holder=op[2], medium=op[3])
+            else:
+                self.clear(op[1], op[2])
 
     def match(self, hashes) -> BaselineMatch:
         blocks = self.blocks

@@ -1,0 +1,118 @@
+"""Index.batch / apply_batch: many writes in one transaction, the same result as one by
+one, and a refused operation leaves no trace."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import sarp
+
+
+def random_ops(seed: int, count: int) -> list[tuple]:
+    rng = random.Random(seed)
+    chains: list[list[int]] = []
+    ops = []
+    for _ in range(count):
+        holder = rng.choice(["a#0", "b#0", "c#1"])
+        medium = rng.choice(["GPU", "CPU"])
+        r = rng.random()
+        if r < 0.5 or not chains:
+            if chains and rng.random() < 0.6:
+                base = rng.choice(chains)
+                cut = rng.randrange(1, len(base) + 1)
+                new = [rng.getrandbits(60) + 1 for _ in range(rng.randrange(1, 9))]
+                ops.append(("insert", new, base[cut - 1], holder, medium))
+                chains.append(base[:cut] + new)
+            else:
+                new = [rng.getrandbits(60) + 1 for _ in range(rng.randrange(1, 12))]
+                ops.append(("insert", new, None, holder, medium))
+                chains.append(new)
+        elif r < 0.85:
+            chain = rng.choice(chains)
+            ops.append(("remove", chain[rng.randrange(len(chain)):], holder, medium))
+        elif r < 0.95:
+            ops.append(("clear", holder, rng.choice([None, medium])))
+        else:
+            ops.append(("insert", [rng.getrandbits(60) + 1], 12345, holder, medium))  # orphan
+    return ops
+
+
+def one_by_one(index, op) -> bool:
+    try:
+        if op[0] == "insert":
+            index.insert(op[1], parent=op[2], holder=op[3], medium=op[4])
+        elif op[0] == "remove":
+            index.remove(op[1], holder=op[2], medium=op[3])
+        else:
+            index.clear(op[1], op[2])
+        return True
+    except (sarp.ParentNotFoundError, sarp.ChainConflictError):
+        return False
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batches_give_the_same_index_as_one_write_at_a_time(tmp_path, seed):
+    ops = random_ops(seed, 400)
+    rng = random.Random(seed)
+    with sarp.open(tmp_path / "single", durability="nosync", segment_blocks=8) as single, \
+            sarp.open(tmp_path / "batched", durability="nosync", segment_blocks=8) as batched:
+        refused_single = [i for i, op in enumerate(ops) if not one_by_one(single, op)]
+        refused_batched, i = [], 0
+        while i < len(ops):
+            n = rng.randrange(1, 60)
+            result = batched.apply_batch(ops[i : i + n])
+            refused_batched += [i + j for j, _ in result.failed]
+            i += n
+        assert refused_batched == refused_single
+        for holder in ("a#0", "b#0", "c#1"):
+            for medium in ("GPU", "CPU"):
+                assert (batched.blocks_of(holder, medium).tolist()
+                        == single.blocks_of(holder, medium).tolist())
+        assert batched.check() == [] and single.check() == []
+        assert batched.stats()["batches"] > 0
+    with sarp.open(tmp_path / "batched") as reopened:  # and it recovers the same
+        assert reopened.check() == []
+
+
+def test_a_refused_operation_in_a_batch_leaves_no_trace(tmp_path):
+    with sarp.open(tmp_path / "ix") as index:
+        index.insert([1, 2, 3], holder="a")
+        with index.batch() as b:
+            b.insert([10, 11], holder="a")
+            # 2 is stored after 1 at position 1: this claims it at 0 along with a new
+            # block 50; refused whole, so 50 must not be stored either.
+            b.insert([2, 50], holder="b")
+            b.insert([12], parent=11, holder="a")
+        assert [i for i, _ in b.result.failed] == [1]
+        assert isinstance(b.result.failed[0][1], sarp.ChainConflictError)
+        assert index.match([50]).num_blocks == 0 and index.blocks_of("b").size == 0
+        assert index.match([10, 11, 12]).by_holder == {"a": 3}
+        assert index.check() == []
+
+
+def test_a_clear_in_a_batch_covers_what_the_same_batch_inserted(tmp_path):
+    with sarp.open(tmp_path / "ix") as index:
+        index.insert([1, 2], holder="a", medium="GPU")
+        result = index.apply_batch([("insert", [3, 4], 2, "a", "GPU"),
+                                    ("insert", [7], None, "new", "CPU"),
+                                    ("clear", "a", None), ("clear", "new", "CPU"),
+                                    ("insert", [1], None, "a", "CPU")])
+        assert result.failed == [] and result.removed_per_op[2] == 4
+        assert index.match([1, 2, 3, 4]).by_medium == {"a": {"CPU": 1}}
+        assert index.match([7]).num_blocks == 0
+        assert index.check() == []
+
+
+def test_bad_arguments_are_reported_per_operation_or_raised_by_batch(tmp_path):
+    with sarp.open(tmp_path / "ix") as index:
+        result = index.apply_batch([("insert", [1, 1], None, "a", "GPU"),
+                                    ("insert", [5], None, "a", "GPU"), ("nope",)])
+        assert [i for i, _ in result.failed] == [0, 2]
+        assert index.match([5]).num_blocks == 1
+        with pytest.raises(ValueError, match="repeat"), index.batch() as b:
+            b.insert([2, 2], holder="a")
+        with index.batch() as b:
+            pass
+        assert b.result.failed == [] and b.result.operations == 0
