@@ -188,3 +188,10 @@ def test_health_readiness_and_metrics_read_back_by_prometheus_client(service):
     assert samples[("sarp_match_seconds_count", ())] >= 4
     assert samples[("sarp_index_blocks", ())] == 4 + 4 + 2
     assert samples[("sarp_ready", ())] == 1.0
+
+
+def test_a_request_without_a_full_block_matches_nothing(service):
+    assert match(service["port"], {"block_hashes": []}) == (200, {"matched_blocks": 0,
+                                                                 "instances": []})
+    status, body = match(service["port"], {"token_ids": [1, 2, 3]})  # < one 16-token block
+    assert status == 200 and body["matched_blocks"] == 0

@@ -39,7 +39,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import orjson
+
+from ..hashing import as_hashes, hash_blocks
 
 log = logging.getLogger("sarp.http")
 
@@ -118,8 +121,8 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     """Check a ``/v1/match`` body; return the keyword arguments for ``score_match``.
 
     >>> cfg = HttpConfig("ix", "127.0.0.1", 1, "m")
-    >>> parse_match(b'{"block_hashes": [1, -1], "block_size": 16}', cfg)["hashes"]
-    [1, -1]
+    >>> parse_match(b'{"block_hashes": [1, -1], "block_size": 16}', cfg)["hashes"].tolist()
+    [1, 18446744073709551615]
     """
     try:
         obj = orjson.loads(body)
@@ -151,15 +154,30 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     if ("block_hashes" in obj) == ("token_ids" in obj):
         raise BadRequest("block_hashes", "pass exactly one of block_hashes and token_ids")
     if "block_hashes" in obj:
-        out["hashes"] = _int_list(obj["block_hashes"], "block_hashes", _I64_MIN, _U64_MAX)
+        out["hashes"] = _hash_array(obj["block_hashes"])
         return out
     tokens = _int_list(obj["token_ids"], "token_ids", 0, 0xFFFFFFFF)
     size = block_size or config.block_size
     if size is None:
         raise BadRequest("block_size", "token_ids need a block_size (in the request, or "
                                        "sarp serve --block-size)")
-    out.update(token_ids=tokens, block_size=size, scheme=config.scheme, seed=config.seed)
+    try:
+        out["hashes"] = hash_blocks(tokens, size, scheme=config.scheme, seed=config.seed)
+    except ValueError as exc:
+        raise BadRequest("token_ids", str(exc)) from None
+    out["block_size"] = size
     return out
+
+
+def _hash_array(value: object) -> np.ndarray:
+    """``block_hashes`` as a uint64 array, converted in C when they are plain ints."""
+    if isinstance(value, list) and all(type(v) is int for v in value):
+        for dtype in (np.int64, np.uint64):
+            try:
+                return np.array(value, dtype=dtype).view(np.uint64)
+            except OverflowError:
+                continue
+    return as_hashes(_int_list(value, "block_hashes", _I64_MIN, _U64_MAX), allow_empty=True)
 
 
 def _int_list(value: object, field: str, low: int, high: int) -> list[int]:
@@ -234,13 +252,14 @@ def make_app(index, config: HttpConfig):
             return refuse("body", f"the body is over {MAX_BODY_BYTES} bytes; send fewer hashes")
         try:
             kwargs = parse_match(body, config)
-            m, scores = score_match(index, **kwargs)
         except BadRequest as exc:
             return refuse(exc.field, str(exc))
-        except ValueError as exc:  # e.g. a hash scheme refusing the token ids
-            return refuse("body", str(exc))
-        answer = {"matched_blocks": m.num_blocks,
-                  "instances": [asdict(s) for s in scores]}
+        if kwargs["hashes"].size:
+            m, scores = score_match(index, **kwargs)
+            answer = {"matched_blocks": m.num_blocks,
+                      "instances": [asdict(s) for s in scores]}
+        else:  # no full block: nothing can be cached
+            answer = {"matched_blocks": 0, "instances": []}
         response = web.Response(body=orjson.dumps(answer), content_type="application/json")
         latency.observe(time.perf_counter() - started)
         matches.inc()
