@@ -7,6 +7,7 @@ where the engine's replay buffer allows it, exactly what the engine holds."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import time
@@ -296,3 +297,64 @@ def test_sarp_serve_with_dp_ranks_outlives_every_bad_input(tmp_path):
         m = index.match([1, 2, 3, 4])
         assert m.by_medium == {"eng#0": {"GPU": 2}, "eng#1": {"GPU": 2}}
         assert index.match([777]).num_blocks == index.match([60]).num_blocks == 0
+
+
+def test_sigkill_of_serve_in_the_middle_of_batched_commits_then_catch_up(tmp_path):
+    """serve is applying a backlog many batches per commit; SIGKILL; restart; equal."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    eng = engine(capacity=2000)
+    state = tmp_path / "ix" / "subscriber.json"
+
+    def applied() -> int:
+        try:
+            return json.loads(state.read_text())["sources"]["e"]["seq"]
+        except (FileNotFoundError, ValueError, KeyError):
+            return -1
+
+    def serve() -> subprocess.Popen:
+        pub = eng.publisher
+        return subprocess.Popen(
+            [sys.executable, "-m", "sarp.cli", "serve", "--index", str(tmp_path / "ix"),
+             "--durability", "nosync", "--source", f"e={pub.endpoint},{pub.replay_endpoint}"],
+            stderr=subprocess.DEVNULL)
+
+    rng = random.Random(21)
+    roots = [[rng.getrandbits(63) for _ in range(4)] for _ in range(40)]
+    proc = serve()
+    try:
+        deadline = time.monotonic() + 30
+        while not state.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        for _ in range(6000):
+            eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
+        last = eng.publisher.next_seq - 1
+        deadline = time.monotonic() + 60
+        while applied() < 300 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)  # mid-backlog: commits of many batches each
+        proc.wait(timeout=10)
+        killed_at = applied()
+        assert 0 <= killed_at < last, (killed_at, last)
+        for _ in range(200):  # the engine goes on meanwhile
+            eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
+        proc = serve()
+        last = eng.publisher.next_seq - 1
+        deadline = time.monotonic() + 120
+        while applied() < last and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert applied() == last
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        eng.publisher.close()
+    with sarp.open(tmp_path / "ix") as index:
+        assert set(index.blocks_of(eng.holder).tolist()) == set(eng.cache)
+        assert index.check() == []

@@ -1,4 +1,4 @@
-"""The ``sarp`` command: ``sarp bench``, ``sarp serve``, ``sarp workingset``,
+"""The ``sarp`` command: ``sarp bench``, ``sarp bench-events``, ``sarp serve``, ``sarp workingset``,
 ``sarp verify PATH``, ``sarp stats PATH``."""
 
 from __future__ import annotations
@@ -83,6 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--policies", default="random,round-robin,sarp")
     cl.add_argument("--json", type=Path, default=None)
 
+    be = sub.add_parser("bench-events", help="event ingestion: backlog drain, offered-rate "
+                        "sweep, baselines")
+    be.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")
+    be.add_argument("--split", type=int, default=1)
+    be.add_argument("--limit-requests", type=int, default=None)
+    be.add_argument("--engines", type=int, default=8)
+    be.add_argument("--capacity-blocks", type=int, default=10_000, help="LRU cache per engine")
+    be.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
+                    default=[2000, 5000, 10000, 15000, 20000, 30000, 50000],
+                    help="offered events/s, comma-separated")
+    be.add_argument("--rate-s", type=float, default=3.0, help="seconds offered per rate")
+    be.add_argument("--repeat", type=int, default=3, help="backlog and direct runs (medians)")
+    be.add_argument("--workdir", default=None)
+    be.add_argument("--json", type=Path, default=None)
+    be.add_argument("--plot", type=Path, default=None)
+
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
@@ -93,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "cluster":
         return _cluster(args)
+    if args.command == "bench-events":
+        from .bench.ingest import run as ingest_run
+
+        return ingest_run(args)
     if args.command == "serve":
         from .serving.serve import run as serve_run
 

@@ -169,7 +169,9 @@ class Subscriber:
     """Apply the KV events of ``sources`` to ``index``; see the module docstring.
 
     ``replay_idle_timeout_s`` is how long a replay may go without delivering a
-    frame before it is taken as ended without its end marker.
+    frame before it is taken as ended without its end marker.  ``on_commit``, if
+    given, is called after each commit with the fingerprints of the batches it
+    applied (for measuring publish-to-applied lag).
 
     Cost: one index write per event; a replay round trip per continuity check.
     """
@@ -181,6 +183,7 @@ class Subscriber:
         *,
         replay_idle_timeout_s: float = 5.0,
         context: zmq.Context | None = None,
+        on_commit=None,
     ) -> None:
         keys = [s.key for s in sources]
         if len(set(keys)) != len(keys):
@@ -198,6 +201,8 @@ class Subscriber:
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
         self._applier = Applier(index)
         self._queued_since: float | None = None
+        self._on_commit = on_commit  # called with the fingerprints of each commit's batches
+        self._queued_fps: list[Fingerprint] = []
         self.stats = {key: SourceStats() for key in self.sources}
         self._live_last: dict[str, int] = {}  # last sequence seen on the live stream
         self._ahead: dict[str, dict[int, int]] = {k: {} for k in self.sources}  # seq -> digest
@@ -293,6 +298,9 @@ class Subscriber:
             self.last_applied_at[key] = now
         self._dirty.clear()
         self._queued_since = None
+        if self._on_commit is not None:
+            fps, self._queued_fps = self._queued_fps, []
+            self._on_commit(fps)
         return True
 
     def _maybe_flush(self) -> None:
@@ -430,6 +438,8 @@ class Subscriber:
 
     def _advance(self, key: str, fp: Fingerprint) -> None:
         self.state[key] = self._dirty[key] = fp
+        if self._on_commit is not None:
+            self._queued_fps.append(fp)
         if self._queued_since is None:
             self._queued_since = time.monotonic()
 

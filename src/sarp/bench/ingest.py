@@ -1,0 +1,337 @@
+"""``sarp bench-events``: how fast events get into the index, measured as indexers measure it.
+
+The event stream is recorded once: the engines of ``sarp cluster`` (LRU caches)
+serve the trace with random routing, each request one batch in the engines' own
+encodings (vLLM 0.11 and 0.33 in turn).  Then:
+
+(a) **backlog**: the whole stream is published over loopback ZeroMQ to a real
+    :class:`~sarp.serving.subscriber.Subscriber` that is not reading yet; the clock
+    runs from its first poll until everything is applied; at ``nosync`` and at
+    ``sync``; events/s and blocks/s;
+(b) **offered rate**: a publisher process offers the stream at a sweep of rates
+    (each batch stamped with its publish time, as engines stamp ``ts``); achieved
+    events/s, and the p50/p99 lag from publish to committed; the threshold is the
+    highest offered rate with achieved >= 95% of offered and p99 lag <= 100 ms;
+(c) **baselines**: the same stream's operations applied directly (no sockets) to
+    memory-dict, lmdb-per-block and sarp, in chunks of 4,096 events (one
+    transaction each for the on-disk ones);
+(d) the index is compared with the engines' caches at the end of (a).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CHUNK_EVENTS = 4096
+TS = struct.Struct(">d")
+
+
+class _Recorder:
+    def __init__(self, sink: list, engine: int) -> None:
+        self.sink, self.engine = sink, engine
+
+    def publish(self, payload: bytes, drop: bool = False) -> int:
+        self.sink.append((self.engine, payload))
+        return len(self.sink)
+
+
+def record(requests, engines: int, capacity_blocks: int, seed: int = 0):
+    """The stream (engine, payload) and the engines' caches at its end."""
+    from ..serving.cluster import SimEngine
+
+    rng = np.random.default_rng(seed)
+    stream: list = []
+    sims = [SimEngine(f"e{i}", capacity_blocks, _Recorder(stream, i)) for i in range(engines)]
+    styles = ("vllm-0.11", "vllm-0.33")
+    for j, r in enumerate(requests):
+        sims[int(rng.integers(engines))].serve(r.hashes, style=styles[j % 2])
+    return stream, [set(s.cache) for s in sims]
+
+
+def count(stream) -> tuple[int, int, list[int]]:
+    """Events, blocks, and events per batch of the stream."""
+    from ..serving.events import Cleared, decode
+
+    per_batch, blocks = [], 0
+    for _, payload in stream:
+        batch = decode(payload)
+        per_batch.append(len(batch.events))
+        blocks += sum(0 if isinstance(e, Cleared) else e.block_hashes.size for e in batch.events)
+    return sum(per_batch), blocks, per_batch
+
+
+def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict:
+    import zmq
+
+    import sarp
+
+    from ..serving.cluster import EnginePublisher
+    from ..serving.subscriber import Source, Subscriber
+
+    ctx = zmq.Context.instance()
+    pubs = [EnginePublisher(ctx, buffer_batches=len(stream) + 1) for _ in range(engines)]
+    folder = Path(tempfile.mkdtemp(prefix=f"sarp-ingest-{durability}-", dir=workdir))
+    try:
+        with sarp.open(folder / "ix", durability=durability) as index:
+            sub = Subscriber(index, [Source(f"e{i}", p.endpoint, p.replay_endpoint)
+                                     for i, p in enumerate(pubs)])
+            time.sleep(0.3)  # connected before the first publish
+            for engine, payload in stream:
+                pubs[engine].publish(payload)
+            total = len(stream)
+            time.sleep(0.5)  # everything is in the SUB socket's queue
+            started = time.perf_counter()
+            while sum(sub.last_seq.get(f"e{i}", -1) + 1 for i in range(engines)) < total:
+                sub.poll(10)
+            seconds = time.perf_counter() - started
+            stats = [s.applied for s in sub.stats.values()]
+            equal = all(set(index.blocks_of(f"e{i}#0").tolist()) == caches[i]
+                        for i in range(engines))
+            commits = index.stats()["batches"]
+            sub.close()
+    finally:
+        for p in pubs:
+            p.close()
+    events = sum(s.events for s in stats)
+    blocks = sum(s.blocks_stored + s.blocks_removed for s in stats)
+    return {"events_per_s": events / seconds, "blocks_per_s": blocks / seconds,
+            "seconds": seconds, "commits": commits, "index_equals_caches": equal}
+
+
+# -- (b) offered rates ------------------------------------------------------------------------
+
+
+def _offer_main(stream, per_batch, engines: int, rate: float, seconds: float, conn) -> None:
+    """A publisher process: the stream's batches, paced to ``rate`` events/s, stamped."""
+    import zmq
+
+    from ..serving.cluster import EnginePublisher
+
+    ctx = zmq.Context.instance()
+    pubs = [EnginePublisher(ctx, buffer_batches=len(stream) + 1) for _ in range(engines)]
+    conn.send([(p.endpoint, p.replay_endpoint) for p in pubs])
+    conn.recv()  # the subscriber is connected
+    start = time.perf_counter()
+    sent_events = sent = 0
+    while time.perf_counter() - start < seconds and sent < len(stream):
+        due = start + sent_events / rate
+        now = time.perf_counter()
+        if due > now:
+            time.sleep(min(due - now, 0.005))
+            continue
+        engine, payload = stream[sent]
+        # The batch's ts is its first element, a msgpack float64 after the array
+        # header: stamp the publish time there, as engines do.
+        stamped = payload[:2] + TS.pack(time.time()) + payload[10:]
+        pubs[engine].publish(stamped)
+        sent_events += per_batch[sent]
+        sent += 1
+    conn.send((sent, sent_events, time.perf_counter() - start))
+    conn.recv()
+    for p in pubs:
+        p.close()
+
+
+def offered(stream, per_batch, engines: int, rate: float, seconds: float,
+            workdir: str) -> dict:
+    import sarp
+
+    from ..serving.subscriber import Source, Subscriber
+
+    assert all(p[:2] == b"\x93\xcb" or p[:2] == b"\x92\xcb" for _, p in stream[:10]), \
+        "payloads must start with [float64 ts, ...]"
+    lags: list[float] = []
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_offer_main, args=(stream, per_batch, engines, rate, seconds,
+                                                 there))
+    proc.start()
+    endpoints = here.recv()
+    folder = Path(tempfile.mkdtemp(prefix="sarp-offered-", dir=workdir))
+
+    def on_commit(fps) -> None:
+        now = time.time()
+        lags.extend(now - fp.ts for fp in fps)
+
+    with sarp.open(folder / "ix", durability="nosync") as index:
+        sub = Subscriber(index, [Source(f"e{i}", pub, replay)
+                                 for i, (pub, replay) in enumerate(endpoints)],
+                         on_commit=on_commit)
+        time.sleep(0.3)
+        here.send("go")
+        started = time.perf_counter()
+        result = None
+        while True:
+            sub.poll(5)
+            if result is None and here.poll(0):
+                result = here.recv()
+            if result is not None and sum(sub.last_seq.get(f"e{i}", -1) + 1
+                                          for i in range(engines)) >= result[0]:
+                break
+            if time.perf_counter() - started > seconds + 120:
+                break
+        wall = time.perf_counter() - started
+        events = sum(s.applied.events for s in sub.stats.values())
+        sub.close()
+    here.send("done")
+    proc.join(timeout=10)
+    lag_ms = np.array(lags) * 1e3 if lags else np.array([float("nan")])
+    return {"offered_events_per_s": rate, "achieved_events_per_s": events / wall,
+            "lag_p50_ms": float(np.percentile(lag_ms, 50)),
+            "lag_p99_ms": float(np.percentile(lag_ms, 99)), "batches": len(lags)}
+
+
+# -- (c) direct appliers ----------------------------------------------------------------------
+
+
+def ops_of(stream) -> list[list[tuple]]:
+    """The stream as index operations, in chunks of about ``CHUNK_EVENTS`` events."""
+    from ..serving.events import Cleared, Removed, Stored, decode
+
+    chunks, ops = [], []
+    for engine, payload in stream:
+        holder = f"e{engine}#0"
+        for e in decode(payload).events:
+            if isinstance(e, Stored):
+                ops.append(("insert", e.block_hashes, e.parent, holder, e.medium))
+            elif isinstance(e, Removed):
+                ops.append(("remove", e.block_hashes, holder, e.medium))
+            elif isinstance(e, Cleared):
+                ops.append(("clear", holder, None))
+        if len(ops) >= CHUNK_EVENTS:
+            chunks.append(ops)
+            ops = []
+    if ops:
+        chunks.append(ops)
+    return chunks
+
+
+def direct(name: str, chunks, workdir: str) -> dict:
+    """Events/s applying the operations straight to index ``name``."""
+    from .baselines import opener
+
+    folder = Path(tempfile.mkdtemp(prefix=f"sarp-direct-{name}-", dir=workdir))
+    index = opener(name)(folder / "ix", durability="nosync")
+    events = sum(len(c) for c in chunks)
+    started = time.perf_counter()
+    for chunk in chunks:
+        if name == "sarp":
+            index.apply_batch(chunk)
+        else:
+            index.apply_ops(chunk)
+    seconds = time.perf_counter() - started
+    index.close()
+    return {"events_per_s": events / seconds, "seconds": seconds}
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def run(args) -> int:
+    from .run import load_requests
+
+    label, requests = load_requests(args.trace, args.split, args.limit_requests,
+                                    mix_ids=True)
+    print(f"{label}: recording the event stream of {args.engines} engines x "
+          f"{args.capacity_blocks:,} blocks", flush=True)
+    stream, caches = record(requests, args.engines, args.capacity_blocks)
+    events, blocks, per_batch = count(stream)
+    print(f"{len(stream):,} batches, {events:,} events, {blocks:,} blocks", flush=True)
+    result: dict = {"trace": label, "engines": args.engines,
+                    "capacity_blocks": args.capacity_blocks, "batches": len(stream),
+                    "events": events, "blocks": blocks, "command": " ".join(sys.argv),
+                    "machine": {"platform": platform.platform(),
+                                "python": platform.python_version()}}
+    result["backlog"] = {}
+    for durability in ("nosync", "sync"):
+        runs = [backlog(stream, args.engines, caches, durability, args.workdir)
+                for _ in range(args.repeat)]
+        best = {k: statistics.median(r[k] for r in runs)
+                for k in ("events_per_s", "blocks_per_s", "seconds")}
+        best["runs"] = runs
+        best["index_equals_caches"] = all(r["index_equals_caches"] for r in runs)
+        result["backlog"][durability] = best
+        print(f"backlog {durability}: {best['events_per_s']:,.0f} events/s, "
+              f"{best['blocks_per_s']:,.0f} blocks/s (median of {args.repeat}); index = "
+              f"caches: {best['index_equals_caches']}", flush=True)
+    result["index_equals_caches"] = all(b["index_equals_caches"]
+                                        for b in result["backlog"].values())
+    result["sweep"] = []
+    for rate in args.rates:
+        point = offered(stream, per_batch, args.engines, rate, args.rate_s, args.workdir)
+        result["sweep"].append(point)
+        print(f"offered {rate:>8,.0f} events/s: achieved {point['achieved_events_per_s']:>8,.0f}"
+              f", lag p50 {point['lag_p50_ms']:.1f} ms, p99 {point['lag_p99_ms']:.1f} ms",
+              flush=True)
+    ok = [p["offered_events_per_s"] for p in result["sweep"]
+          if p["achieved_events_per_s"] >= 0.95 * p["offered_events_per_s"]
+          and p["lag_p99_ms"] <= 100]
+    result["threshold_events_per_s"] = max(ok) if ok else 0
+    chunks = ops_of(stream)
+    result["baselines"] = {}
+    order = ["sarp", "memory-dict", "lmdb-per-block"]
+    runs = {name: [] for name in order}
+    for _ in range(args.repeat):  # interleaved: A, B, C, A, B, C, ...
+        for name in order:
+            runs[name].append(direct(name, chunks, args.workdir)["events_per_s"])
+    for name in order:
+        result["baselines"][name] = {"events_per_s": statistics.median(runs[name]),
+                                     "runs": runs[name]}
+    sarp_direct = result["baselines"]["sarp"]["events_per_s"]
+    for name in order[1:]:
+        ratio = sarp_direct / result["baselines"][name]["events_per_s"]
+        result["baselines"][name]["sarp_ratio"] = ratio
+        print(f"direct apply: sarp {sarp_direct:,.0f} events/s = {ratio:.2f}x {name} "
+              f"({result['baselines'][name]['events_per_s']:,.0f})", flush=True)
+    print(f"threshold: {result['threshold_events_per_s']:,.0f} events/s", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    offered_rates = [p["offered_events_per_s"] for p in result["sweep"]]
+    left.plot(offered_rates, [p["achieved_events_per_s"] for p in result["sweep"]], "o-",
+              label="achieved")
+    left.plot(offered_rates, offered_rates, "--", c="gray", lw=1, label="offered")
+    left.set_xlabel("offered events/s")
+    left.set_ylabel("achieved events/s")
+    twin = left.twinx()
+    twin.plot(offered_rates, [p["lag_p99_ms"] for p in result["sweep"]], "s:", c="C3",
+              label="p99 lag")
+    twin.set_ylabel("p99 publish-to-applied lag, ms", color="C3")
+    twin.set_yscale("log")
+    left.legend(loc="upper left")
+    left.set_title(f"offered rate (threshold {result['threshold_events_per_s']:,.0f}/s)")
+    names = ["backlog nosync", "backlog sync"] + [f"direct {n}" for n in result["baselines"]]
+    values = [result["backlog"]["nosync"]["events_per_s"],
+              result["backlog"]["sync"]["events_per_s"]] + [
+        b["events_per_s"] for b in result["baselines"].values()]
+    right.barh(names, values)
+    right.set_xscale("log")
+    right.set_xlabel("events/s (log)")
+    right.set_title("drain rates")
+    fig.suptitle(f"{result['trace']}: {result['engines']} engines, {result['events']:,} events")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
