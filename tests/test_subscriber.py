@@ -324,18 +324,14 @@ def test_sigkill_of_serve_in_the_middle_of_batched_commits_then_catch_up(tmp_pat
 
     rng = random.Random(21)
     roots = [[rng.getrandbits(63) for _ in range(4)] for _ in range(40)]
+    for _ in range(20_000):  # a backlog in the engine's buffer, before serve starts
+        eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
+    last = eng.publisher.next_seq - 1
     proc = serve()
     try:
-        deadline = time.monotonic() + 30
-        while not state.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        for _ in range(6000):
-            eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
-        last = eng.publisher.next_seq - 1
         deadline = time.monotonic() + 60
-        while applied() < 300 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        while applied() < 2000 and time.monotonic() < deadline:
+            time.sleep(0.002)
         os.kill(proc.pid, signal.SIGKILL)  # mid-backlog: commits of many batches each
         proc.wait(timeout=10)
         killed_at = applied()

@@ -280,8 +280,7 @@ class Subscriber:
                     break
                 applied += self._on_message(key, frames)
                 self._maybe_flush()
-        if self.flush():
-            self.save_state()
+        self.flush()
         return applied
 
     def flush(self) -> bool:
@@ -301,6 +300,7 @@ class Subscriber:
         if self._on_commit is not None:
             fps, self._queued_fps = self._queued_fps, []
             self._on_commit(fps)
+        self.save_state()
         return True
 
     def _maybe_flush(self) -> None:
@@ -506,6 +506,7 @@ class Subscriber:
             applied += self._apply(key, seq, payload, digest, self._decode(key, seq, payload))
             self._ahead[key][seq] = digest
             self.stats[key].replayed += 1
+            self._maybe_flush()
         return applied
 
     def _fetch(self, key: str, start: int) -> tuple[list[tuple[int, bytes]], bool]:
