@@ -319,7 +319,8 @@ def test_sigkill_of_serve_in_the_middle_of_batched_commits_then_catch_up(tmp_pat
         pub = eng.publisher
         return subprocess.Popen(
             [sys.executable, "-m", "sarp.cli", "serve", "--index", str(tmp_path / "ix"),
-             "--durability", "nosync", "--source", f"e={pub.endpoint},{pub.replay_endpoint}"],
+             "--durability", "nosync", "--replay-idle-timeout-s", "1",
+             "--source", f"e={pub.endpoint},{pub.replay_endpoint}"],
             stderr=subprocess.DEVNULL)
 
     rng = random.Random(21)

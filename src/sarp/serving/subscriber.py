@@ -59,7 +59,6 @@ STATE_FILE = "subscriber.json"
 STATE_VERSION = 2
 END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
-REPLAY_RETRIES = 3  # re-asks when a replay arrives with a hole (a ROUTER dropped frames)
 MAX_BATCH_OPS = 4096  # events applied in one index transaction, at most
 MAX_BATCH_MS = 50.0  # ... and how long the first of them may wait for the commit
 
@@ -513,17 +512,21 @@ class Subscriber:
         """Every batch the engine's buffer holds from ``start``, and whether it ended.
 
         A replay that arrives with a hole (the engine's ROUTER dropped frames at its
-        high-water mark) is asked again from the hole, a few times.
+        send high-water mark, 1,000 in vLLM 0.11) is asked again from the hole, for as
+        long as each answer fills it.
         """
         frames, complete = self._fetch_once(key, start)
-        for _ in range(REPLAY_RETRIES):
+        while True:
             hole = next((i for i in range(1, len(frames))
                          if frames[i][0] != frames[i - 1][0] + 1), None)
             if hole is None:
-                break
-            more, complete = self._fetch_once(key, frames[hole - 1][0] + 1)
-            frames = frames[:hole] + more
-        return frames, complete
+                return frames, complete
+            resume = frames[hole - 1][0] + 1
+            more, more_complete = self._fetch_once(key, resume)
+            if not more or more[0][0] != resume:
+                return frames, complete  # the buffer no longer has it: a real gap
+            # Progress: the first hole moved on by at least one batch.
+            frames, complete = frames[:hole] + more, more_complete
 
     def _fetch_once(self, key: str, start: int) -> tuple[list[tuple[int, bytes]], bool]:
         dealer = self._ctx.socket(zmq.DEALER)
