@@ -247,3 +247,16 @@ def test_a_branch_just_before_a_segment_end_keeps_the_new_chain_inline(tmp_path)
         ix.insert([11], parent=1, holder="w1")
         assert ix.match([1, 2, 3, 4, 9, 10]).storage_reads == 1
         assert ix.check() == []
+
+
+@pytest.mark.parametrize("holder, words", [
+    ("x" * 201, "at most 200"),
+    ("\ud800", "UTF-8"),
+])
+def test_holder_names_too_long_or_not_text_get_a_clear_value_error(tmp_path, holder, words):
+    with sarp.open(tmp_path / "ix") as index:
+        with pytest.raises(ValueError, match=words):
+            index.insert([1], holder=holder)
+        with pytest.raises(ValueError, match=words):
+            index.insert([1], holder="ok", medium=holder)
+        assert index.holders_list() == []

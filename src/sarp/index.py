@@ -806,6 +806,9 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name}={value!r}; pass an int from {low} to {high}")
 
 
+MAX_NAME_BYTES = 200  # holder and medium names: LMDB keys are at most 511 bytes
+
+
 def _holder_name(holder: object, medium: object) -> str:
     for label, value in (("holder", holder), ("medium", medium)):
         if not isinstance(value, str) or not value or _SEP in value:
@@ -813,6 +816,14 @@ def _holder_name(holder: object, medium: object) -> str:
                 f"{label}={value!r}; pass a non-empty str without NUL, e.g. holder='w3', "
                 "medium='GPU'"
             )
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError:
+            raise ValueError(f"{label}={value[:40]!r} is not valid text (a lone surrogate?); "
+                             "pass a name that encodes as UTF-8") from None
+        if size > MAX_NAME_BYTES:
+            raise ValueError(f"{label} is {size} bytes in UTF-8; pass at most "
+                             f"{MAX_NAME_BYTES} (e.g. 'engine-7#3')")
     return f"{holder}{_SEP}{medium}"
 
 
