@@ -99,3 +99,16 @@ def test_mixed_ids_keep_the_trace_structure(tmp_path):
     assert mixed[0].hashes[:2].tolist() == mixed[1].hashes[:2].tolist()  # shared prefix
     assert mixed[0].hashes[2] != mixed[1].hashes[2]
     assert not set(mixed[0].hashes.tolist()) & {1, 2, 3}  # spread, not the raw ids
+
+
+def test_the_sarp_bench_command_runs_end_to_end(tmp_path):
+    # `make bench` runs this command; it must keep working whatever moves inside sarp.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sarp.cli", "bench", "--limit-requests", "40",
+                          "--indexes", "sarp,memory-dict", "--durability", "nosync",
+                          "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "memory-dict" in out.stdout and (tmp_path / "r.json").exists()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import sarp
+
 WRITER = textwrap.dedent(
     """
     import sys, sarp
@@ -131,3 +133,38 @@ def test_a_damaged_snapshot_falls_back_to_a_rebuild(tmp_path, damage):
     expected = {"delete": "missing", "truncate": "bytes", "bitflip": "checksum",
                 "garbage": "magic"}[damage]
     assert expected in result["reason"], result["reason"]
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_truncated_data_file_is_refused_before_lmdb_maps_it(tmp_path, readonly):
+    # LMDB would touch pages past the end and die of SIGBUS; sarp checks the meta
+    # pages against the file size first (in a child process, so a crash would show).
+    import subprocess
+    import sys
+
+    path = tmp_path / "ix"
+    with sarp.open(path, durability="nosync") as index:
+        index.insert(list(range(1, 20_000)), holder="a")
+    data = path / "data.mdb"
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    script = (f"import sarp\ntry:\n    sarp.open({str(path)!r}, readonly={readonly})\n"
+              "except sarp.DamagedIndexError as exc:\n    print('refused:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "truncated" in out.stdout
+    verify = subprocess.run([sys.executable, "-m", "sarp.cli", "verify", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert verify.returncode in (1, 2) and "truncated" in verify.stderr + verify.stdout
+
+
+def test_a_data_file_without_lmdb_meta_pages_is_refused(tmp_path):
+    path = tmp_path / "ix"
+    with sarp.open(path) as index:
+        index.insert([1, 2], holder="a")
+    (path / "directory.snap").unlink()
+    with (path / "data.mdb").open("r+b") as f:
+        f.write(b"\0" * 16384)  # both meta pages gone
+    with pytest.raises(sarp.DamagedIndexError, match="no valid LMDB meta page"):
+        sarp.open(path)

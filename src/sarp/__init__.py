@@ -11,6 +11,7 @@
 from .errors import (
     ChainConflictError,
     CorruptRecordError,
+    DamagedIndexError,
     FormatVersionError,
     IndexClosedError,
     IndexLockedError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ChainConflictError",
     "CorruptRecordError",
+    "DamagedIndexError",
     "FormatVersionError",
     "Index",
     "IndexClosedError",

@@ -130,15 +130,56 @@ def main(argv: list[str] | None = None) -> int:
     if not args.path.exists():
         print(f"sarp: {args.path} does not exist", file=sys.stderr)
         return 2
-    # Readonly: works beside a running writer (sarp serve) and changes nothing.
-    with sarp.open(args.path, readonly=True) as index:
-        if args.command == "stats":
+    if args.command == "verify":
+        return _verify(args.path)
+    try:
+        # Readonly: works beside a running writer (sarp serve) and changes nothing.
+        with sarp.open(args.path, readonly=True) as index:
             print(json.dumps(index.stats(), indent=2))
             return 0
-        problems = index.check()
+    except sarp.SarpError as exc:
+        print(f"sarp stats: {exc}", file=sys.stderr)
+        return 1
+
+
+def _verify_child(path: str, conn) -> None:
+    import sarp
+
+    try:
+        with sarp.open(path, readonly=True) as index:
+            conn.send(("problems", index.check()))
+    except sarp.SarpError as exc:
+        conn.send(("refused", f"{type(exc).__name__}: {exc}"))
+
+
+def _verify(path: Path) -> int:
+    """Check every invariant in a child process, so that damage LMDB cannot survive
+    (an assertion, a SIGBUS) becomes a line of the report instead of a dead command."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_verify_child, args=(str(path), there))
+    child.start()
+    there.close()
+    try:
+        kind, detail = here.recv()
+    except EOFError:
+        kind, detail = "crashed", None
+    child.join()
+    if kind == "crashed":
+        code = child.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        problems = [f"{path / 'data.mdb'}: walking the LMDB pages crashed the checker ({how}); "
+                    "the file is damaged. Restore it from a copy, or move the folder away "
+                    "and let sarp serve rebuild the index from the engines' replay buffers"]
+    elif kind == "refused":
+        problems = [detail]
+    else:
+        problems = detail
     for line in problems:
         print(line)
-    print(f"{len(problems)} problem(s) in {args.path}")
+    print(f"{len(problems)} problem(s) in {path}")
     return 1 if problems else 0
 
 

@@ -33,6 +33,10 @@ class StoreError(SarpError):
     """LMDB refused an operation (I/O error, damaged environment)."""
 
 
+class DamagedIndexError(StoreError):
+    """The LMDB file is truncated or not an LMDB file: opening it would crash the process."""
+
+
 class ReadersFullError(StoreError):
     """More processes have the index open than LMDB's reader table holds (``max_readers``)."""
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from .errors import (
     CorruptRecordError,
+    DamagedIndexError,
     FormatVersionError,
     IndexLockedError,
     NotAnIndexError,
@@ -96,6 +97,11 @@ class Store:
             _check_path(self.path, create)
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = _take_lock(self.path / LOCK_FILE)
+        try:
+            check_data_file(self.path / "data.mdb")
+        except BaseException:
+            self._release_lock()
+            raise
         try:
             self.env = lmdb.open(
                 str(self.path),
@@ -434,6 +440,53 @@ def _check_path(path: Path, create: bool) -> None:
         raise NotAnIndexError(
             f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
             "pass a new or empty directory"
+        )
+
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_PAGE_HEADER_BYTES = 16
+_META = struct.Struct("<IIQQIHH")  # magic, version, address, map size, then the free DB
+_META_TAIL = struct.Struct("<QQ")  # last page number, transaction id (after both DBs)
+_META_TAIL_AT = _PAGE_HEADER_BYTES + 24 + 2 * 48
+
+
+def check_data_file(data: Path) -> None:
+    """Refuse an LMDB file that is truncated or is not LMDB, before LMDB maps it.
+
+    LMDB trusts its file: a ``data.mdb`` shorter than its last committed
+    transaction says kills the process with SIGBUS when a page past the end is
+    touched, and a damaged meta page trips an assertion (abort).  Its two meta
+    pages name the page size and the last page in use; the newer valid one is
+    compared with the file's size.  Cost: one read of two pages.
+    """
+    try:
+        size = data.stat().st_size
+        with data.open("rb") as f:
+            head = f.read(2 * 65536)
+    except FileNotFoundError:
+        return
+    metas = []
+    first = _META.unpack_from(head, _PAGE_HEADER_BYTES) if len(head) >= 64 else None
+    page_size = first[4] if first and first[0] == _LMDB_MAGIC else 0
+    for at in (0, page_size) if page_size else (0,):
+        if at + _META_TAIL_AT + _META_TAIL.size > len(head):
+            continue
+        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
+        if magic == _LMDB_MAGIC:
+            metas.append(_META_TAIL.unpack_from(head, at + _META_TAIL_AT))
+    if not metas or page_size < 512:
+        raise DamagedIndexError(
+            f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
+            "an index. Restore it from a copy, or move the folder away and let sarp serve "
+            "rebuild the index from the engines' replay buffers"
+        )
+    last_page, _ = max(metas, key=lambda m: m[1])
+    needed = (last_page + 1) * page_size
+    if size < needed:
+        raise DamagedIndexError(
+            f"{data}: {size} bytes, but its last committed transaction uses {needed}: the file "
+            "was truncated. Restore it from a copy, or move the folder away and let sarp "
+            "serve rebuild the index from the engines' replay buffers"
         )
 
 
