@@ -90,3 +90,33 @@ def test_a_directory_out_of_step_with_the_store_is_reported(tmp_path):
         index.holders.add(1, 3)  # w1 holds only 50, 51 (appended to segment 1), not [9, 10]
         problems = index.check()
         assert any(p.startswith("holder filter 1: extra segments [3]") for p in problems)
+
+
+def test_a_changed_byte_in_a_holder_name_is_never_reported_as_a_holder(tmp_path):
+    # The damage of issue 12: one byte of a stored holder name changed made queries
+    # report blocks under a holder that holds nothing, and verify said 0 problems.
+    path = tmp_path / "ix"
+    with sarp.open(path, durability="nosync") as index:
+        index.insert([1, 2, 3], holder="w0")
+        index.insert([1, 2], holder="w1")
+
+    def rename(txn):
+        cur = txn.cursor()
+        cur.set_range(b"i:")
+        for key, value in cur:
+            if key.startswith(b"i:") and value.startswith(b"w0"):
+                txn.put(key, b"w9" + value[2:])  # w0 -> w9: one byte
+                return
+        raise AssertionError("no holder w0")
+
+    damage(path, b"holders", rename)
+    out = verify(path)
+    assert out.returncode == 1 and "fails its checksum" in out.stdout
+    with sarp.open(path, readonly=True) as reader:  # a reader: reports no w9, no w0
+        assert reader.match([1, 2, 3]).by_holder == {"w1": 2}
+    with sarp.open(path) as index:  # the writer drops the damaged holder's blocks
+        m = index.match([1, 2, 3])
+        assert m.by_holder == {"w1": 2} and m.num_blocks == 2
+        assert index.holders_list() == [("w1", "GPU")]
+        index.insert([1, 2, 3], holder="w0")  # the engine stores again: a new holder id
+        assert index.match([1, 2, 3]).by_holder == {"w0": 3, "w1": 2}

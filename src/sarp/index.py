@@ -157,7 +157,10 @@ class Index:
         try:
             with self._store.read() as r:
                 self._load_holders(r.holder_names())
+                self._holders_seen = r.counter("next_holder_id")
                 self._recover(r)
+            if self._damaged_holders and not readonly:
+                self._drop_damaged_holders()
         except BaseException:
             self._store.close()
             self._store = None
@@ -213,7 +216,15 @@ class Index:
 
     # -- recovery --------------------------------------------------------------------------
 
-    def _load_holders(self, names: dict[int, str]) -> None:
+    def _load_holders(self, names: dict[int, str | None]) -> None:
+        # A name that fails its checksum is left out: its blocks count for num_blocks
+        # (someone holds them) but are never reported under a name (check() says so).
+        self._damaged_holders = sorted(h for h, name in names.items() if name is None)
+        if self._damaged_holders:
+            log.error("sarp: holder names %s fail their checksums; their blocks are not "
+                      "reported per holder (sarp verify names them)", self._damaged_holders)
+        top = max(names, default=-1)
+        names = {h: name for h, name in names.items() if name is not None}
         self._holder_names: dict[int, tuple[str, str]] = {}
         self._instances: dict[str, int] = {}
         self._instance_names: list[str] = []
@@ -221,6 +232,7 @@ class Index:
         self._multi_medium = False  # does any instance hold blocks in two media?
         for holder_id, name in sorted(names.items()):
             self._register_holder(holder_id, name)
+        self._instance_of.extend([-1] * (top + 1 - len(self._instance_of)))
 
     def _register_holder(self, holder_id: int, name: str) -> None:
         instance, medium = name.split(_SEP, 1)
@@ -259,6 +271,22 @@ class Index:
         self._watermark = snap.watermark
         self.replayed_changes = self._replay_log(r)
         self._counters.changes_since_snapshot = self.replayed_changes
+
+    def _drop_damaged_holders(self) -> None:
+        """Clear the blocks of holders whose names fail their checksums (the writer, at
+        open): nobody could clear them by name, and they must not count as held."""
+        ids = list(self._damaged_holders)
+
+        def repair(w):
+            plan = self._packer.clear(w, ids, self.holders)
+            w.forget_holders(ids)  # the engine's next store under its name gets a new id
+            return plan
+
+        plan = self._store.write(repair)
+        self._apply(plan)
+        self._damaged_holders = []
+        log.error("sarp: cleared %d blocks of holders %s, whose names are damaged, and "
+                  "forgot the names", plan.removed_blocks, ids)
 
     def _stale_reason(self, snap: snapshots.Snapshot, r: ReadTxn) -> str:
         if snap.index_id != self._store.index_id:
@@ -302,8 +330,9 @@ class Index:
         seq = r.counter("next_seq")
         if seq == self._watermark:
             return True
-        if r.counter("next_holder_id") != len(self._holder_names):
+        if r.counter("next_holder_id") != self._holders_seen:
             self._load_holders(r.holder_names())
+            self._holders_seen = r.counter("next_holder_id")
         trimmed = r.counter("log_trimmed_upto")
         if trimmed > self._watermark:
             try:
@@ -691,7 +720,9 @@ class Index:
         []
         """
         with self._lock, self._read() as r:
-            return check(r, self.directory, self.holders)
+            damaged = [f"holder {h}: its stored name fails its checksum; its blocks are not "
+                       "reported per holder" for h in self._damaged_holders]
+            return damaged + check(r, self.directory, self.holders)
 
     def blocks_of(self, holder: str, medium: str | None = None) -> np.ndarray:
         """Every block ``holder`` holds (in ``medium``, or in any), as sorted uint64.

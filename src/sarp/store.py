@@ -6,7 +6,8 @@ order is numeric order):
 ``meta``      format version, index id, id and sequence counters
 ``segments``  segment id (u64)  -> segment record (:mod:`sarp.segment`)
 ``blocks``    block hash (u64)  -> segment id (u32) + offset (u16); never read by ``match``
-``holders``   ``n:<instance>\\0<medium>`` -> holder id (u16), and ``i:<id>`` -> name
+``holders``   ``n:<instance>\\0<medium>`` -> holder id (u16), ``i:<id>`` -> name, and
+              ``s:<id>`` -> the name's checksum (xxh3-64)
 ``log``       sequence (u64)    -> segment id (u32) + its first hash (u64): every
               segment a write touched, replayed on restart after the snapshot watermark
 
@@ -25,6 +26,7 @@ from typing import TypeVar
 
 import lmdb
 import numpy as np
+import xxhash
 
 from .errors import (
     CorruptRecordError,
@@ -155,6 +157,7 @@ class Store:
                         f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
                     )
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+            _add_missing_name_sums(txn, self.holders_db)
 
     def _open_tables_readonly(self) -> None:
         """Open the named tables without creating anything (a reader writes nothing)."""
@@ -328,14 +331,24 @@ class ReadTxn:
             seg_id, offset = _BLOCK_VALUE.unpack(value)
             yield _U64.unpack(key)[0], seg_id, offset
 
-    def holder_names(self) -> dict[int, str]:
+    def holder_names(self) -> dict[int, str | None]:
+        """Holder id -> ``instance\\0medium``; ``None`` for a name that fails its checksum
+        (a damaged name must never be reported as holding blocks)."""
         cur = self._txn.cursor(db=self._store.holders_db)
-        out = {}
+        out: dict[int, str | None] = {}
         if cur.set_range(b"i:"):
             for key, value in cur:
                 if not key.startswith(b"i:"):
                     break
-                out[struct.unpack(">H", key[2:])[0]] = value.decode()
+                out[struct.unpack(">H", key[2:])[0]] = value
+        for holder_id, value in out.items():
+            stored = self._txn.get(b"s:" + struct.pack(">H", holder_id),
+                                   db=self._store.holders_db)
+            ok = stored is None or stored == _name_sum(value)  # None: written before sums
+            try:
+                out[holder_id] = value.decode() if ok and b"\0" in value else None
+            except UnicodeDecodeError:
+                out[holder_id] = None
         return out
 
     def stat(self, table: str) -> dict:
@@ -412,6 +425,24 @@ class WriteTxn:
         self.txn.put(_U64.pack(seq), _LOG_VALUE.pack(seg_id, first_hash), db=self._store.log_db)
         self.log_entries.append((seq, seg_id, first_hash))
 
+    def forget_holders(self, holder_ids: list[int]) -> None:
+        """Delete the name entries of ``holder_ids`` (both directions); ids are not reused."""
+        db = self._store.holders_db
+        wanted = {struct.pack(">H", h) for h in holder_ids}
+        cur = self.txn.cursor(db=db)
+        stale = []
+        if cur.set_range(b"n:"):
+            for key, value in cur:
+                if not key.startswith(b"n:"):
+                    break
+                if value in wanted:
+                    stale.append(key)
+        for key in stale:
+            self.txn.delete(key, db=db)
+        for packed in wanted:
+            self.txn.delete(b"i:" + packed, db=db)
+            self.txn.delete(b"s:" + packed, db=db)
+
     def holder_id(self, name: str, create: bool) -> int | None:
         key = b"n:" + name.encode()
         value = self.txn.get(key, db=self._store.holders_db)
@@ -425,6 +456,8 @@ class WriteTxn:
         self.set_counter("next_holder_id", new_id + 1)
         self.txn.put(key, struct.pack(">H", new_id), db=self._store.holders_db)
         self.txn.put(b"i:" + struct.pack(">H", new_id), name.encode(), db=self._store.holders_db)
+        self.txn.put(b"s:" + struct.pack(">H", new_id), _name_sum(name.encode()),
+                     db=self._store.holders_db)
         return new_id
 
 
@@ -441,6 +474,25 @@ def _check_path(path: Path, create: bool) -> None:
             f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
             "pass a new or empty directory"
         )
+
+
+def _name_sum(name: bytes) -> bytes:
+    """The checksum kept beside each holder name (``s:<id>``)."""
+    return xxhash.xxh3_64_digest(b"sarp-holder:" + name)
+
+
+def _add_missing_name_sums(txn, holders_db) -> None:
+    """Indexes written before name checksums get them at the writer's next open."""
+    cur = txn.cursor(db=holders_db)
+    missing = []
+    if cur.set_range(b"i:"):
+        for key, value in cur:
+            if not key.startswith(b"i:"):
+                break
+            if txn.get(b"s:" + key[2:], db=holders_db) is None:
+                missing.append((b"s:" + key[2:], _name_sum(value)))
+    for key, value in missing:
+        txn.put(key, value, db=holders_db)
 
 
 _LMDB_MAGIC = 0xBEEFC0DE

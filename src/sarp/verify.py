@@ -232,25 +232,28 @@ class PrefixWalk:
     def result(
         self, holder_names: dict[int, tuple[str, str]], instance_names: list[str], reads: int
     ) -> Match:
+        # Holder ids without a (verified) name are never reported: see Index._load_holders.
         if self._instance_of is not None:
             by_holder = {
-                instance_names[i]: state[0] for i, state in self._instances.items() if state[0]
+                instance_names[i]: state[0] for i, state in self._instances.items()
+                if state[0] and i >= 0
             }
         else:  # one medium per instance: an instance's prefix is its one holder's
             by_holder = {
-                holder_names[h][0]: state[0] for h, state in self._holders.items() if state[0]
+                holder_names[h][0]: state[0] for h, state in self._holders.items()
+                if state[0] and h in holder_names
             }
         by_medium: dict[str, dict[str, int]] = {}
         meta = {}
         for holder_id, state in self._holders.items():
-            if state[0]:
+            if state[0] and holder_id in holder_names:
                 instance, medium = holder_names[holder_id]
                 by_medium.setdefault(instance, {})[medium] = state[0]
                 if self._with_meta:
                     meta[(instance, medium)] = np.concatenate(self._meta[holder_id])[: state[0]]
         presence = {}
         if self._steps is not None:
-            for holder_id in {h for ids, _ in self._steps for h in ids}:
+            for holder_id in {h for ids, _ in self._steps for h in ids} & holder_names.keys():
                 parts = []
                 for ids, rows in self._steps:
                     if holder_id in ids:
