@@ -120,3 +120,20 @@ def test_a_changed_byte_in_a_holder_name_is_never_reported_as_a_holder(tmp_path)
         assert index.holders_list() == [("w1", "GPU")]
         index.insert([1, 2, 3], holder="w0")  # the engine stores again: a new holder id
         assert index.match([1, 2, 3]).by_holder == {"w0": 3, "w1": 2}
+
+
+def test_a_damaged_tree_page_is_a_sarp_error_not_a_raw_lmdb_one(tmp_path):
+    # Zero a page in the middle of data.mdb (one of the blocks table's pages), with
+    # the snapshot gone; in a child process, since LMDB may also abort on it.
+    path = tmp_path / "ix"
+    with sarp.open(path, durability="nosync") as index:
+        index.insert(list(range(1, 30_000)), holder="w0")
+    (path / "directory.snap").unlink()
+    data = path / "data.mdb"
+    size = data.stat().st_size
+    with data.open("r+b") as f:
+        f.seek((size // 4096 // 2) * 4096)
+        f.write(b"\0" * 4096)
+    out = verify(path)
+    assert out.returncode == 1  # a report, whatever LMDB made of the page
+    assert "problem(s)" in out.stdout and "Traceback" not in out.stderr

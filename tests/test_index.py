@@ -260,3 +260,26 @@ def test_holder_names_too_long_or_not_text_get_a_clear_value_error(tmp_path, hol
         with pytest.raises(ValueError, match=words):
             index.insert([1], holder="ok", medium=holder)
         assert index.holders_list() == []
+
+
+def test_a_second_writer_is_refused_even_when_sarp_lock_was_deleted(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "ix"
+    with sarp.open(path) as writer:
+        writer.insert([1], holder="a")
+        (path / "sarp.lock").unlink()  # what a stale-lock cleanup script does
+        out = subprocess.run([sys.executable, "-c", f"import sarp; sarp.open({str(path)!r})"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "IndexLockedError" in out.stderr
+        assert "sarp.lock deleted" in out.stderr
+        writer.insert([2], parent=1, holder="a")
+    with sarp.open(path) as index:
+        assert index.match([1, 2]).num_blocks == 2
+
+
+def test_a_large_write_into_a_small_map_grows_the_map_as_needed(tmp_path):
+    with sarp.open(tmp_path / "ix", map_size_bytes=1 << 20, durability="nosync") as index:
+        assert index.insert(np.arange(1, 400_001, dtype=np.uint64), holder="a") == 400_000
+        assert index.match(np.arange(1, 400_001, dtype=np.uint64)).num_blocks == 400_000

@@ -45,6 +45,7 @@ DURABILITY_MODES = ("sync", "nosync")
 MAX_SEGMENT_ID = 0xFFFFFFFF
 LOCK_FILE = "sarp.lock"
 DEFAULT_MAX_READERS = 512
+MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
 
 _U64 = struct.Struct(">Q")
 _BLOCK_VALUE = struct.Struct("<IH")
@@ -120,6 +121,7 @@ class Store:
             if readonly:
                 self._open_tables_readonly()
             else:
+                self._data_lock_fd = _take_data_lock(self.path / "data.mdb")
                 self.meta_db = self.env.open_db(b"meta")
                 self.segments_db = self.env.open_db(b"segments")
                 self.blocks_db = self.env.open_db(b"blocks")
@@ -201,9 +203,10 @@ class Store:
         self._release_lock()
 
     def _release_lock(self) -> None:
-        if getattr(self, "_lock_fd", None) is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for name in ("_lock_fd", "_data_lock_fd"):
+            if getattr(self, name, None) is not None:
+                os.close(getattr(self, name))
+                setattr(self, name, None)
 
     def files(self) -> list[Path]:
         """The LMDB files of this index (for size accounting and cache eviction)."""
@@ -224,15 +227,19 @@ class Store:
         On ``MapFullError`` the transaction is aborted, the map is doubled outside
         any transaction, and ``fn`` runs again from the start.
         """
-        for _ in range(8):
+        for _ in range(MAX_GROWTHS):
             try:
                 with self.env.begin(write=True) as txn:
                     return fn(WriteTxn(self, txn))
             except lmdb.MapFullError:
                 self._grow()
+            except lmdb.DiskError as exc:
+                raise StoreFullError(f"{self.path}: the disk refused the write ({exc}); free "
+                                     "some space") from exc
             except lmdb.Error as exc:
                 raise StoreError(f"{self.path}: write failed: {exc}") from exc
-        raise StoreFullError(f"{self.path}: map could not grow enough for one write")
+        raise StoreFullError(f"{self.path}: the map grew {MAX_GROWTHS} times and one write "
+                             "still does not fit; open with a larger map_size_bytes")
 
     def _grow(self) -> None:
         new_size = self.env.info()["map_size"] * 2
@@ -297,9 +304,16 @@ class ReadTxn:
         self._txn = self._store._begin(db=self._store.segments_db)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._txn.abort()
         self._txn = None
+        if exc_type is not None and issubclass(exc_type, lmdb.Error):
+            # A damaged page met while reading: sarp's error, naming the file, not lmdb's.
+            raise DamagedIndexError(
+                f"{self._store.path / 'data.mdb'}: reading failed ({exc_type.__name__}: {exc}); "
+                "the file is damaged. Restore it from a copy, or move the folder away and let "
+                "sarp serve rebuild the index from the engines' replay buffers"
+            ) from exc
 
     def record(self, seg_id: int) -> bytes | None:
         """The raw record of a segment (checked by the caller), counted as one read."""
@@ -556,6 +570,21 @@ def _readers_full(path: Path, max_readers: int, exc: Exception) -> ReadersFullEr
         f"takes a slot. Close some readers, or have the writer open the index with a larger "
         f"max_readers (now {max_readers}; the first process to open the index sets it)"
     )
+
+
+def _take_data_lock(data: Path) -> int:
+    """A second writer lock, on ``data.mdb`` itself: a script that deletes a stale-looking
+    ``sarp.lock`` must not let two writers in (each would trust its own snapshot)."""
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise IndexLockedError(
+            f"{data.parent} is open for writing in another process (its data.mdb is locked, "
+            "even though sarp.lock was not: was sarp.lock deleted?); close the other writer"
+        ) from None
+    return fd
 
 
 def _take_lock(lock_path: Path) -> int:
