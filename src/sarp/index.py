@@ -551,7 +551,6 @@ class Index:
 
     def _apply_prepared(self, prepared: list[tuple], positions: list[int],
                         failed: list[tuple[int, Exception]], num_ops: int) -> BatchResult:
-        ops = range(num_ops)
         with self._lock:
             store = self._writable_store("batch")
             if not prepared:
@@ -561,7 +560,7 @@ class Index:
             self._apply(plan)
             failed += [(positions[j], exc) for j, exc in refused]
             failed.sort(key=lambda f: f[0])
-            removed = [0] * len(ops)
+            removed = [0] * num_ops
             for j, count in enumerate(plan.removed_per_op):
                 removed[positions[j]] = count
             self._counters.batches += 1
@@ -569,7 +568,7 @@ class Index:
             self._counters.inserted_blocks += plan.new_blocks
             self._counters.removed_blocks += plan.removed_blocks
             self._maybe_snapshot()
-            return BatchResult(len(ops), failed, plan.new_blocks, removed)
+            return BatchResult(num_ops, failed, plan.new_blocks, removed)
 
     def _holder_ids_of(self, instance: str, medium: str | None) -> list[int]:
         return [h for h, (inst, med) in self._holder_names.items()
