@@ -355,3 +355,31 @@ def test_sigkill_of_serve_in_the_middle_of_batched_commits_then_catch_up(tmp_pat
     with sarp.open(tmp_path / "ix") as index:
         assert set(index.blocks_of(eng.holder).tolist()) == set(eng.cache)
         assert index.check() == []
+
+
+def test_one_new_engine_batch_taken_as_a_continuation_cannot_prove_itself(index):
+    # The race left open by a reconnect noticed late: the new engine's batch N+1 arrives
+    # first, is next in line, and is applied; then the reconnect is noticed and checked.
+    # The proof covers the last two batches, so the new engine's N fails it.
+    eng = engine()
+    try:
+        sub = subscribe(index, eng)
+        for chain in chains(30, 30):
+            eng.serve(chain)
+        wait_applied(sub, "e", eng.publisher)
+        old_last = eng.publisher.next_seq - 1
+        eng.cache.clear()
+        eng.publisher.restart()  # same sockets: nothing for the monitor to see
+        requests = iter(chains(31, 400))
+        while eng.publisher.next_seq <= old_last:
+            eng.serve(next(requests), drop=True)  # the new engine's first batches: unseen
+        eng.serve(next(requests))  # batch old_last + 1, live: next in line
+        wait_applied(sub, "e", eng.publisher)
+        assert sub.stats["e"].restarts == 0  # taken as a continuation, so far
+        sub._verify.add("e")  # the reconnect, noticed now (as the socket monitor would)
+        sub.poll(10)
+        assert sub.stats["e"].restarts == 1
+        assert held(index, eng.holder) == set(eng.cache)
+        sub.close()
+    finally:
+        eng.publisher.close()

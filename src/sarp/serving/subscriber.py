@@ -147,6 +147,10 @@ class Fingerprint:
     seq: int
     digest: int | None  # xxh3-64 of the payload; None when unknown (an old state file)
     ts: float
+    # The digest of batch seq - 1, when it was applied just before: a proof checks
+    # both, so one new-engine batch taken as a continuation before a reconnect was
+    # noticed cannot prove itself.
+    prev_digest: int | None = None
 
 
 @dataclass(slots=True)
@@ -236,7 +240,8 @@ class Subscriber:
             if "last_seq" in state:  # version 1: sequences only, continuity unprovable
                 return {str(k): Fingerprint(int(v), None, 0.0)
                         for k, v in state["last_seq"].items()}
-            return {str(k): Fingerprint(int(v["seq"]), v["digest"], float(v["ts"]))
+            return {str(k): Fingerprint(int(v["seq"]), v["digest"], float(v["ts"]),
+                                        v.get("prev_digest"))
                     for k, v in state["sources"].items()}
         except FileNotFoundError:
             return {}
@@ -436,6 +441,9 @@ class Subscriber:
         return 1
 
     def _advance(self, key: str, fp: Fingerprint) -> None:
+        old = self.state.get(key)
+        if old is not None and old.seq == fp.seq - 1:
+            fp = Fingerprint(fp.seq, fp.digest, fp.ts, old.digest)
         self.state[key] = self._dirty[key] = fp
         if self._on_commit is not None:
             self._queued_fps.append(fp)
@@ -466,17 +474,17 @@ class Subscriber:
                 stats.unrecoverable_gaps += 1
                 self._forget(key, f"{reason}; no replay endpoint to prove continuity")
             return 0, None
-        frames, complete = self._fetch(key, 0 if fp is None else fp.seq)
+        back = 1 if fp is not None and fp.prev_digest is not None and fp.seq > 0 else 0
+        frames, complete = self._fetch(key, 0 if fp is None else fp.seq - back)
         if fp is not None:
-            if frames and frames[0][0] == fp.seq and fp.digest is not None \
-                    and _digest(frames[0][1]) == fp.digest:
-                frames = frames[1:]  # proven: the engine still has the batch we applied last
+            if _proves(frames, fp, back):
+                frames = frames[1 + back:]  # proven: the engine still has what we applied
             elif not frames and not complete:
                 stats.unrecoverable_gaps += 1
                 self._forget(key, f"{reason}: the replay endpoint did not answer")
                 return 0, None
             else:
-                if frames and frames[0][0] == fp.seq or (complete and not frames):
+                if frames and frames[0][0] == fp.seq - back or (complete and not frames):
                     stats.restarts += 1
                     why = "engine restarted"
                 else:
@@ -580,6 +588,16 @@ class Subscriber:
     def summary(self) -> dict[str, dict]:
         return {key: {**asdict(s), "last_seq": self.last_seq.get(key)}
                 for key, s in self.stats.items()}
+
+
+def _proves(frames: list[tuple[int, bytes]], fp: Fingerprint, back: int) -> bool:
+    """Do the replay's first frames carry the batches the fingerprint names?"""
+    if fp.digest is None or len(frames) < 1 + back:
+        return False
+    if back and (frames[0][0] != fp.seq - 1 or _digest(frames[0][1]) != fp.prev_digest):
+        return False
+    last = frames[back]
+    return last[0] == fp.seq and _digest(last[1]) == fp.digest
 
 
 def _digest(payload: bytes) -> int:
