@@ -1,5 +1,5 @@
 """The ``sarp`` command: ``sarp bench``, ``sarp bench-events``, ``sarp serve``, ``sarp workingset``,
-``sarp verify PATH``, ``sarp stats PATH``."""
+``sarp verify PATH``, ``sarp repair PATH --out NEW``, ``sarp stats PATH``."""
 
 from __future__ import annotations
 
@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--json", type=Path, default=None)
     be.add_argument("--plot", type=Path, default=None)
 
+    rp = sub.add_parser("repair", help="write a new index from every readable record")
+    rp.add_argument("path", type=Path)
+    rp.add_argument("--out", type=Path, required=True, help="the new index (a new folder)")
+
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
@@ -132,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "verify":
         return _verify(args.path)
+    if args.command == "repair":
+        from .repair import repair
+
+        try:
+            report = repair(args.path, args.out)
+        except (ValueError, sarp.SarpError) as exc:
+            print(f"sarp repair: {exc}", file=sys.stderr)
+            return 2
+        for line in report.lines():
+            print(line)
+        print(f"wrote {args.out}; check it with: sarp verify {args.out}")
+        return 0
     try:
         # Readonly: works beside a running writer (sarp serve) and changes nothing.
         with sarp.open(args.path, readonly=True) as index:

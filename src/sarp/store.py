@@ -348,22 +348,7 @@ class ReadTxn:
     def holder_names(self) -> dict[int, str | None]:
         """Holder id -> ``instance\\0medium``; ``None`` for a name that fails its checksum
         (a damaged name must never be reported as holding blocks)."""
-        cur = self._txn.cursor(db=self._store.holders_db)
-        out: dict[int, str | None] = {}
-        if cur.set_range(b"i:"):
-            for key, value in cur:
-                if not key.startswith(b"i:"):
-                    break
-                out[struct.unpack(">H", key[2:])[0]] = value
-        for holder_id, value in out.items():
-            stored = self._txn.get(b"s:" + struct.pack(">H", holder_id),
-                                   db=self._store.holders_db)
-            ok = stored is None or stored == _name_sum(value)  # None: written before sums
-            try:
-                out[holder_id] = value.decode() if ok and b"\0" in value else None
-            except UnicodeDecodeError:
-                out[holder_id] = None
-        return out
+        return _read_holder_names(self._txn, self._store.holders_db)
 
     def stat(self, table: str) -> dict:
         return self._txn.stat(getattr(self._store, f"{table}_db"))
@@ -507,6 +492,75 @@ def _add_missing_name_sums(txn, holders_db) -> None:
                 missing.append((b"s:" + key[2:], _name_sum(value)))
     for key, value in missing:
         txn.put(key, value, db=holders_db)
+
+
+def _read_holder_names(txn, holders_db) -> dict[int, str | None]:
+    cur = txn.cursor(db=holders_db)
+    raw: dict[int, bytes] = {}
+    if cur.set_range(b"i:"):
+        for key, value in cur:
+            if not key.startswith(b"i:"):
+                break
+            raw[struct.unpack(">H", key[2:])[0]] = bytes(value)
+    out: dict[int, str | None] = {}
+    for holder_id, value in raw.items():
+        stored = txn.get(b"s:" + struct.pack(">H", holder_id), db=holders_db)
+        ok = stored is None or stored == _name_sum(value)  # None: written before sums
+        try:
+            out[holder_id] = value.decode() if ok and b"\0" in value else None
+        except UnicodeDecodeError:
+            out[holder_id] = None
+    return out
+
+
+def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
+    """Send ``(seg_id, record)`` for every segment id in ``[first_id, last_id]`` that the
+    live B-tree still yields, then ``None``; for :mod:`sarp.repair`, in a child process.
+
+    Reads go through the tree (``get`` by key), never through free pages, so only live
+    records come back; a damaged page may kill this process (a SIGBUS or an LMDB
+    assertion), which is why it runs in a child: the parent knows the last id sent.
+    Every id is reported, found or not: ``(seg_id, None)`` when absent.
+    """
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
+    try:
+        db = env.open_db(b"segments", create=False)
+        txn = env.begin(db=db)
+        for seg_id in range(first_id, last_id + 1):
+            try:
+                record = txn.get(_U64.pack(seg_id))
+            except lmdb.Error:
+                record = b""  # this id's page is damaged: unreadable, not absent
+                txn.abort()  # an error leaves the transaction unusable: take a new one
+                txn = env.begin(db=db)
+            conn.send((seg_id, None if record is None else bytes(record)))
+        txn.abort()
+    finally:
+        env.close()
+    conn.send(None)
+
+
+def salvage_meta(path: str, conn) -> None:
+    """Send ``(counters, holder names)`` read without trusting anything: for repair."""
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
+    try:
+        out: dict = {"next_seg_id": None, "names": {}}
+        try:
+            meta = env.open_db(b"meta", create=False)
+            with env.begin(db=meta) as txn:
+                raw = txn.get(b"next_seg_id")
+                out["next_seg_id"] = _U64.unpack(raw)[0] if raw else None
+        except lmdb.Error:
+            pass
+        try:
+            holders = env.open_db(b"holders", create=False)
+            with env.begin() as txn:
+                out["names"] = _read_holder_names(txn, holders)
+        except lmdb.Error:
+            pass
+        conn.send(out)
+    finally:
+        env.close()
 
 
 _LMDB_MAGIC = 0xBEEFC0DE
