@@ -70,3 +70,18 @@ def test_repair_refuses_to_overwrite(tmp_path):
     (tmp_path / "new").mkdir()
     out = run("repair", tmp_path / "old", "--out", tmp_path / "new")
     assert out.returncode == 2 and "never overwrites" in out.stderr
+
+
+def test_repair_of_a_truncated_file_keeps_what_is_left(tmp_path):
+    stored = build(tmp_path / "old")
+    data = tmp_path / "old" / "data.mdb"
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size * 3 // 4)
+    refused = run("stats", tmp_path / "old")
+    assert refused.returncode == 1 and "sarp repair" in refused.stderr
+    out = run("repair", tmp_path / "old", "--out", tmp_path / "new")
+    assert out.returncode == 0, out.stderr
+    assert run("verify", tmp_path / "new").returncode == 0
+    with sarp.open(tmp_path / "new", readonly=True) as index:
+        for chain, holder in stored:
+            assert set(index.match(chain).by_holder) <= {holder}

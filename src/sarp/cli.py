@@ -187,8 +187,8 @@ def _verify(path: Path) -> int:
         code = child.exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         problems = [f"{path / 'data.mdb'}: walking the LMDB pages crashed the checker ({how}); "
-                    "the file is damaged. Restore it from a copy, or move the folder away "
-                    "and let sarp serve rebuild the index from the engines' replay buffers"]
+                    f"the file is damaged. Salvage what can be read with: sarp repair {path} "
+                    "--out NEW_FOLDER"]
     elif kind == "refused":
         problems = [detail]
     else:

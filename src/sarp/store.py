@@ -311,8 +311,7 @@ class ReadTxn:
             # A damaged page met while reading: sarp's error, naming the file, not lmdb's.
             raise DamagedIndexError(
                 f"{self._store.path / 'data.mdb'}: reading failed ({exc_type.__name__}: {exc}); "
-                "the file is damaged. Restore it from a copy, or move the folder away and let "
-                "sarp serve rebuild the index from the engines' replay buffers"
+                f"the file is damaged. {_REPAIR_HINT.format(path=self._store.path)}"
             ) from exc
 
     def record(self, seg_id: int) -> bytes | None:
@@ -563,6 +562,9 @@ def salvage_meta(path: str, conn) -> None:
         env.close()
 
 
+_REPAIR_HINT = ("Salvage what can be read with: sarp repair {path} --out NEW_FOLDER "
+                "(or restore a copy; sarp serve can also rebuild it from the engines' "
+                "replay buffers)")
 _LMDB_MAGIC = 0xBEEFC0DE
 _PAGE_HEADER_BYTES = 16
 _META = struct.Struct("<IIQQIHH")  # magic, version, address, map size, then the free DB
@@ -597,16 +599,14 @@ def check_data_file(data: Path) -> None:
     if not metas or page_size < 512:
         raise DamagedIndexError(
             f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
-            "an index. Restore it from a copy, or move the folder away and let sarp serve "
-            "rebuild the index from the engines' replay buffers"
+            f"an index. {_REPAIR_HINT.format(path=data.parent)}"
         )
     last_page, _ = max(metas, key=lambda m: m[1])
     needed = (last_page + 1) * page_size
     if size < needed:
         raise DamagedIndexError(
             f"{data}: {size} bytes, but its last committed transaction uses {needed}: the file "
-            "was truncated. Restore it from a copy, or move the folder away and let sarp "
-            "serve rebuild the index from the engines' replay buffers"
+            f"was truncated. {_REPAIR_HINT.format(path=data.parent)}"
         )
 
 
