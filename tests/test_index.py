@@ -283,3 +283,40 @@ def test_a_large_write_into_a_small_map_grows_the_map_as_needed(tmp_path):
     with sarp.open(tmp_path / "ix", map_size_bytes=1 << 20, durability="nosync") as index:
         assert index.insert(np.arange(1, 400_001, dtype=np.uint64), holder="a") == 400_000
         assert index.match(np.arange(1, 400_001, dtype=np.uint64)).num_blocks == 400_000
+
+
+def test_holder_ids_of_holders_that_hold_nothing_are_reused_when_all_are_taken(
+        tmp_path, monkeypatch):
+    import multiprocessing as mp
+
+    import sarp.store
+    from test_readers import reader_main
+
+    monkeypatch.setattr(sarp.store, "MAX_HOLDERS", 4)  # instead of 65,536
+    path = tmp_path / "ix"
+    with sarp.open(path, durability="nosync") as index:
+        for i, name in enumerate("abcd"):
+            index.insert([10 * i + 1, 10 * i + 2], holder=name)
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        reader = ctx.Process(target=reader_main, args=(str(path), there), daemon=True)
+        reader.start()
+        try:
+            here.send([[1, 2]])
+            assert here.recv() == [{"a": 2}]
+            with pytest.raises(sarp.StoreFullError, match="clear the ones"):
+                index.insert([100], holder="e")
+            index.clear("a")  # an engine gone: its holder holds nothing now
+            index.insert([100, 101], holder="e")  # takes a's id
+            assert ("a", "GPU") not in index.holders_list()
+            assert index.match([100, 101]).by_holder == {"e": 2}
+            assert index.match([1, 2]).num_blocks == 0
+            assert index.match([11, 12]).by_holder == {"b": 2}
+            here.send([[100, 101], [1, 2]])  # a reader open all along sees the rename
+            assert here.recv() == [{"e": 2}, {}]
+            assert index.check() == []
+        finally:
+            here.send(None)
+            reader.join(timeout=20)
+    with sarp.open(path) as index:
+        assert index.match([100, 101]).by_holder == {"e": 2}

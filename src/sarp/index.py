@@ -142,7 +142,7 @@ class Index:
         _check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
         started = time.perf_counter()
         self.path = Path(path)
-        self._packer = Packer(segment_blocks, self.path)
+        self._packer = Packer(segment_blocks, self.path, reclaim=self._reclaim_holder_id)
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
         self._lock = threading.RLock()
@@ -157,7 +157,7 @@ class Index:
         try:
             with self._store.read() as r:
                 self._load_holders(r.holder_names())
-                self._holders_seen = r.counter("next_holder_id")
+                self._holders_seen = _holders_version(r)
                 self._recover(r)
             if self._damaged_holders and not readonly:
                 self._drop_damaged_holders()
@@ -330,9 +330,9 @@ class Index:
         seq = r.counter("next_seq")
         if seq == self._watermark:
             return True
-        if r.counter("next_holder_id") != self._holders_seen:
+        if _holders_version(r) != self._holders_seen:
             self._load_holders(r.holder_names())
-            self._holders_seen = r.counter("next_holder_id")
+            self._holders_seen = _holders_version(r)
         trimmed = r.counter("log_trimmed_upto")
         if trimmed > self._watermark:
             try:
@@ -570,6 +570,15 @@ class Index:
             self._maybe_snapshot()
             return BatchResult(num_ops, failed, plan.new_blocks, removed)
 
+    def _reclaim_holder_id(self, avoid: set[int]) -> int | None:
+        """A holder id whose holder holds nothing (committed), for reuse; or None."""
+        for holder_id in sorted(self._holder_names):
+            if holder_id not in avoid and not self.holders.segments(holder_id):
+                log.info("sarp: holder ids are all taken; reusing %d (%s, which holds "
+                         "nothing)", holder_id, "/".join(self._holder_names[holder_id]))
+                return holder_id
+        return None
+
     def _holder_ids_of(self, instance: str, medium: str | None) -> list[int]:
         return [h for h, (inst, med) in self._holder_names.items()
                 if inst == instance and (medium is None or med == medium)]
@@ -577,8 +586,8 @@ class Index:
     def _apply(self, plan: Plan) -> None:
         """Bring memory up to date with a committed write."""
         for holder_id, name in plan.holder_names:
-            if holder_id not in self._holder_names:
-                self._register_holder(holder_id, name)
+            if self._holder_names.get(holder_id) != tuple(name.split(_SEP, 1)):
+                self._register_holder(holder_id, name)  # new, or an id reused
         for seg_id, first_hash, holder_ids, is_new in plan.segments:
             if holder_ids is None:
                 self.holders.discard_everywhere(seg_id)
@@ -829,6 +838,11 @@ def _prepare(op: tuple) -> tuple:
             raise ValueError(f"holder={holder!r}; pass the instance name as a non-empty str")
         return ("clear", holder, medium)
     raise ValueError(f"batch operation {kind!r}; use 'insert', 'remove' or 'clear'")
+
+
+def _holders_version(r: ReadTxn) -> tuple[int, int]:
+    """Changes when a holder is added, renamed (an id reused) or forgotten."""
+    return r.counter("next_holder_id"), r.counter("holder_changes")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

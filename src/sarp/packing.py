@@ -33,9 +33,11 @@ SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
 class Packer:
     """Write transactions for one index: where blocks go, and what changed."""
 
-    def __init__(self, segment_blocks: int, path: Path) -> None:
+    def __init__(self, segment_blocks: int, path: Path, reclaim=None) -> None:
         self.segment_blocks = segment_blocks
         self.path = path
+        # reclaim(avoid) -> a holder id that holds nothing and is not in ``avoid``
+        self.reclaim = reclaim
 
     def insert(
         self,
@@ -109,7 +111,9 @@ class Packer:
         self._check_existing(touched, chain, parent, start_pos, seg_ids, offsets)
         holder_id = w.holder_id(name, create=False)
         if holder_id is None:
-            holder_id = w.holder_id(name, create=True)
+            taken = {h for h, _ in plan.holder_names} | touched.holder_ids()
+            holder_id = w.holder_id(name, create=True,
+                                    reclaim=lambda: self.reclaim(taken) if self.reclaim else None)
             plan.holder_names.append((holder_id, name))
         self._mark_existing(touched, seg_ids, offsets, holder_id, meta)
         new = np.flatnonzero(seg_ids == 0)
@@ -318,6 +322,10 @@ class Touched:
         if seg is None:
             seg = self._segs[seg_id] = writable(self._w.segment(seg_id))
         return seg
+
+    def holder_ids(self) -> set[int]:
+        """Every holder id with a row in a touched segment."""
+        return {int(h) for seg in self._segs.values() for h in seg.holder_ids}
 
     def holding(self, holder_id: int) -> set[int]:
         """Touched segments with a row for ``holder_id``."""

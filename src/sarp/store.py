@@ -45,6 +45,7 @@ DURABILITY_MODES = ("sync", "nosync")
 MAX_SEGMENT_ID = 0xFFFFFFFF
 LOCK_FILE = "sarp.lock"
 DEFAULT_MAX_READERS = 512
+MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
 MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
 
 _U64 = struct.Struct(">Q")
@@ -325,7 +326,8 @@ class ReadTxn:
         return None if record is None else decode(seg_id, record)
 
     def counter(self, name: str) -> int:
-        return _U64.unpack(self._txn.get(name.encode(), db=self._store.meta_db))[0]
+        raw = self._txn.get(name.encode(), db=self._store.meta_db)
+        return 0 if raw is None else _U64.unpack(raw)[0]  # 0: a counter added later
 
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
@@ -362,9 +364,6 @@ class WriteTxn:
         self._store = store
         self.txn = txn
         self.log_entries: list[tuple[int, int, int]] = []
-
-    def counter(self, name: str) -> int:
-        return _U64.unpack(self.txn.get(name.encode(), db=self._store.meta_db))[0]
 
     def set_counter(self, name: str, value: int) -> None:
         self.txn.put(name.encode(), _U64.pack(value), db=self._store.meta_db)
@@ -440,23 +439,42 @@ class WriteTxn:
         for packed in wanted:
             self.txn.delete(b"i:" + packed, db=db)
             self.txn.delete(b"s:" + packed, db=db)
+        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
 
-    def holder_id(self, name: str, create: bool) -> int | None:
+    def holder_id(self, name: str, create: bool, reclaim=None) -> int | None:
+        """The id of holder ``name``; with ``create``, a new one if it has none.
+
+        Ids are u16 (they are stored per row of every segment).  When all are taken,
+        ``reclaim(avoid)`` names an id whose holder holds nothing (an engine that was
+        cleared and went away); its old name is forgotten and the id reused.
+        """
         key = b"n:" + name.encode()
-        value = self.txn.get(key, db=self._store.holders_db)
+        db = self._store.holders_db
+        value = self.txn.get(key, db=db)
         if value is not None:
             return struct.unpack(">H", value)[0]
         if not create:
             return None
         new_id = self.counter("next_holder_id")
-        if new_id > 0xFFFF:
-            raise StoreFullError(f"{self._store.path}: more than 65536 holders")
-        self.set_counter("next_holder_id", new_id + 1)
-        self.txn.put(key, struct.pack(">H", new_id), db=self._store.holders_db)
-        self.txn.put(b"i:" + struct.pack(">H", new_id), name.encode(), db=self._store.holders_db)
-        self.txn.put(b"s:" + struct.pack(">H", new_id), _name_sum(name.encode()),
-                     db=self._store.holders_db)
+        if new_id < MAX_HOLDERS:
+            self.set_counter("next_holder_id", new_id + 1)
+        else:
+            new_id = reclaim() if reclaim is not None else None
+            if new_id is None:
+                raise StoreFullError(
+                    f"{self._store.path}: {MAX_HOLDERS} holders hold blocks; clear the ones "
+                    "whose engines are gone (index.clear(NAME)) so their ids can be reused")
+            self.forget_holders([new_id])
+        packed = struct.pack(">H", new_id)
+        self.txn.put(key, packed, db=db)
+        self.txn.put(b"i:" + packed, name.encode(), db=db)
+        self.txn.put(b"s:" + packed, _name_sum(name.encode()), db=db)
+        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
         return new_id
+
+    def counter(self, name: str) -> int:
+        raw = self.txn.get(name.encode(), db=self._store.meta_db)
+        return 0 if raw is None else _U64.unpack(raw)[0]
 
 
 def _check_path(path: Path, create: bool) -> None:
