@@ -289,8 +289,9 @@ def test_holder_ids_of_holders_that_hold_nothing_are_reused_when_all_are_taken(
         tmp_path, monkeypatch):
     import multiprocessing as mp
 
-    import sarp.store
     from test_readers import reader_main
+
+    import sarp.store
 
     monkeypatch.setattr(sarp.store, "MAX_HOLDERS", 4)  # instead of 65,536
     path = tmp_path / "ix"
