@@ -24,7 +24,7 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
     expected_blocks: dict[int, tuple[int, int]] = {}
     expected_directory: dict[int, int] = {}
     expected_holders: dict[int, set[int]] = {}
-    for seg_id, record in r.raw_segments():
+    for seg_id, record in _guarded(r.raw_segments(), problems):
         try:
             seg = decode(seg_id, record)
         except CorruptRecordError as exc:
@@ -48,10 +48,15 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
         expected_directory[int(seg.hashes[0])] = seg_id
         for holder_id in seg.holder_ids.tolist():
             expected_holders.setdefault(holder_id, set()).add(seg_id)
-    for h, seg_id, offset in r.blocks():
-        want = expected_blocks.pop(h, None)
-        if want != (seg_id, offset):
-            problems.append(f"blocks table: {h} -> ({seg_id}, {offset}), segments say {want}")
+    try:
+        for h, seg_id, offset in r.blocks():
+            want = expected_blocks.pop(h, None)
+            if want != (seg_id, offset):
+                problems.append(f"blocks table: {h} -> ({seg_id}, {offset}), segments say "
+                                f"{want}")
+    except CorruptRecordError as exc:
+        problems.append(f"{exc}; the rest of the blocks table was not checked")
+        expected_blocks.clear()
     for h, want in expected_blocks.items():
         problems.append(f"blocks table: {h} missing, stored in segment {want[0]} at {want[1]}")
     got = directory.entries()
@@ -69,3 +74,11 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
                 f"missing {sorted(want - have)[:5]}"
             )
     return problems
+
+
+def _guarded(entries, problems: list[str]):
+    """Yield from ``entries`` until a damaged one; that one becomes a problem line."""
+    try:
+        yield from entries
+    except CorruptRecordError as exc:
+        problems.append(f"{exc}; the rest of the table was not checked")

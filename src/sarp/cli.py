@@ -164,7 +164,7 @@ def _verify_child(path: str, conn) -> None:
     try:
         with sarp.open(path, readonly=True) as index:
             conn.send(("problems", index.check()))
-    except sarp.SarpError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the damage, it is a line of the report
         conn.send(("refused", f"{type(exc).__name__}: {exc}"))
 
 

@@ -35,6 +35,7 @@ from .store import salvage_meta, salvage_records
 
 SCAFFOLD = "sarp.repair.scaffold"
 _PROBE_IDS_PAST_COUNTER = 1024  # when the counter itself is unreadable, probe this far
+MAX_SKIP = 4096  # ids skipped at once after children keep dying on the same region
 
 
 @dataclass(slots=True)
@@ -51,7 +52,8 @@ class RepairReport:
         return [
             f"segments: {self.segments_found} found, {self.segments_damaged} damaged records "
             f"dropped, {len(self.segments_unreadable)} unreadable ids "
-            f"{self.segments_unreadable[:10]}, {self.segments_unplaced} unplaced (parent lost)",
+            f"{self.segments_unreadable[:10]}{'...' if len(self.segments_unreadable) > 10 else ''}"
+            f", {self.segments_unplaced} unplaced (parent lost)",
             f"blocks kept: {self.blocks_kept}",
             f"holders: {self.holders_kept} kept, {len(self.holders_lost)} lost (damaged names "
             f"{self.holders_lost[:10]})",
@@ -105,7 +107,7 @@ def _in_child(ctx, target, *args):
 def _salvage(ctx, path: str, last_id: int, report: RepairReport) -> list[Segment]:
     """Every readable, verified segment with id 1..last_id, one child per damaged region."""
     segments: list[Segment] = []
-    next_id = 1
+    next_id, dead_in_a_row = 1, 0
     while next_id <= last_id:
         here, there = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=salvage_records, args=(path, next_id, last_id, there))
@@ -121,7 +123,7 @@ def _salvage(ctx, path: str, last_id: int, report: RepairReport) -> list[Segment
                 done = True
                 break
             seg_id, record = item
-            next_id = seg_id + 1
+            next_id, dead_in_a_row = seg_id + 1, 0
             if record is None:
                 continue
             if record == b"":
@@ -135,8 +137,13 @@ def _salvage(ctx, path: str, last_id: int, report: RepairReport) -> list[Segment
         proc.join()
         if done:
             break
-        report.segments_unreadable.append(next_id)  # the id whose read killed the child
-        next_id += 1
+        # The id whose read killed the child; when children keep dying at once (a
+        # damaged branch page covers a range of ids), skip ahead exponentially so
+        # the time stays bounded: those ids are reported unreadable.
+        skip = min(1 << dead_in_a_row, MAX_SKIP)
+        report.segments_unreadable.extend(range(next_id, min(next_id + skip, last_id + 1)))
+        next_id += skip
+        dead_in_a_row += 1
     return segments
 
 

@@ -334,15 +334,23 @@ class ReadTxn:
         cur = self._txn.cursor(db=self._store.log_db)
         if cur.set_range(_U64.pack(seq + 1)):
             for key, value in cur:
+                if len(key) != _U64.size or len(value) != _LOG_VALUE.size:
+                    raise CorruptRecordError(f"log table: an entry of {len(key)}+{len(value)} "
+                                             "bytes")
                 seg_id, first = _LOG_VALUE.unpack(value)
                 yield _U64.unpack(key)[0], seg_id, first
 
     def raw_segments(self) -> Iterator[tuple[int, bytes]]:
         for key, record in self._txn.cursor(db=self._store.segments_db):
+            if len(key) != _U64.size:
+                raise CorruptRecordError(f"segments table: a key of {len(key)} bytes")
             yield _U64.unpack(key)[0], record
 
     def blocks(self) -> Iterator[tuple[int, int, int]]:
         for key, value in self._txn.cursor(db=self._store.blocks_db):
+            if len(key) != _U64.size or len(value) != _BLOCK_VALUE.size:
+                raise CorruptRecordError(f"blocks table: an entry of {len(key)}+{len(value)} "
+                                         "bytes (8+6 expected)")
             seg_id, offset = _BLOCK_VALUE.unpack(value)
             yield _U64.unpack(key)[0], seg_id, offset
 
@@ -518,7 +526,8 @@ def _read_holder_names(txn, holders_db) -> dict[int, str | None]:
         for key, value in cur:
             if not key.startswith(b"i:"):
                 break
-            raw[struct.unpack(">H", key[2:])[0]] = bytes(value)
+            if len(key) == 4:  # anything else is damage: that name is simply not read
+                raw[struct.unpack(">H", key[2:])[0]] = bytes(value)
     out: dict[int, str | None] = {}
     for holder_id, value in raw.items():
         stored = txn.get(b"s:" + struct.pack(">H", holder_id), db=holders_db)
