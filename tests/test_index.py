@@ -321,3 +321,37 @@ def test_holder_ids_of_holders_that_hold_nothing_are_reused_when_all_are_taken(
             reader.join(timeout=20)
     with sarp.open(path) as index:
         assert index.match([100, 101]).by_holder == {"e": 2}
+
+
+def test_a_write_the_filesystem_refuses_is_store_full_and_changes_nothing(tmp_path):
+    # A file-size limit (ulimit -f) stands in for a full disk: LMDB sees its write fail.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, signal, sarp
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        index = sarp.open({str(tmp_path / "ix")!r})
+        index.insert(list(range(1, 100)), holder="a")
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, hard))
+        stored, k = 99, 0
+        try:
+            while True:
+                chain = list(range(1000 + k * 1000, 2000 + k * 1000))
+                index.insert(chain, holder="a")
+                stored, k = stored + 1000, k + 1
+        except sarp.StoreFullError as exc:
+            print("full:", exc)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+        assert index.stats()["blocks"] == stored and index.check() == []
+        index.insert([10**9], holder="a")  # usable again once there is room
+        assert index.match([10**9]).num_blocks == 1
+        index.close()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "full:" in out.stdout and "ulimit" in out.stdout and out.stdout.endswith("ok\n")

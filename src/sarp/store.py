@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,6 +47,7 @@ MAX_SEGMENT_ID = 0xFFFFFFFF
 LOCK_FILE = "sarp.lock"
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
+LOW_DISK_BYTES = 64 << 20  # a failed write with less room than this is a full disk
 MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
 
 _U64 = struct.Struct(">Q")
@@ -234,10 +236,14 @@ class Store:
                     return fn(WriteTxn(self, txn))
             except lmdb.MapFullError:
                 self._grow()
-            except lmdb.DiskError as exc:
-                raise StoreFullError(f"{self.path}: the disk refused the write ({exc}); free "
-                                     "some space") from exc
             except lmdb.Error as exc:
+                # LMDB reports a full disk as a failed write (often EIO): look at the room
+                # left, so that the caller gets StoreFullError and what to do.  The
+                # transaction was aborted: the index is as it was, usable once there is room.
+                room = _no_room(self.path)
+                if room is not None:
+                    raise StoreFullError(f"{self.path}: the write failed ({exc}): {room}; "
+                                         "the index is unchanged") from exc
                 raise StoreError(f"{self.path}: write failed: {exc}") from exc
         raise StoreFullError(f"{self.path}: the map grew {MAX_GROWTHS} times and one write "
                              "still does not fit; open with a larger map_size_bytes")
@@ -651,6 +657,20 @@ def _readers_full(path: Path, max_readers: int, exc: Exception) -> ReadersFullEr
         f"takes a slot. Close some readers, or have the writer open the index with a larger "
         f"max_readers (now {max_readers}; the first process to open the index sets it)"
     )
+
+
+def _no_room(path: Path) -> str | None:
+    """Why a write may have found no room (a nearly full disk, a file-size limit), if so."""
+    stat = os.statvfs(path)
+    free = stat.f_bavail * stat.f_frsize
+    if free < LOW_DISK_BYTES:
+        return f"the disk holding it has {free:,} bytes free; free some space"
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    data = path / "data.mdb"
+    if soft != resource.RLIM_INFINITY and data.exists() and (
+            data.stat().st_size + LOW_DISK_BYTES > soft):
+        return f"this process may write files of at most {soft:,} bytes (ulimit -f); raise it"
+    return None
 
 
 def _take_data_lock(data: Path) -> int:
