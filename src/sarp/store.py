@@ -162,7 +162,9 @@ class Store:
                         f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
                     )
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
-            _add_missing_name_sums(txn, self.holders_db)
+            if txn.get(b"name_sums", db=self.meta_db) is None:
+                _add_missing_name_sums(txn, self.holders_db)
+                txn.put(b"name_sums", _U64.pack(1), db=self.meta_db)
 
     def _open_tables_readonly(self) -> None:
         """Open the named tables without creating anything (a reader writes nothing)."""
@@ -363,7 +365,8 @@ class ReadTxn:
     def holder_names(self) -> dict[int, str | None]:
         """Holder id -> ``instance\\0medium``; ``None`` for a name that fails its checksum
         (a damaged name must never be reported as holding blocks)."""
-        return _read_holder_names(self._txn, self._store.holders_db)
+        required = self._txn.get(b"name_sums", db=self._store.meta_db) is not None
+        return _read_holder_names(self._txn, self._store.holders_db, required)
 
     def stat(self, table: str) -> dict:
         return self._txn.stat(getattr(self._store, f"{table}_db"))
@@ -525,7 +528,7 @@ def _add_missing_name_sums(txn, holders_db) -> None:
         txn.put(key, value, db=holders_db)
 
 
-def _read_holder_names(txn, holders_db) -> dict[int, str | None]:
+def _read_holder_names(txn, holders_db, sums_required: bool) -> dict[int, str | None]:
     cur = txn.cursor(db=holders_db)
     raw: dict[int, bytes] = {}
     if cur.set_range(b"i:"):
@@ -537,7 +540,8 @@ def _read_holder_names(txn, holders_db) -> dict[int, str | None]:
     out: dict[int, str | None] = {}
     for holder_id, value in raw.items():
         stored = txn.get(b"s:" + struct.pack(">H", holder_id), db=holders_db)
-        ok = stored is None or stored == _name_sum(value)  # None: written before sums
+        # Once every name has its sum (``name_sums`` in meta), a missing one is damage.
+        ok = stored == _name_sum(value) if stored is not None else not sums_required
         try:
             out[holder_id] = value.decode() if ok and b"\0" in value else None
         except UnicodeDecodeError:
@@ -572,11 +576,42 @@ def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
     conn.send(None)
 
 
+def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
+    """Each holder name by its own key, so that one damaged entry costs one name."""
+    found: dict[int, tuple[bytes, bytes | None] | None] = {}
+    txn = env.begin(db=holders_db)
+    try:
+        for holder_id in range(count):
+            packed = struct.pack(">H", holder_id)
+            try:
+                value, stored = txn.get(b"i:" + packed), txn.get(b"s:" + packed)
+            except lmdb.Error:
+                txn.abort()
+                txn = env.begin(db=holders_db)
+                found[holder_id] = None
+                continue
+            if value is not None:
+                found[holder_id] = (bytes(value), None if stored is None else bytes(stored))
+    finally:
+        txn.abort()
+    # An index written before name checksums has none at all; otherwise one is required.
+    sums = any(f is not None and f[1] is not None for f in found.values())
+    out: dict[int, str | None] = {}
+    for holder_id, entry in found.items():
+        ok = entry is not None and (entry[1] == _name_sum(entry[0]) if sums else True)
+        try:
+            out[holder_id] = entry[0].decode() if ok and b"\0" in entry[0] else None
+        except UnicodeDecodeError:
+            out[holder_id] = None
+    return out
+
+
 def salvage_meta(path: str, conn) -> None:
     """Send ``(counters, holder names)`` read without trusting anything: for repair."""
     env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
     try:
         out: dict = {"next_seg_id": None, "names": {}}
+        meta = None
         try:
             meta = env.open_db(b"meta", create=False)
             with env.begin(db=meta) as txn:
@@ -587,7 +622,9 @@ def salvage_meta(path: str, conn) -> None:
         try:
             holders = env.open_db(b"holders", create=False)
             with env.begin() as txn:
-                out["names"] = _read_holder_names(txn, holders)
+                raw = txn.get(b"next_holder_id", db=meta)
+            count = _U64.unpack(raw)[0] if raw else MAX_HOLDERS
+            out["names"] = _salvage_names(env, holders, min(count, MAX_HOLDERS))
         except lmdb.Error:
             pass
         conn.send(out)
@@ -603,16 +640,22 @@ _PAGE_HEADER_BYTES = 16
 _META = struct.Struct("<IIQQIHH")  # magic, version, address, map size, then the free DB
 _META_TAIL = struct.Struct("<QQ")  # last page number, transaction id (after both DBs)
 _META_TAIL_AT = _PAGE_HEADER_BYTES + 24 + 2 * 48
+# md_root of the free-page DB and of the main DB: the last field of each 48-byte MDB_db
+_ROOTS_AT = (_PAGE_HEADER_BYTES + 24 + 40, _PAGE_HEADER_BYTES + 24 + 48 + 40)
+_U64_LE = struct.Struct("<Q")
+_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree
 
 
 def check_data_file(data: Path) -> None:
     """Refuse an LMDB file that is truncated or is not LMDB, before LMDB maps it.
 
-    LMDB trusts its file: a ``data.mdb`` shorter than its last committed
-    transaction says kills the process with SIGBUS when a page past the end is
-    touched, and a damaged meta page trips an assertion (abort).  Its two meta
-    pages name the page size and the last page in use; the newer valid one is
-    compared with the file's size.  Cost: one read of two pages.
+    LMDB trusts its file: a tree page past the end of ``data.mdb`` kills the process
+    with SIGBUS when it is touched, and a damaged meta page trips an assertion
+    (abort).  The newer valid meta page names the root page of each of LMDB's two
+    trees (the free-page tree and the main one, which holds sarp's tables); a root
+    past the end of the file means it was truncated.  (The meta's "last page" is no
+    bound: LMDB may count pages a transaction allocated and freed again without
+    ever writing them.)  Cost: one read of two pages.
     """
     try:
         size = data.stat().st_size
@@ -628,18 +671,22 @@ def check_data_file(data: Path) -> None:
             continue
         magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
         if magic == _LMDB_MAGIC:
-            metas.append(_META_TAIL.unpack_from(head, at + _META_TAIL_AT))
+            roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
+            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
+            metas.append((txnid, roots))
     if not metas or page_size < 512:
         raise DamagedIndexError(
             f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
             f"an index. {_REPAIR_HINT.format(path=data.parent)}"
         )
-    last_page, _ = max(metas, key=lambda m: m[1])
-    needed = (last_page + 1) * page_size
-    if size < needed:
+    _, roots = max(metas)
+    pages = size // page_size
+    beyond = [r for r in roots if r != _NO_PAGE and r >= pages]
+    if beyond:
         raise DamagedIndexError(
-            f"{data}: {size} bytes, but its last committed transaction uses {needed}: the file "
-            f"was truncated. {_REPAIR_HINT.format(path=data.parent)}"
+            f"{data}: {size} bytes ({pages} pages), but its last committed transaction has a "
+            f"tree root at page {beyond[0]}: the file was truncated. "
+            f"{_REPAIR_HINT.format(path=data.parent)}"
         )
 
 
