@@ -653,9 +653,10 @@ def check_data_file(data: Path) -> None:
     with SIGBUS when it is touched, and a damaged meta page trips an assertion
     (abort).  The newer valid meta page names the root page of each of LMDB's two
     trees (the free-page tree and the main one, which holds sarp's tables); a root
-    past the end of the file means it was truncated.  (The meta's "last page" is no
-    bound: LMDB may count pages a transaction allocated and freed again without
-    ever writing them.)  Cost: one read of two pages.
+    past the end of the file, or a file that ends inside a page, means it was
+    truncated.  (The meta's "last page" is no bound: LMDB may count pages a
+    transaction allocated and freed again without ever writing them.)  Cost: one
+    read of two pages.
     """
     try:
         size = data.stat().st_size
@@ -681,6 +682,12 @@ def check_data_file(data: Path) -> None:
         )
     _, roots = max(metas)
     pages = size // page_size
+    if size % page_size:
+        # LMDB writes whole pages: a file that ends inside one was cut short.
+        raise DamagedIndexError(
+            f"{data}: {size} bytes is not a whole number of {page_size}-byte pages: the file "
+            f"was truncated. {_REPAIR_HINT.format(path=data.parent)}"
+        )
     beyond = [r for r in roots if r != _NO_PAGE and r >= pages]
     if beyond:
         raise DamagedIndexError(
