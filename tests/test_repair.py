@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 
@@ -51,9 +52,16 @@ def test_repair_of_an_intact_index_keeps_everything(tmp_path):
 @pytest.mark.parametrize("where", [0.3, 0.5, 0.7, 0.9])
 def test_repair_after_a_zeroed_page_keeps_most_chains_whole_and_verifies(tmp_path, where):
     stored = build(tmp_path / "old")
+    with sarp.open(tmp_path / "old", readonly=True) as index:
+        segments = index.stats()["segments"]
     zero_page(tmp_path / "old", where)
     out = run("repair", tmp_path / "old", "--out", tmp_path / "new")
     assert out.returncode == 0, out.stderr
+    # Every record is accounted for: kept, or lost with its page (nothing intact dropped).
+    found, damaged, unreadable = map(int, re.match(
+        r"segments: (\d+) found, (\d+) damaged records dropped, (\d+) unreadable",
+        out.stdout).groups())
+    assert found + damaged + unreadable == segments
     verify = run("verify", tmp_path / "new")
     assert verify.returncode == 0, verify.stdout
     whole = 0
