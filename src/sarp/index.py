@@ -298,12 +298,20 @@ class Index:
         return ""
 
     def _replay_log(self, r: ReadTxn) -> int:
-        """Apply the log entries after the watermark, as of ``r``; return how many."""
+        """Apply the log entries after the watermark, as of ``r``; return how many.
+
+        A segment logged several times is re-read once: replaying reads its state as
+        of ``r``, which is the same for every entry of it.
+        """
+        latest: dict[int, int] = {}  # segment id -> its first hash (as last logged)
         count = 0
         for seq, seg_id, first_hash in r.log_since(self._watermark):
-            self._replay(r, seg_id, first_hash)
+            latest.pop(seg_id, None)  # keep the order of last mention
+            latest[seg_id] = first_hash
             self._watermark = seq
             count += 1
+        for seg_id, first_hash in latest.items():
+            self._replay(r, seg_id, first_hash)
         self._watermark = max(self._watermark, r.counter("next_seq"))
         return count
 
