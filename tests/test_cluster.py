@@ -213,3 +213,13 @@ def test_junk_on_the_wire_is_counted_and_the_stream_goes_on(tmp_path):
         index.close()
     finally:
         cluster.close()
+
+
+def test_serve_on_a_folder_that_is_not_an_index_says_so_without_a_traceback(tmp_path):
+    (tmp_path / "ix").mkdir()
+    (tmp_path / "ix" / "junk").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "sarp.cli", "serve", "--index",
+                          str(tmp_path / "ix"), "--source", "e=tcp://127.0.0.1:9"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "NotAnIndexError" in out.stderr
+    assert "Traceback" not in out.stderr

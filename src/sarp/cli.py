@@ -118,10 +118,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return ingest_run(args)
     if args.command == "serve":
+        from .errors import SarpError
         from .serving.serve import run as serve_run
 
         try:
             return serve_run(args)
+        except SarpError as exc:  # the store failed (disk full, damage): say so, stop
+            print(f"sarp serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
         except ValueError as exc:
             print(f"sarp serve: {exc}", file=sys.stderr)
             return 2
