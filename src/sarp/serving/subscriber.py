@@ -520,17 +520,23 @@ class Subscriber:
         """Every batch the engine's buffer holds from ``start``, and whether it ended.
 
         A replay that arrives with a hole (the engine's ROUTER dropped frames at its
-        send high-water mark, 1,000 in vLLM 0.11) is asked again from the hole, for as
-        long as each answer fills it.
+        send high-water mark, 1,000 in vLLM 0.11), or that stops before its end marker
+        (dropped the same way, or a slow engine), is asked again from where it stopped,
+        for as long as each answer makes progress.
         """
         frames, complete = self._fetch_once(key, start)
         while True:
             hole = next((i for i in range(1, len(frames))
                          if frames[i][0] != frames[i - 1][0] + 1), None)
-            if hole is None:
+            if hole is None and (complete or not frames):
                 return frames, complete
-            resume = frames[hole - 1][0] + 1
+            resume = frames[hole - 1][0] + 1 if hole is not None else frames[-1][0] + 1
             more, more_complete = self._fetch_once(key, resume)
+            if hole is None:  # it stopped without its end marker: ask for the rest
+                if not more and not more_complete:
+                    return frames, False  # no answer at all: the engine is gone
+                frames, complete = frames + more, more_complete
+                continue
             if not more or more[0][0] != resume:
                 return frames, complete  # the buffer no longer has it: a real gap
             # Progress: the first hole moved on by at least one batch.
