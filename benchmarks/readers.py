@@ -43,7 +43,7 @@ import numpy as np
 
 import sarp
 from sarp.bench import load_requests
-from sarp.serving.cluster import SimEngine
+from sarp.bench.ingest import record
 
 ENGINES = 4
 
@@ -59,28 +59,6 @@ def build_index(folder: Path, requests) -> None:
             if n < r.hashes.size:
                 index.insert(r.hashes[n:], parent=int(r.hashes[n - 1]) if n else None,
                              holder=f"e{i % ENGINES}#0")
-
-
-class _Recorder:
-    """Stands in for a publisher: keeps the payloads."""
-
-    def __init__(self, sink: list, engine: int) -> None:
-        self.sink, self.engine = sink, engine
-
-    def publish(self, payload: bytes, drop: bool = False) -> int:
-        self.sink.append((self.engine, payload))
-        return len(self.sink)
-
-
-def record_events(requests, capacity_blocks: int, rounds: int, seed: int) -> list:
-    rng = np.random.default_rng(seed)
-    out: list = []
-    engines = [SimEngine(f"e{i}", capacity_blocks, _Recorder(out, i)) for i in range(ENGINES)]
-    styles = ("vllm-0.11", "vllm-0.33")
-    for k in range(rounds):
-        for j, r in enumerate(requests):
-            engines[int(rng.integers(ENGINES))].serve(r.hashes, style=styles[(j + k) % 2])
-    return out
 
 
 # -- the publisher process -----------------------------------------------------------------
@@ -324,7 +302,7 @@ def main() -> None:
     queries_file = str(work / "queries.npz")
     offsets = np.cumsum([0] + [q.size for q in queries])
     np.savez(queries_file, flat=np.concatenate(queries), offsets=offsets)
-    events = record_events(requests, args.capacity_blocks, args.rounds, seed=1)
+    events, _ = record(requests, ENGINES, args.capacity_blocks, seed=1, rounds=args.rounds)
     events_file = str(work / "events.pkl")
     with open(events_file, "wb") as f:
         import pickle

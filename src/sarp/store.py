@@ -155,12 +155,7 @@ class Store:
                     txn.put(name, _U64.pack(0), db=self.meta_db)
                 self.format_version = FORMAT_VERSION
             else:
-                (self.format_version,) = _U64.unpack(version)
-                if self.format_version > FORMAT_VERSION:
-                    raise FormatVersionError(
-                        f"{self.path}: on-disk format {self.format_version} is newer than this "
-                        f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
-                    )
+                self._check_version(version)
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
             if txn.get(b"name_sums", db=self.meta_db) is None:
                 _add_missing_name_sums(txn, self.holders_db)
@@ -181,13 +176,16 @@ class Store:
             version = txn.get(b"format_version", db=self.meta_db)
             if version is None:
                 raise NotAnIndexError(f"{self.path}: no sarp metadata; not an index yet")
-            (self.format_version,) = _U64.unpack(version)
-            if self.format_version > FORMAT_VERSION:
-                raise FormatVersionError(
-                    f"{self.path}: on-disk format {self.format_version} is newer than this "
-                    f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
-                )
+            self._check_version(version)
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+
+    def _check_version(self, raw: bytes) -> None:
+        (self.format_version,) = _U64.unpack(raw)
+        if self.format_version > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{self.path}: on-disk format {self.format_version} is newer than this "
+                f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
+            )
 
     def _begin(self, **kwargs) -> lmdb.Transaction:
         """A read transaction; adopts a map the writer grew, names a full reader table."""
@@ -537,16 +535,19 @@ def _read_holder_names(txn, holders_db, sums_required: bool) -> dict[int, str | 
                 break
             if len(key) == 4:  # anything else is damage: that name is simply not read
                 raw[struct.unpack(">H", key[2:])[0]] = bytes(value)
-    out: dict[int, str | None] = {}
-    for holder_id, value in raw.items():
-        stored = txn.get(b"s:" + struct.pack(">H", holder_id), db=holders_db)
-        # Once every name has its sum (``name_sums`` in meta), a missing one is damage.
-        ok = stored == _name_sum(value) if stored is not None else not sums_required
-        try:
-            out[holder_id] = value.decode() if ok and b"\0" in value else None
-        except UnicodeDecodeError:
-            out[holder_id] = None
-    return out
+    # Once every name has its sum (``name_sums`` in meta), a missing one is damage.
+    return {holder_id: _checked_name(value, txn.get(b"s:" + struct.pack(">H", holder_id),
+                                                    db=holders_db), sums_required)
+            for holder_id, value in raw.items()}
+
+
+def _checked_name(value: bytes, stored: bytes | None, sums_required: bool) -> str | None:
+    """A holder name that passes its checksum (or predates them), else None."""
+    ok = bytes(stored) == _name_sum(value) if stored is not None else not sums_required
+    try:
+        return value.decode() if ok and b"\0" in value else None
+    except UnicodeDecodeError:
+        return None
 
 
 def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
@@ -596,14 +597,8 @@ def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
         txn.abort()
     # An index written before name checksums has none at all; otherwise one is required.
     sums = any(f is not None and f[1] is not None for f in found.values())
-    out: dict[int, str | None] = {}
-    for holder_id, entry in found.items():
-        ok = entry is not None and (entry[1] == _name_sum(entry[0]) if sums else True)
-        try:
-            out[holder_id] = entry[0].decode() if ok and b"\0" in entry[0] else None
-        except UnicodeDecodeError:
-            out[holder_id] = None
-    return out
+    return {holder_id: None if entry is None else _checked_name(entry[0], entry[1], sums)
+            for holder_id, entry in found.items()}
 
 
 def salvage_meta(path: str, conn) -> None:

@@ -45,16 +45,18 @@ class _Recorder:
         return len(self.sink)
 
 
-def record(requests, engines: int, capacity_blocks: int, seed: int = 0):
-    """The stream (engine, payload) and the engines' caches at its end."""
+def record(requests, engines: int, capacity_blocks: int, seed: int = 0, rounds: int = 1):
+    """The stream (engine, payload) of ``rounds`` passes over the requests, and the
+    engines' caches at its end."""
     from ..serving.cluster import SimEngine
 
     rng = np.random.default_rng(seed)
     stream: list = []
     sims = [SimEngine(f"e{i}", capacity_blocks, _Recorder(stream, i)) for i in range(engines)]
     styles = ("vllm-0.11", "vllm-0.33")
-    for j, r in enumerate(requests):
-        sims[int(rng.integers(engines))].serve(r.hashes, style=styles[j % 2])
+    for k in range(rounds):
+        for j, r in enumerate(requests):
+            sims[int(rng.integers(engines))].serve(r.hashes, style=styles[(j + k) % 2])
     return stream, [set(s.cache) for s in sims]
 
 
