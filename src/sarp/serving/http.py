@@ -31,6 +31,7 @@ prometheus_client.
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import math
@@ -170,13 +171,22 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
 
 
 def _hash_array(value: object) -> np.ndarray:
-    """``block_hashes`` as a uint64 array, converted in C when they are plain ints."""
-    if isinstance(value, list) and all(type(v) is int for v in value):
-        for dtype in (np.int64, np.uint64):
+    """``block_hashes`` as a uint64 array, converted in C when they are plain ints.
+
+    ``array.array`` converts a list of ints in one C loop and refuses floats, strings
+    and None; only bools slip through (as 0 and 1), so the few items <= 1 are checked
+    by type.  Anything else takes the item-by-item path, which names the bad item.
+    """
+    if isinstance(value, list):
+        for code in ("Q", "q"):  # uint64 (vLLM), then int64 (SGLang's signed hashes)
             try:
-                return np.array(value, dtype=dtype).view(np.uint64)
-            except OverflowError:
+                arr = np.frombuffer(array.array(code, value), dtype=np.uint64)
+            except (TypeError, OverflowError):
                 continue
+            small = np.flatnonzero(arr <= 1)
+            if not any(type(value[i]) is bool for i in small.tolist()):
+                return arr
+            break
     return as_hashes(_int_list(value, "block_hashes", _I64_MIN, _U64_MAX), allow_empty=True)
 
 
