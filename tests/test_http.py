@@ -107,6 +107,16 @@ def test_match_by_token_ids_in_the_engines_scheme(service):
     assert body["instances"][0]["matched_tokens"] == 64
 
 
+def test_many_requests_in_one_call_get_one_answer_each_in_order(service):
+    chains = [[1, 2, 3, -5, 99], [7, 8], [], [42], [1, 2]]
+    status, body = match(service["port"], {"requests": chains, "block_size": 16})
+    assert status == 200
+    one_by_one = [match(service["port"], {"block_hashes": c, "block_size": 16})[1]
+                  for c in chains]
+    assert body["results"] == one_by_one
+    assert [r["matched_blocks"] for r in body["results"]] == [4, 2, 0, 0, 2]
+
+
 def test_weights_per_medium(service):
     status, body = match(service["port"], {"block_hashes": [1, 2],
                                            "weights": {"GPU": 0.5, "CPU": 1.0}})
@@ -133,6 +143,10 @@ def test_weights_per_medium(service):
     (json.dumps({"token_ids": [-1]}).encode(), "token_ids[0]"),
     (json.dumps({"block_hashes": [1], "token_ids": [1]}).encode(), "block_hashes"),
     (b'{"block_hashes": [' + b"1," * (5 << 20) + b"1]}", "body"),
+    (json.dumps({"requests": []}).encode(), "requests"),
+    (json.dumps({"requests": [1, 2]}).encode(), "requests[0]"),
+    (json.dumps({"requests": [[1], [2, "x"]]}).encode(), "requests[1][1]"),
+    (json.dumps({"requests": [[1]], "block_hashes": [1]}).encode(), "block_hashes"),
 ])
 def test_bad_input_gets_400_naming_the_field_and_the_server_stays_up(service, body, field):
     status, answer = call(service["port"], "POST", "/v1/match", body)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -54,6 +55,16 @@ def model_match(held: dict, query: list[int]) -> tuple[int, dict[str, int]]:
         if k:
             by_instance[instance] = k
     return n, by_instance
+
+
+def same_match(a: sarp.Match, b: sarp.Match) -> bool:
+    """Equal answers, numpy arrays compared by value."""
+    def same_arrays(x: dict, y: dict) -> bool:
+        return x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+    return (a.num_blocks, a.by_holder, a.by_medium, a.storage_reads) == (
+        b.num_blocks, b.by_holder, b.by_medium, b.storage_reads) and same_arrays(
+        a.meta, b.meta) and same_arrays(a.presence, b.presence)
 
 
 class SarpVsModel(RuleBasedStateMachine):
@@ -120,6 +131,21 @@ class SarpVsModel(RuleBasedStateMachine):
     def every_chain_matches_the_model(self):
         for path in self.paths:
             self.assert_same(path + [12345])
+
+    @precondition(lambda self: hasattr(self, "index"))
+    @invariant()
+    def match_many_equals_match_request_by_request(self):
+        # whole paths, paths cut short, paths with one block changed (a branch the
+        # index does not have), and tails that start mid-path
+        queries = [p + [12345] for p in self.paths]
+        queries += [p[: len(p) // 2 + 1] for p in self.paths]
+        queries += [p[:-1] + [p[-1] ^ 2] for p in self.paths if len(p) > 1]
+        queries += [p[1:] for p in self.paths if len(p) > 1]
+        many = self.index.match_many(queries, with_meta=True, with_presence=True)
+        assert len(many) == len(queries)
+        for query, got in zip(queries, many, strict=True):
+            want = self.index.match(query, with_meta=True, with_presence=True)
+            assert same_match(got, want), (query, got, want)
 
     def assert_same(self, query):
         m = self.index.match(query)

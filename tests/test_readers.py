@@ -9,6 +9,7 @@ restart.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import random
 import subprocess
@@ -157,6 +158,46 @@ def test_a_reader_refuses_writes_and_changes_nothing(tmp_path):
         reader.close()
     with sarp.open(tmp_path / "ix") as writer:
         assert writer.match([1, 2, 3]).by_holder == {"a": 2}
+
+
+_MANY_READER = """
+import json, sys, sarp
+reader = sarp.open(sys.argv[1], readonly=True)
+for line in sys.stdin:
+    got = reader.match_many(json.loads(line))
+    print(json.dumps([[m.num_blocks, m.by_holder] for m in got]), flush=True)
+"""
+
+
+def test_match_many_on_a_reader_in_another_process_sees_every_returned_write(tmp_path):
+    writer = sarp.open(tmp_path / "ix", durability="nosync")
+    reader = subprocess.Popen([sys.executable, "-c", _MANY_READER, str(tmp_path / "ix")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(chains):
+        reader.stdin.write(json.dumps(chains) + "\n")
+        reader.stdin.flush()
+        return json.loads(reader.stdout.readline())
+
+    try:
+        assert ask([[1, 2], [5]]) == [[0, {}], [0, {}]]
+        writer.insert([1, 2, 3], holder="a")
+        writer.insert([5, 6], holder="b", medium="CPU")
+        writer.remove([3], holder="a")
+        assert ask([[1, 2, 3], [5, 6, 7], [9]]) == [[2, {"a": 2}], [2, {"b": 2}], [0, {}]]
+        writer.clear("b")
+        assert ask([[5, 6], [1]]) == [[0, {}], [1, {"a": 1}]]
+    finally:
+        reader.stdin.close()
+        reader.wait(timeout=30)
+        writer.close()
+
+
+def test_a_second_open_in_the_same_process_is_a_clear_error(tmp_path):
+    with sarp.open(tmp_path / "ix") as writer:
+        writer.insert([1], holder="a")
+        with pytest.raises(sarp.IndexLockedError, match="already open in this process"):
+            sarp.open(tmp_path / "ix", readonly=True)
 
 
 def test_a_reader_of_a_folder_that_is_not_an_index_gets_a_clear_error(tmp_path):

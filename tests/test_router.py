@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp.serving.router import score
+from sarp.serving.router import score, score_many, score_match
 
 
 @pytest.fixture
@@ -24,6 +24,21 @@ def test_tiers_split_within_one_instance_are_counted_per_block(index):
     assert best.score == pytest.approx(4 * 1.0 + 6 * 0.8)
     assert (second.instance, second.engine, second.dp_rank) == ("w1#2", "w1", 2)
     assert second.by_medium == {"DISK": 6} and second.score == pytest.approx(3.0)
+
+
+def test_score_many_equals_score_match_request_by_request(index):
+    chain = list(range(100, 110))
+    index.insert(chain[:4], holder="w0", medium="GPU")
+    index.insert(chain[4:], parent=chain[3], holder="w0", medium="CPU")
+    index.insert(chain[:6], holder="w1#2", medium="DISK")
+    index.insert([7, 8, 9], holder="w1#2", medium="GPU")
+    chains = [chain + [999], chain[:3], [7, 8], [5], chain[:5] + [1]]
+    weights = {"GPU": 1.0, "CPU": 0.5, "DISK": 0.25}
+    many = score_many(index, chains, block_size=16, weights=weights)
+    for c, (m, scores) in zip(chains, many, strict=True):
+        one_m, one_scores = score_match(index, c, block_size=16, weights=weights)
+        assert (m.num_blocks, scores) == (one_m.num_blocks, one_scores)
+    assert [len(s) for _, s in many] == [2, 2, 1, 0, 2]
 
 
 def test_presence_per_block_matches_the_holders(index):

@@ -647,32 +647,102 @@ class Index:
             self._counters.storage_reads += r.reads
             return walk.result(self._holder_names, self._instance_names, r.reads)
 
+    def match_many(
+        self, chains: Sequence[HashesLike], *, with_meta: bool = False,
+        with_presence: bool = False,
+    ) -> list[Match]:
+        """:meth:`match` for many chains at once (a scheduler step): one answer per chain.
+
+        Each answer is exactly what ``match`` gives for that chain (the same verified
+        prefix, per holder and per medium), and all of them come from one consistent
+        state: one read transaction, one catch-up for a reader, and directory probes
+        vectorised across the chains, one ``searchsorted`` per segment step of all
+        chains still going.
+
+        Cost: about matched/S + 1 LMDB reads per chain, like ``match``, but the fixed
+        costs of a call are paid once.
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     _ = index.insert([1, 2, 3], holder="w0")
+        ...     [m.num_blocks for m in index.match_many([[1, 2, 9], [7], [1, 2, 3, 4]])]
+        [2, 0, 3]
+        """
+        queries = [as_hashes(c) for c in chains]
+        n = len(queries)
+        if not n:
+            return []
+        sizes = np.fromiter((q.size for q in queries), np.int64, n)
+        starts = np.zeros(n, np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        flat = np.concatenate(queries)
+        query_bytes = [q.astype("<u8", copy=False).tobytes() for q in queries]
+        instance_of = self._instance_of if self._multi_medium else None
+        with self._lock, self._read() as r:
+            walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
+            reads = [0] * n
+            pos = np.zeros(n, np.int64)
+            active = np.flatnonzero(sizes)
+            while active.size:
+                at = pos[active]
+                seg_ids = self.directory.lookup_many(flat[starts[active] + at])
+                going = []
+                for i, seg_id, p in zip(active.tolist(), seg_ids.tolist(), at.tolist(),
+                                        strict=True):
+                    if seg_id < 0:
+                        continue
+                    parent = None if p == 0 else _U64_LE.unpack_from(query_bytes[i], 8 * p - 8)[0]
+                    before = r.reads
+                    step = self._advance(r, walks[i], seg_id, query_bytes[i], p, parent)
+                    reads[i] += r.reads - before
+                    if step and walks[i].going and p + step < sizes[i]:
+                        going.append(i)
+                    pos[i] = p + step
+                active = np.array(going, np.int64)
+            for query in queries:
+                for observe in self._match_observers:
+                    observe(query)
+            self._counters.matches += n
+            self._counters.storage_reads += sum(reads)
+            out = [walk.result(self._holder_names, self._instance_names, reads[i])
+                   for i, walk in enumerate(walks)]
+            self._counters.matched_blocks += sum(m.num_blocks for m in out)
+            return out
+
     def _walk(self, r: ReadTxn, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes) -> None:
         """One directory probe and one record read per segment step, verified."""
         lookup = self.directory.lookup
         pos, parent = 0, None
         while pos < query.size:
-            first = _U64_LE.unpack_from(query_bytes, 8 * pos)[0]
-            seg_id = lookup(first)
+            seg_id = lookup(_U64_LE.unpack_from(query_bytes, 8 * pos)[0])
             if seg_id is None:
                 break
-            record = r.record(seg_id)
-            if record is None:
-                break
-            try:
-                found = examine(seg_id, record, query_bytes, pos, parent)
-            except CorruptRecordError as exc:
-                # The prefix verified so far is still exact; stop there rather
-                # than fail the caller's request. `sarp verify` names the damage.
-                self._counters.corrupt_records += 1
-                log.error("sarp: match stops at %s", exc)
-                break
-            if found is None:
-                break
-            pos += walk.step(seg_id, record, *found)
-            if not walk.going:
+            step = self._advance(r, walk, seg_id, query_bytes, pos, parent)
+            pos += step
+            if not step or not walk.going:
                 break
             parent = _U64_LE.unpack_from(query_bytes, 8 * (pos - 1))[0]
+
+    def _advance(
+        self, r: ReadTxn, walk: PrefixWalk, seg_id: int, query_bytes: bytes, pos: int,
+        parent: int | None,
+    ) -> int:
+        """Read and verify segment ``seg_id`` at query position ``pos``; return the
+        blocks it adds to the walk (0: the match ends here)."""
+        record = r.record(seg_id)
+        if record is None:
+            return 0
+        try:
+            found = examine(seg_id, record, query_bytes, pos, parent)
+        except CorruptRecordError as exc:
+            # The prefix verified so far is still exact; stop there rather than
+            # fail the caller's request. `sarp verify` names the damage.
+            self._counters.corrupt_records += 1
+            log.error("sarp: match stops at %s", exc)
+            return 0
+        if found is None:
+            return 0
+        return walk.step(seg_id, record, *found)
 
     # -- snapshots, stats, checks ------------------------------------------------------------
 

@@ -136,6 +136,11 @@ class Store:
             raise _readers_full(self.path, self.max_readers, exc) from exc
         except lmdb.Error as exc:
             self.close()
+            if "already open in this process" in str(exc):
+                raise IndexLockedError(
+                    f"{self.path} is already open in this process, and LMDB allows one open "
+                    "per process; share that Index object (its calls are thread-safe), or "
+                    "open it readonly=True from another process") from exc
             raise NotAnIndexError(f"{self.path}: not an LMDB environment: {exc}") from exc
         except BaseException:
             self.close()

@@ -8,6 +8,9 @@ Endpoints:
   has one) and ``"weights"`` (per medium).  The answer is :func:`router.score`'s:
   ``{"matched_blocks": N, "instances": [{"instance", "engine", "dp_rank",
   "matched_blocks", "matched_tokens", "by_medium", "score"}, ...]}``, best first.
+  ``{"requests": [[int, ...], ...]}`` asks for many requests at once (a scheduler
+  step, answered by one ``match_many``) and gets ``{"results": [answer, ...]}``,
+  one answer of that shape per request, in order.
   Bad input gets ``400`` and ``{"error": ..., "field": ...}``; the server stays up.
 * ``GET /metrics``: Prometheus text.  Per source (read from the writer's status
   file at scrape time): batches, events, gaps, replays, engine restarts, bad
@@ -132,10 +135,10 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     if not isinstance(obj, dict):
         raise BadRequest("body", "the body must be a JSON object, e.g. "
                                  '{"block_hashes": [1, 2, 3]}')
-    unknown = set(obj) - {"block_hashes", "token_ids", "block_size", "weights"}
+    unknown = set(obj) - {"block_hashes", "token_ids", "requests", "block_size", "weights"}
     if unknown:
         raise BadRequest(sorted(unknown)[0], f"unknown field {sorted(unknown)[0]!r}; known: "
-                         "block_hashes, token_ids, block_size, weights")
+                         "block_hashes, token_ids, requests, block_size, weights")
     block_size = obj.get("block_size", None)
     if block_size is not None and not _is_int(block_size, 1, 1 << 20):
         raise BadRequest("block_size", f"block_size must be an int from 1 to 2**20, got "
@@ -152,10 +155,18 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     out: dict = {"block_size": block_size}
     if weights is not None:
         out["weights"] = weights
-    if ("block_hashes" in obj) == ("token_ids" in obj):
-        raise BadRequest("block_hashes", "pass exactly one of block_hashes and token_ids")
+    if sum(key in obj for key in ("block_hashes", "token_ids", "requests")) != 1:
+        raise BadRequest("block_hashes", "pass exactly one of block_hashes, token_ids and "
+                                         "requests")
     if "block_hashes" in obj:
-        out["hashes"] = _hash_array(obj["block_hashes"])
+        out["hashes"] = _hash_array(obj["block_hashes"], "block_hashes")
+        return out
+    if "requests" in obj:
+        chains = obj["requests"]
+        if not isinstance(chains, list) or not chains:
+            raise BadRequest("requests", "requests must be a non-empty array of block_hashes "
+                                         f"arrays, e.g. [[1, 2], [3]]; got {_show(chains)}")
+        out["chains"] = [_hash_array(c, f"requests[{i}]") for i, c in enumerate(chains)]
         return out
     tokens = _int_list(obj["token_ids"], "token_ids", 0, 0xFFFFFFFF)
     size = block_size or config.block_size
@@ -170,7 +181,7 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     return out
 
 
-def _hash_array(value: object) -> np.ndarray:
+def _hash_array(value: object, field: str) -> np.ndarray:
     """``block_hashes`` as a uint64 array, converted in C when they are plain ints.
 
     ``array.array`` converts a list of ints in one C loop and refuses floats, strings
@@ -187,7 +198,7 @@ def _hash_array(value: object) -> np.ndarray:
             if not any(type(value[i]) is bool for i in small.tolist()):
                 return arr
             break
-    return as_hashes(_int_list(value, "block_hashes", _I64_MIN, _U64_MAX), allow_empty=True)
+    return as_hashes(_int_list(value, field, _I64_MIN, _U64_MAX), allow_empty=True)
 
 
 def _int_list(value: object, field: str, low: int, high: int) -> list[int]:
@@ -218,6 +229,7 @@ def _show(value: object) -> str:
 def worker_main(config: HttpConfig) -> None:
     """One HTTP worker process: a readonly open of the index and an aiohttp server."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
+    import uvloop
     from aiohttp import web
 
     import sarp
@@ -226,7 +238,8 @@ def worker_main(config: HttpConfig) -> None:
     index = sarp.open(config.index_path, readonly=True)
     app = make_app(index, config)
     web.run_app(app, host=config.host, port=config.port, reuse_port=True, access_log=None,
-                print=None, handle_signals=True, shutdown_timeout=1.0)
+                print=None, handle_signals=True, shutdown_timeout=1.0,
+                loop=uvloop.new_event_loop())
     index.close()
 
 
@@ -242,7 +255,7 @@ def make_app(index, config: HttpConfig):
         multiprocess,
     )
 
-    from .router import score_match
+    from .router import score_many, score_match
 
     matches = Counter("sarp_matches", "match requests answered")
     rejected = Counter("sarp_match_rejected", "match requests refused with 400")
@@ -264,12 +277,18 @@ def make_app(index, config: HttpConfig):
             kwargs = parse_match(body, config)
         except BadRequest as exc:
             return refuse(exc.field, str(exc))
-        if kwargs["hashes"].size:
-            m, scores = score_match(index, **kwargs)
-            answer = {"matched_blocks": m.num_blocks,
-                      "instances": [asdict(s) for s in scores]}
+        if "chains" in kwargs:
+            chains = kwargs.pop("chains")
+            live = [i for i, c in enumerate(chains) if c.size]
+            answers = [_NOTHING] * len(chains)
+            for i, (m, scores) in zip(live, score_many(index, [chains[i] for i in live],
+                                                       **kwargs), strict=True):
+                answers[i] = _answer(m, scores)
+            answer: dict = {"results": answers}
+        elif kwargs["hashes"].size:
+            answer = _answer(*score_match(index, **kwargs))
         else:  # no full block: nothing can be cached
-            answer = {"matched_blocks": 0, "instances": []}
+            answer = _NOTHING
         response = web.Response(body=orjson.dumps(answer), content_type="application/json")
         latency.observe(time.perf_counter() - started)
         matches.inc()
@@ -299,6 +318,13 @@ def make_app(index, config: HttpConfig):
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+_NOTHING = {"matched_blocks": 0, "instances": []}
+
+
+def _answer(m, scores) -> dict:
+    return {"matched_blocks": m.num_blocks, "instances": [asdict(s) for s in scores]}
 
 
 class _StatusCollector:
