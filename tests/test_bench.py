@@ -70,20 +70,30 @@ def test_every_index_gives_the_exact_answer_and_survives_reopen(tmp_path, name):
 def test_bench_run_reports_every_field(tmp_path):
     requests: list[Request] = builtin(seed=5, chat_sessions=20, agent_sessions=1)
     result = bench.run(requests, label="tiny", indexes=["sarp", "memory-dict", "lmdb-per-block"],
-                       workdir=tmp_path, options={"durability": "nosync"}, progress=False)
+                       workdir=tmp_path, options={"durability": "nosync"}, progress=False,
+                       passes=2, pass_s=0.05)
     for key in ("trace", "requests", "blocks", "distinct_blocks", "exact_reused_blocks"):
         assert key in result
     assert result["blocks"] == sum(r.hashes.size for r in requests)
     for name, r in result["indexes"].items():
         for key in ("reused_blocks", "match_requests_per_s", "insert_requests_per_s",
                     "storage_reads_per_request", "memory_bytes", "disk_bytes", "recovery_s",
-                    "cold_match_requests_per_s"):
+                    "cold_match_requests_per_s", "batch_match_requests_per_s"):
             assert key in r, (name, key)
+        for key in ("match_requests_per_s", "batch_match_requests_per_s",
+                    "cold_match_requests_per_s", "recovery_s"):
+            s = r["spread"][key]
+            assert len(s["passes"]) == 2 and s["min"] <= s["median"] <= s["max"]
+            assert s["median"] == r[key]
         assert r["reused_blocks"] == result["exact_reused_blocks"]
         assert r["false_positive_requests"] == 0
     assert result["indexes"]["memory-dict"]["storage_reads_per_request"] == 0
     assert result["indexes"]["sarp"]["storage_reads_per_request"] < result["indexes"][
         "lmdb-per-block"]["storage_reads_per_request"]
+    assert set(result["ratios"]) == {"memory-dict", "lmdb-per-block"}
+    for kinds in result["ratios"].values():
+        assert set(kinds) == {"warm", "cold", "batch", "sarp_batch_vs_warm"}
+        assert all(x["median"] > 0 and len(x["passes"]) == 2 for x in kinds.values())
     bench.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
     assert "sarp" in bench.table(result)
@@ -108,6 +118,7 @@ def test_the_sarp_bench_command_runs_end_to_end(tmp_path):
 
     out = subprocess.run([sys.executable, "-m", "sarp.cli", "bench", "--limit-requests", "40",
                           "--indexes", "sarp,memory-dict", "--durability", "nosync",
+                          "--passes", "2", "--pass-s", "0.05",
                           "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", type=Path, default=None)
     bench.add_argument("--plot", type=Path, default=None)
     bench.add_argument("--segment-blocks", type=int, default=None)
+    bench.add_argument("--passes", type=int, default=5,
+                       help="warm, batch and cold passes per index, interleaved (default 5)")
+    bench.add_argument("--pass-s", type=float, default=1.0,
+                       help="least seconds per warm or batch pass (default 1.0)")
     bench.add_argument("--mix-ids", action="store_true",
                        help="spread the trace's sequential ids like engine hashes")
     bench.add_argument("--durability", default="nosync", choices=["sync", "nosync"],
@@ -245,8 +249,13 @@ def _bench(args: argparse.Namespace) -> int:
         options["segment_blocks"] = args.segment_blocks
     label, requests = bench.load_requests(args.trace, args.split, args.limit_requests,
                                           args.mix_ids)
+    if args.passes < 1 or not args.pass_s > 0:
+        print(f"sarp bench: --passes {args.passes} --pass-s {args.pass_s}; pass at least 1 "
+              "pass of more than 0 s (5 passes of 1 s give stable medians)", file=sys.stderr)
+        return 2
     result = bench.run(requests, label=label, indexes=indexes, workdir=args.workdir,
-                       options=options, progress=sys.stderr.isatty())
+                       options=options, progress=sys.stderr.isatty(), passes=args.passes,
+                       pass_s=args.pass_s)
     print(bench.table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

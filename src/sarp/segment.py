@@ -153,11 +153,21 @@ def peek(seg_id: int, record: bytes) -> RecordView:
 
     Cost: one xxh3 pass over the record; no per-block work.
     """
+    return RecordView(seg_id, record, *layout(seg_id, record))
+
+
+def layout(seg_id: int, record: bytes) -> tuple[int, int, int, int, int | None, int, int, int]:
+    """:func:`peek` as a plain tuple, for the match path: ``(flags, num_blocks,
+    num_holders, start_pos, parent, holders_at, presence_at, meta_at)``.
+
+    Cost: one xxh3 pass over the record; no per-block work, no object built.
+    """
     size = len(record)
     if size < _HEADER.size + _CHECKSUM.size:
         raise CorruptRecordError(f"segment {seg_id}: record of {size} bytes is too short")
     (checksum,) = _CHECKSUM.unpack_from(record, size - 8)
-    if xxhash.xxh3_64_intdigest(memoryview(record)[: size - 8]) != checksum:
+    body = record[: size - 8] if size <= 4096 else memoryview(record)[: size - 8]
+    if xxhash.xxh3_64_intdigest(body) != checksum:
         raise CorruptRecordError(f"segment {seg_id}: checksum mismatch")
     magic, version, flags, n, nh, start_pos, parent = _HEADER.unpack_from(record, 0)
     if magic != MAGIC or version != RECORD_VERSION:
@@ -168,8 +178,8 @@ def peek(seg_id: int, record: bytes) -> RecordView:
     expected = meta_off + (8 * nh * n if flags & HAS_META else 0) + 8
     if expected != size:
         raise CorruptRecordError(f"segment {seg_id}: {size} bytes, layout says {expected}")
-    return RecordView(seg_id, record, flags, n, nh, start_pos,
-                      None if flags & IS_ROOT else parent, hid_off, pres_off, meta_off)
+    return (flags, n, nh, start_pos, None if flags & IS_ROOT else parent, hid_off, pres_off,
+            meta_off)
 
 
 def decode(seg_id: int, record: bytes) -> Segment:

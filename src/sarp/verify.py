@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .segment import RecordView, Segment, decode, peek
+from .segment import RecordView, Segment, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
+_HASHES_AT = RecordView.HASHES_AT
 
 
 def examine(
@@ -24,74 +25,54 @@ def examine(
     Checks the record (checksum, layout) and that it sits at query position
     ``start`` right after ``parent`` (the query's previous block, ``None`` at 0), so
     even hashes that are not chained cannot match the wrong place.  Returns
-    ``(same, any_run, holder_ids, runs)``: blocks equal to the query, then the held
-    runs as :func:`held_runs` gives them; ``None`` when the record does not
-    continue the query there.
+    ``(same, any_run, holder_ids, runs)``: how many leading blocks of the record
+    equal the query's (``query_bytes``, little-endian uint64, from block
+    ``start`` on), how many of those some holder holds, the record's holder ids,
+    and each one's leading run; ``None`` when the record does not continue the
+    query there.
 
-    Cost: one xxh3 pass and one memcmp over the record; numpy only when the hashes
-    differ or several holders share the record.
+    Cost: one xxh3 pass and one memcmp over the record, then one ``bytes.find``
+    for a record with one holder (the common case); numpy only when the hashes
+    differ in a long record or several holders share it.  No object is built.
+
+    >>> rec = Segment(1, 0, None, np.array([5, 6, 7], np.uint64), np.array([4], np.uint16),
+    ...               np.array([[1, 1, 0]], np.uint8)).encode()
+    >>> examine(1, rec, np.array([5, 6, 7], "<u8").tobytes(), 0, None)
+    (3, 2, [4], [2])
+    >>> examine(1, rec, np.array([5, 9], "<u8").tobytes(), 0, None)
+    (1, 1, [4], [1])
+    >>> examine(1, rec, np.array([5], "<u8").tobytes(), 0, 77) is None  # another parent
+    True
     """
-    view = peek(seg_id, record)
-    if view.start_pos != start or view.parent != parent:
+    _, n, nh, start_pos, rec_parent, holders_at, presence_at, _ = layout(seg_id, record)
+    if start_pos != start or rec_parent != parent:
         return None
-    same = same_blocks(view, query_bytes, start)
-    return (same, *held_runs(view, same))
-
-
-def same_blocks(view: RecordView, query_bytes: bytes, start: int) -> int:
-    """Leading blocks of the record equal to the query from block ``start`` on.
-
-    ``query_bytes`` is the query as little-endian uint64 bytes.  The usual case,
-    all equal, is one memcmp; a difference is located with numpy.
-
-    Cost: O(blocks compared), in C.
-
-    >>> from sarp.segment import Segment, peek
-    >>> rec = Segment(1, 0, None, np.array([5, 6, 7], np.uint64), np.array([0], np.uint16),
-    ...               np.ones((1, 3), np.uint8)).encode()
-    >>> q = np.array([5, 6, 9], "<u8").tobytes()
-    >>> same_blocks(peek(1, rec), q, 0), same_blocks(peek(1, rec), q[:16], 0)
-    (2, 2)
-    """
-    m = min(view.num_blocks, len(query_bytes) // 8 - start)
-    at = RecordView.HASHES_AT
-    ours = view.record[at : at + 8 * m]
+    m = min(n, len(query_bytes) // 8 - start)
+    ours = record[_HASHES_AT : _HASHES_AT + 8 * m]
     theirs = query_bytes[8 * start : 8 * (start + m)]
-    if ours == theirs:
-        return m
-    if m <= 64:
+    same = m if ours == theirs else _equal_prefix(ours, theirs)
+    if nh == 1:
+        gap = record.find(b"\0", presence_at, presence_at + same)
+        run = same if gap < 0 else gap - presence_at
+        return same, run, [_HOLDER_ID.unpack_from(record, holders_at)[0]], [run]
+    presence = np.frombuffer(record, np.uint8, nh * n, presence_at).reshape(nh, n)
+    any_run, runs = leading_runs(presence, same)
+    return same, any_run, np.frombuffer(record, "<u2", nh, holders_at).tolist(), runs
+
+
+def _equal_prefix(ours: bytes, theirs: bytes) -> int:
+    """Leading uint64s equal in two unequal byte strings of the same length.
+
+    >>> _equal_prefix(np.array([5, 6, 7], "<u8").tobytes(), np.array([5, 6, 9], "<u8").tobytes())
+    2
+    """
+    if len(ours) <= 512:
         # Short: XOR as little-endian ints; the lowest set bit is in the first
         # differing block (cheaper than building numpy arrays for a few blocks).
         diff = int.from_bytes(ours, "little") ^ int.from_bytes(theirs, "little")
         return ((diff & -diff).bit_length() - 1) // 64
     equal = np.frombuffer(ours, "<u8") == np.frombuffer(theirs, "<u8")
     return int(equal.argmin())
-
-
-def held_runs(view: RecordView, limit: int) -> tuple[int, list[int], list[int]]:
-    """Held runs over the first ``limit`` blocks of a record.
-
-    Returns ``(any_run, holder_ids, runs)``: how many leading blocks some holder
-    holds, the record's holder ids, and each one's leading run.  A record with one
-    holder (the common case) is answered by one ``bytes.find``.
-    """
-    rec = view.record
-    if view.num_holders == 1:
-        gap = rec.find(b"\0", view.presence_at, view.presence_at + limit)
-        run = limit if gap < 0 else gap - view.presence_at
-        return run, [_HOLDER_ID.unpack_from(rec, view.holders_at)[0]], [run]
-    presence = view_presence(view)
-    any_run, runs = leading_runs(presence, limit)
-    return any_run, view_holder_ids(view).tolist(), runs
-
-
-def view_presence(view: RecordView) -> np.ndarray:
-    n, nh = view.num_blocks, view.num_holders
-    return np.frombuffer(view.record, np.uint8, nh * n, view.presence_at).reshape(nh, n)
-
-
-def view_holder_ids(view: RecordView) -> np.ndarray:
-    return np.frombuffer(view.record, "<u2", view.num_holders, view.holders_at)
 
 
 def leading_runs(presence: np.ndarray, limit: int) -> tuple[int, np.ndarray]:
@@ -157,7 +138,7 @@ class PrefixWalk:
     """Per-holder and per-instance prefix bookkeeping across the segments of one match."""
 
     __slots__ = ("_instance_of", "_with_meta", "total", "going", "_holders", "_instances",
-                 "_meta", "_first", "_steps")
+                 "_meta", "_first", "_steps", "_plain")
 
     def __init__(
         self, instance_of: list[int] | None, with_meta: bool, with_presence: bool = False
@@ -172,6 +153,8 @@ class PrefixWalk:
         self._instances: dict[int, list] = {}
         self._meta: dict[int, list[np.ndarray]] = {}
         self._first = True
+        # per-holder runs only: no instance grouping, meta or presence to collect
+        self._plain = instance_of is None and not with_meta and not with_presence
 
     def step(
         self, seg_id: int, record: bytes, same: int, any_run: int, holder_ids: list[int],
@@ -184,6 +167,10 @@ class PrefixWalk:
         if any_run == 0:
             return 0
         self._extend(self._holders, holder_ids, runs, any_run)
+        if self._plain:
+            self._first = False
+            self.total += any_run
+            return any_run
         if self._instance_of is not None:  # some instance holds blocks in several media
             instances = [self._instance_of[h] for h in holder_ids]
             if len(set(instances)) == len(instances):

@@ -1,9 +1,18 @@
 """``sarp bench``: replay requests through sarp and the baselines, side by side, in one run.
 
 Per index: replay every request (match, then insert its blocks not yet matched, as
-an engine stores them after prefill), time a warm pass of matches, close, drop the
-index's files from the page cache, and measure a cold restart in a fresh process:
-from ``open`` to the first answered match, then the first 1,000 matches.
+an engine stores them after prefill).  Then the measured passes, interleaved in time
+across the indexes (A, B, C, ..., then C, B, A, ...), because this machine's speed
+drifts by up to 3x over minutes and only passes taken side by side compare:
+
+* warm: ``match`` over a sample of the requests, repeated until ``pass_s`` has passed;
+* batch: ``match_many`` in batches of 64 over the same sample (a baseline without it
+  loops over ``match``), as a scheduler asks once per step;
+* cold: drop the index's files from the page cache, then in a fresh process time
+  ``open`` to the first answered match (recovery) and the first 1,000 matches.
+
+Every figure is the median of ``passes`` passes, reported with its min and max;
+ratios to sarp are the medians of the per-pass ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from .traces import Request, read_requests
 DEFAULT_INDEXES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block")
 COLD_REQUESTS = 1000
 WARM_SAMPLE = 2000
+BATCH = 64  # requests per match_many call: a scheduler step
 
 
 def evict(folder: Path) -> None:
@@ -51,7 +61,7 @@ def rss_anon_bytes() -> int:
 
 
 def replay(name: str, requests: list[Request], folder: Path, options: dict, progress: bool):
-    """Replay through one index; return its per-request reuse and the timings."""
+    """Replay through one index; return it (still open), its per-request reuse and timings."""
     index = opener(name)(folder, **options)
     reused = np.zeros(len(requests), np.int64)
     reads = np.zeros(len(requests), np.int64)
@@ -68,23 +78,36 @@ def replay(name: str, requests: list[Request], folder: Path, options: dict, prog
         insert_s += time.perf_counter() - t1
         match_s += t1 - t0
         reused[i], reads[i] = n, m.storage_reads
-    sample = requests[:: max(1, len(requests) // WARM_SAMPLE)]
-    for req in sample[:100]:  # warm-up
-        index.match(req.hashes)
-    t0 = time.perf_counter()
-    for req in sample:
-        index.match(req.hashes)
-    warm_s = time.perf_counter() - t0
-    stats = index.stats() if hasattr(index, "stats") else {}
-    index.close()
-    return {
+    return index, {
         "reused": reused,
         "storage_reads_per_request": float(reads.mean()),
-        "match_requests_per_s": len(sample) / warm_s,
         "replay_match_requests_per_s": len(requests) / match_s,
         "insert_requests_per_s": len(requests) / insert_s,
-        "stats": {k: v for k, v in stats.items() if isinstance(v, int | float | str)},
     }
+
+
+def timed_pass(one_round, requests_per_round: int, pass_s: float) -> float:
+    """Requests/s of ``one_round()`` repeated until ``pass_s`` seconds have passed."""
+    rounds = 0
+    t0 = time.perf_counter()
+    while True:
+        one_round()
+        rounds += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= pass_s:
+            return rounds * requests_per_round / elapsed
+
+
+def batch_matcher(index):
+    """``index.match_many``, or a loop over ``match`` for an index without it."""
+    many = getattr(index, "match_many", None)
+    return many if many is not None else (lambda chains: [index.match(c) for c in chains])
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min and max of a pass series, and the passes themselves."""
+    return {"median": float(np.median(values)), "min": float(min(values)),
+            "max": float(max(values)), "passes": [float(v) for v in values]}
 
 
 def cold_restart(name: str, folder: Path, queries: Path, options: dict) -> dict:
@@ -133,14 +156,24 @@ def run(
     workdir: Path | None = None,
     options: dict | None = None,
     progress: bool = True,
+    passes: int = 5,
+    pass_s: float = 1.0,
 ) -> dict:
-    """Run the whole benchmark; return the JSON-ready result."""
+    """Run the whole benchmark; return the JSON-ready result.
+
+    ``passes`` warm, batch and cold passes per index, interleaved across indexes;
+    each warm and batch pass lasts at least ``pass_s`` seconds.
+    """
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes={passes!r}; pass an int >= 1 (5 or more for stable medians)")
     options = options or {}
     for name in indexes:
         opener(name)  # fail fast on unknown names
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="sarp-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    exact = replay("exact", requests, base / "exact", {}, progress)["reused"]
+    exact_index, exact_run = replay("exact", requests, base / "exact", {}, progress)
+    exact_index.close()
+    exact = exact_run["reused"]
     blocks = int(sum(r.hashes.size for r in requests))
     distinct = int(np.unique(np.concatenate([r.hashes for r in requests])).size)
     cold = requests[:COLD_REQUESTS]
@@ -156,36 +189,97 @@ def run(
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
         "versions": _versions(),
-        "settings": options,
+        "settings": {**options, "passes": passes, "pass_s": pass_s},
         "command": " ".join(sys.argv),
         "indexes": {},
     }
+    opened, built, folders, opts_of = {}, {}, {}, {}
     for name in indexes:
-        folder = base / name
+        folder = folders[name] = base / name
         shutil.rmtree(folder, ignore_errors=True)
         opts = options if name != "sarp" else {**options, "progress": False}
-        opts = {k: v for k, v in opts.items() if name == "sarp" or k == "durability"}
-        r = replay(name, requests, folder, opts, progress)
-        c = cold_restart(name, folder, queries, opts)
-        memory = c["exact_memory_bytes"] if c["exact_memory_bytes"] is not None else max(
-            c["rss_anon_delta_bytes"], 0)
+        opts_of[name] = {k: v for k, v in opts.items() if name == "sarp" or k == "durability"}
+        opened[name], built[name] = replay(name, requests, folder, opts_of[name], progress)
+
+    sample = [r.hashes for r in requests[:: max(1, len(requests) // WARM_SAMPLE)]]
+    batches = [sample[i : i + BATCH] for i in range(0, len(sample), BATCH)]
+    warm = {name: [] for name in indexes}
+    batch = {name: [] for name in indexes}
+    for name in indexes:  # warm-up, outside the timed passes
+        for chain in sample[:100]:
+            opened[name].match(chain)
+    order = list(indexes)
+    for _ in tqdm(range(passes), desc="warm passes", disable=not progress, leave=False):
+        for name in order:
+            index = opened[name]
+            warm[name].append(timed_pass(lambda ix=index: [ix.match(c) for c in sample],
+                                         len(sample), pass_s))
+            many = batch_matcher(index)
+            batch[name].append(timed_pass(lambda m=many: [m(b) for b in batches],
+                                          len(sample), pass_s))
+        order.reverse()
+    stats = {}
+    for name in indexes:
+        st = opened[name].stats() if hasattr(opened[name], "stats") else {}
+        stats[name] = {k: v for k, v in st.items() if isinstance(v, int | float | str)}
+        opened[name].close()
+
+    cold: dict[str, list[dict]] = {name: [] for name in indexes}
+    order = list(indexes)
+    for _ in tqdm(range(passes), desc="cold restarts", disable=not progress, leave=False):
+        for name in order:
+            cold[name].append(cold_restart(name, folders[name], queries, opts_of[name]))
+        order.reverse()
+
+    for name in indexes:
+        r, c = built[name], cold[name]
+        memory = [x["exact_memory_bytes"] if x["exact_memory_bytes"] is not None
+                  else max(x["rss_anon_delta_bytes"], 0) for x in c]
         reused = int(r["reused"].sum())
         result["indexes"][name] = {
             "reused_blocks": reused,
             "reuse_loss": (int(exact.sum()) - reused) / max(int(exact.sum()), 1),
             "false_positive_requests": int((r["reused"] > exact).sum()),
-            "match_requests_per_s": r["match_requests_per_s"],
+            "match_requests_per_s": float(np.median(warm[name])),
+            "batch_match_requests_per_s": float(np.median(batch[name])),
+            "cold_match_requests_per_s": float(np.median(
+                [x["cold_match_requests_per_s"] for x in c])),
+            "recovery_s": float(np.median([x["recovery_s"] for x in c])),
+            "spread": {
+                "match_requests_per_s": spread(warm[name]),
+                "batch_match_requests_per_s": spread(batch[name]),
+                "cold_match_requests_per_s": spread([x["cold_match_requests_per_s"]
+                                                     for x in c]),
+                "recovery_s": spread([x["recovery_s"] for x in c]),
+            },
             "replay_match_requests_per_s": r["replay_match_requests_per_s"],
             "insert_requests_per_s": r["insert_requests_per_s"],
             "storage_reads_per_request": r["storage_reads_per_request"],
-            "memory_bytes": int(memory),
-            "rss_anon_delta_bytes": c["rss_anon_delta_bytes"],
-            "disk_bytes": dir_bytes(folder),
-            "recovery_s": c["recovery_s"],
-            "cold_match_requests_per_s": c["cold_match_requests_per_s"],
-            "stats": r["stats"],
+            "memory_bytes": int(np.median(memory)),
+            "rss_anon_delta_bytes": int(np.median([x["rss_anon_delta_bytes"] for x in c])),
+            "disk_bytes": dir_bytes(folders[name]),
+            "stats": stats[name],
         }
+    if "sarp" in indexes:
+        result["ratios"] = ratios(indexes, warm, batch, cold)
     return result
+
+
+def ratios(indexes: list[str], warm: dict, batch: dict, cold: dict) -> dict:
+    """sarp / each baseline, pass by pass (the passes were side by side in time)."""
+    def per_pass(a: list[float], b: list[float]) -> dict:
+        return spread([x / y for x, y in zip(a, b, strict=True)])
+
+    cold_rate = {n: [x["cold_match_requests_per_s"] for x in cold[n]] for n in indexes}
+    out: dict = {}
+    for name in indexes:
+        if name == "sarp":
+            continue
+        out[name] = {"warm": per_pass(warm["sarp"], warm[name]),
+                     "cold": per_pass(cold_rate["sarp"], cold_rate[name]),
+                     "batch": per_pass(batch["sarp"], batch[name]),
+                     "sarp_batch_vs_warm": per_pass(batch["sarp"], warm[name])}
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -201,24 +295,33 @@ def _versions() -> dict[str, str]:
 
 
 def table(result: dict) -> str:
-    """A plain-text table of the headline figures, with ratios to sarp."""
-    cols = ("reused", "loss %", "match/s", "cold match/s", "insert/s", "reads/req",
+    """A plain-text table of the headline figures (medians), then sarp's ratios."""
+    cols = ("reused", "loss %", "match/s", "batch/s", "cold match/s", "insert/s", "reads/req",
             "memory MB", "disk MB", "recovery s")
+    passes = result["settings"].get("passes", 1)
     lines = [f"{result['trace']}: {result['requests']} requests, {result['blocks']} blocks, "
-             f"{result['distinct_blocks']} distinct, exact reuse {result['exact_reused_blocks']}",
+             f"{result['distinct_blocks']} distinct, exact reuse {result['exact_reused_blocks']}; "
+             f"medians of {passes} interleaved passes",
              f"{'index':<18}" + "".join(f"{c:>14}" for c in cols)]
     for name, r in result["indexes"].items():
         row = (r["reused_blocks"], f"{100 * r['reuse_loss']:.4f}",
-               f"{r['match_requests_per_s']:.0f}", f"{r['cold_match_requests_per_s']:.0f}",
+               f"{r['match_requests_per_s']:.0f}", f"{r['batch_match_requests_per_s']:.0f}",
+               f"{r['cold_match_requests_per_s']:.0f}",
                f"{r['insert_requests_per_s']:.0f}", f"{r['storage_reads_per_request']:.2f}",
                f"{r['memory_bytes'] / 1e6:.2f}", f"{r['disk_bytes'] / 1e6:.1f}",
                f"{r['recovery_s']:.4f}")
         lines.append(f"{name:<18}" + "".join(f"{str(v):>14}" for v in row))
+    for name, rs in result.get("ratios", {}).items():
+        parts = [f"{kind} {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
+                 for kind, x in rs.items() if kind != "sarp_batch_vs_warm"]
+        x = rs["sarp_batch_vs_warm"]
+        parts.append(f"sarp batch / {name} warm {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})")
+        lines.append(f"sarp / {name}: " + ", ".join(parts))
     return "\n".join(lines)
 
 
 def plot(result: dict, out: Path) -> None:
-    """Throughput, recovery time and reuse of every index, in one PNG."""
+    """Throughput (median, min-max bars), recovery time and reuse of every index, in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,24 +329,35 @@ def plot(result: dict, out: Path) -> None:
 
     names = list(result["indexes"])
     rs = [result["indexes"][n] for n in names]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4.2))
     panels = [
-        ("warm match requests/s (higher is better)", [r["match_requests_per_s"] for r in rs], True),
-        ("cold match requests/s (higher is better)", [r["cold_match_requests_per_s"] for r in rs],
-         True),
-        ("recovery s, cold, fresh process (lower is better)", [r["recovery_s"] for r in rs], True),
-        ("reused blocks / exact", [r["reused_blocks"] / max(result["exact_reused_blocks"], 1)
-                                   for r in rs], False),
+        ("warm match requests/s (higher is better)", "match_requests_per_s", True),
+        ("match_many in batches of 64, requests/s", "batch_match_requests_per_s", True),
+        ("cold match requests/s (higher is better)", "cold_match_requests_per_s", True),
+        ("recovery s, cold, fresh process (lower is better)", "recovery_s", True),
+        ("reused blocks / exact", None, False),
     ]
-    for ax, (title, values, log) in zip(axes, panels, strict=True):
+    for ax, (title, key, log) in zip(axes, panels, strict=True):
         colors = ["#d62728" if n == "sarp" else "#7f7f7f" for n in names]
-        ax.bar(names, values, color=colors)
+        if key is None:
+            ax.bar(names, [r["reused_blocks"] / max(result["exact_reused_blocks"], 1)
+                           for r in rs], color=colors)
+        else:
+            values = [r[key] for r in rs]
+            spreads = [r.get("spread", {}).get(key) for r in rs]
+            err = None
+            if all(spreads):
+                err = [[v - x["min"] for v, x in zip(values, spreads, strict=True)],
+                       [x["max"] - v for v, x in zip(values, spreads, strict=True)]]
+            ax.bar(names, values, color=colors, yerr=err, capsize=3)
         ax.set_title(title, fontsize=9)
         if log:
             ax.set_yscale("log")
         ax.tick_params(axis="x", rotation=35, labelsize=8)
+    passes = result["settings"].get("passes", 1)
     fig.suptitle(f"{result['trace']}: {result['requests']} requests, "
-                 f"{result['distinct_blocks']} distinct blocks")
+                 f"{result['distinct_blocks']} distinct blocks; medians of {passes} "
+                 "interleaved passes, bars min-max")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
