@@ -116,7 +116,7 @@ class Store:
                 max_readers=max_readers,
                 sync=durability == "sync",
                 metasync=durability == "sync",
-                readahead=True,
+                readahead=False,
                 lock=True,
                 readonly=readonly,
                 create=not readonly,

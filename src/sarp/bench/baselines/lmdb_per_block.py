@@ -28,7 +28,7 @@ class LmdbPerBlockIndex:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.env = lmdb.open(str(path), map_size=1 << 36, sync=durability == "sync",
-                             metasync=durability == "sync", readahead=True)
+                             metasync=durability == "sync", readahead=False)
         self.holders = HolderBits()
 
     def insert(self, hashes, parent=None, *, holder: str, medium: str = "GPU") -> int:
