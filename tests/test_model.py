@@ -76,8 +76,16 @@ class SarpVsModel(RuleBasedStateMachine):
         self.segment_blocks = segment_blocks
         self.paths = make_tree(seed)
         self.held: dict[tuple[str, str], set[int]] = {h: set() for h in HOLDERS}
-        self.index = sarp.open(self.tmp, segment_blocks=segment_blocks, durability="nosync",
-                               snapshot_every_changes=7)
+        self.index = self.open_index()
+
+    def open_index(self) -> sarp.Index:
+        return sarp.open(self.tmp, segment_blocks=self.segment_blocks, durability="nosync",
+                         snapshot_every_changes=7)
+
+    def drop_snapshot(self) -> None:
+        from sarp import snapshot
+
+        snapshot.remove(self.index.path)
 
     def teardown(self):
         if hasattr(self, "index"):
@@ -164,11 +172,8 @@ class SarpVsModel(RuleBasedStateMachine):
             self.index.snapshot()
         self.index.close()
         if kind == "drop-snapshot":
-            from sarp import snapshot
-
-            snapshot.remove(self.index.path)
-        self.index = sarp.open(self.tmp, segment_blocks=self.segment_blocks, durability="nosync",
-                               snapshot_every_changes=7)
+            self.drop_snapshot()
+        self.index = self.open_index()
 
     @precondition(lambda self: hasattr(self, "index"))
     @invariant()

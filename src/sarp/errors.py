@@ -45,6 +45,11 @@ class ReadOnlyIndexError(SarpError):
     """A write (``insert``, ``remove``, ``clear``, ``snapshot``) on a ``readonly=True`` index."""
 
 
+class LeaseLostError(SarpError):
+    """A Valkey-backed writer lost its lease (another writer took over, or it was paused
+    past the lease): its writes are refused; reopen to write again."""
+
+
 class StoreFullError(StoreError):
     """The LMDB map could not grow to hold a write (disk full or map size limit)."""
 

@@ -42,6 +42,11 @@ from .segment import decode
 from .store import DEFAULT_MAX_READERS, ReadTxn, Store
 from .verify import Match, PrefixWalk, examine
 
+
+def is_url(path: object) -> bool:
+    """Does ``path`` name a store by URL (``scheme://...``) rather than a folder?"""
+    return isinstance(path, str) and "://" in path
+
 log = logging.getLogger("sarp")
 
 DEFAULT_SEGMENT_BLOCKS = 1024
@@ -82,8 +87,18 @@ def open(  # noqa: A001 - the public name the design asks for
     progress: bool | None = None,
     readonly: bool = False,
     max_readers: int = DEFAULT_MAX_READERS,
+    lease_s: float = 10.0,
+    wait_for_lease_s: float = 0.0,
 ) -> Index:
     """Open (creating, or recovering after a restart or crash) the index at ``path``.
+
+    ``path`` is a folder (LMDB files), or ``"valkey://HOST:PORT/NAMESPACE"`` (also
+    ``redis://``, and ``rediss://`` or ``valkeys://`` with TLS; a password in the URL
+    or ``$SARP_VALKEY_PASSWORD``) for an index shared by many machines, with the same
+    calls and guarantees (:mod:`sarp.valkey_store`).  On Valkey one writer at a time
+    holds a lease of ``lease_s`` seconds, renewed while it runs; another writer is
+    refused with ``IndexLockedError``, or with ``wait_for_lease_s`` waits that long
+    to take over from one that stopped renewing (it died).
 
     ``segment_blocks`` (S): most blocks packed into one record. ``durability``:
     ``"sync"`` (default) fsyncs every write, so a returned call survives power
@@ -120,6 +135,8 @@ def open(  # noqa: A001 - the public name the design asks for
         progress=progress,
         readonly=readonly,
         max_readers=max_readers,
+        lease_s=lease_s,
+        wait_for_lease_s=wait_for_lease_s,
     )
 
 
@@ -138,11 +155,13 @@ class Index:
         progress: bool | None,
         readonly: bool = False,
         max_readers: int = DEFAULT_MAX_READERS,
+        lease_s: float = 10.0,
+        wait_for_lease_s: float = 0.0,
     ) -> None:
         _check_int("segment_blocks", segment_blocks, 1, MAX_SEGMENT_BLOCKS)
         _check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
         started = time.perf_counter()
-        self.path = Path(path)
+        self.path = path if is_url(path) else Path(path)
         self._packer = Packer(segment_blocks, self.path, reclaim=self._reclaim_holder_id)
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
@@ -151,10 +170,17 @@ class Index:
         self._match_observers: list[Callable[[np.ndarray], None]] = []
         self.readonly = readonly
         self._watermark = 0  # the log sequence memory reflects (readers keep it current)
-        self._store: Store | None = Store(
-            path, durability=durability, map_size_bytes=map_size_bytes, create=create,
-            readonly=readonly, max_readers=max_readers,
-        )
+        if is_url(path):
+            from .valkey_store import ValkeyStore  # the valkey client only when asked for
+
+            self._store = ValkeyStore(path, durability=durability, create=create,
+                                      readonly=readonly, lease_s=lease_s,
+                                      wait_for_lease_s=wait_for_lease_s)
+        else:
+            self._store = Store(
+                path, durability=durability, map_size_bytes=map_size_bytes, create=create,
+                readonly=readonly, max_readers=max_readers,
+            )
         try:
             with self._store.read() as r:
                 self._load_holders(r.holder_names())
@@ -253,7 +279,7 @@ class Index:
         self.recovery_reason = ""
         self.replayed_changes = 0
         try:
-            snap = snapshots.load(self.path)
+            snap = self._store.load_snapshot()
             problem = self._stale_reason(snap, r)
             if problem:
                 raise snapshots.SnapshotUnusable(problem)
@@ -345,7 +371,7 @@ class Index:
         trimmed = r.counter("log_trimmed_upto")
         if trimmed > self._watermark:
             try:
-                snap = snapshots.load(self.path)
+                snap = self._store.load_snapshot()
             except snapshots.SnapshotUnusable:
                 snap = None
             if snap is not None and snap.watermark > seq:
@@ -685,8 +711,8 @@ class Index:
         np.cumsum(sizes[:-1], out=starts[1:])
         flat = np.concatenate(queries)
         query_bytes = [q.astype("<u8", copy=False).tobytes() for q in queries]
-        instance_of = self._instance_of if self._multi_medium else None
         with self._lock, self._read() as r:
+            instance_of = self._instance_of if self._multi_medium else None  # as caught up
             walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
             reads = [0] * n
             pos = np.zeros(n, np.int64)
@@ -762,9 +788,7 @@ class Index:
         with self._lock:
             store = self._writable_store("snapshot")
             watermark = store.counter("next_seq")
-            size = snapshots.write(
-                self.path, store.index_id, watermark, self.directory, self.holders
-            )
+            size = store.save_snapshot(watermark, self.directory, self.holders)
             store.trim_log(watermark)
             self._snapshot_present = True
             self._counters.snapshots += 1

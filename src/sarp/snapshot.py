@@ -49,29 +49,40 @@ class Snapshot:
     holders: HolderSegments
 
 
-def write(
-    folder: Path, index_id: bytes, watermark: int, directory: Directory, holders: HolderSegments
-) -> int:
-    """Write the snapshot atomically; return its size in bytes.
+def encode(
+    index_id: bytes, watermark: int, directory: Directory, holders: HolderSegments
+) -> list[bytes]:
+    """The snapshot as parts to write in order (the last one is the checksum).
 
     Cost: O(entries): the directory is compacted and written as raw arrays.
     """
     directory.compact()
-    keys = np.ascontiguousarray(directory.keys, dtype="<u8")
+    keys = np.ascontiguousarray(directory.keys, dtype="<u8").tobytes()
     segs = np.ascontiguousarray(directory.segs, dtype="<u4").tobytes()
     segs += b"\0" * (-len(segs) % 8)
     holder_bytes = holders.serialize()
     header = _HEADER.pack(
-        MAGIC, SNAPSHOT_VERSION, 0, index_id, watermark, keys.size, len(holder_bytes), 0
+        MAGIC, SNAPSHOT_VERSION, 0, index_id, watermark, len(keys) // 8, len(holder_bytes), 0
     )
+    parts = [header, keys, segs, holder_bytes]
     digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    return [*parts, _CHECKSUM.pack(digest.intdigest())]
+
+
+def write(
+    folder: Path, index_id: bytes, watermark: int, directory: Directory, holders: HolderSegments
+) -> int:
+    """Write the snapshot file atomically; return its size in bytes.
+
+    Cost: O(entries), as :func:`encode`, plus one fsync of the file and the folder.
+    """
     final = folder / SNAPSHOT_FILE
     tmp = folder / (SNAPSHOT_FILE + ".tmp")
     with open(tmp, "wb") as f:
-        for part in (header, keys.tobytes(), segs, holder_bytes):
+        for part in encode(index_id, watermark, directory, holders):
             f.write(part)
-            digest.update(part)
-        f.write(_CHECKSUM.pack(digest.intdigest()))
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -85,7 +96,7 @@ def write(
 
 
 def load(folder: Path) -> Snapshot:
-    """Map and check the snapshot; raise :class:`SnapshotUnusable` with the reason.
+    """Map and check the snapshot file; raise :class:`SnapshotUnusable` with the reason.
 
     Cost: one pass over the file for the checksum; the directory arrays stay
     memory-mapped (no per-entry work).
@@ -99,21 +110,32 @@ def load(folder: Path) -> Snapshot:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         raise SnapshotUnusable(f"{path}: missing") from None
-    view = memoryview(buf)
+    return decode(memoryview(buf), str(path))
+
+
+def decode(view: memoryview | bytes, where: str) -> Snapshot:
+    """Check and parse a snapshot held in memory (``where`` names it in errors).
+
+    Cost: one xxh3 pass; the directory arrays are views of ``view``.
+    """
+    view = memoryview(view)
+    size = len(view)
+    if size < _HEADER.size + _CHECKSUM.size:
+        raise SnapshotUnusable(f"{where}: {size} bytes is too short")
     magic, version, _, index_id, watermark, n, holder_bytes, _ = _HEADER.unpack_from(view, 0)
     if magic != MAGIC:
-        raise SnapshotUnusable(f"{path}: bad magic {magic!r}")
+        raise SnapshotUnusable(f"{where}: bad magic {magic!r}")
     if version != SNAPSHOT_VERSION:
-        raise SnapshotUnusable(f"{path}: version {version}, this sarp reads {SNAPSHOT_VERSION}")
+        raise SnapshotUnusable(f"{where}: version {version}, this sarp reads {SNAPSHOT_VERSION}")
     keys_off = _HEADER.size
     segs_off = keys_off + 8 * n
     holders_off = segs_off + ((4 * n + 7) & ~7)
     end = holders_off + holder_bytes
     if end + _CHECKSUM.size != size:
-        raise SnapshotUnusable(f"{path}: {size} bytes, header says {end + _CHECKSUM.size}")
+        raise SnapshotUnusable(f"{where}: {size} bytes, header says {end + _CHECKSUM.size}")
     (checksum,) = _CHECKSUM.unpack_from(view, end)
     if xxhash.xxh3_64_intdigest(view[:end]) != checksum:
-        raise SnapshotUnusable(f"{path}: checksum mismatch")
+        raise SnapshotUnusable(f"{where}: checksum mismatch")
     directory = Directory(
         np.frombuffer(view, "<u8", n, keys_off), np.frombuffer(view, "<u4", n, segs_off)
     )

@@ -29,6 +29,7 @@ import lmdb
 import numpy as np
 import xxhash
 
+from . import snapshot as snapshots
 from .errors import (
     CorruptRecordError,
     DamagedIndexError,
@@ -215,6 +216,14 @@ class Store:
             if getattr(self, name, None) is not None:
                 os.close(getattr(self, name))
                 setattr(self, name, None)
+
+    def load_snapshot(self) -> snapshots.Snapshot:
+        """The directory snapshot beside the data (``SnapshotUnusable`` says why not)."""
+        return snapshots.load(self.path)
+
+    def save_snapshot(self, watermark: int, directory, holders) -> int:
+        """Write the directory snapshot file atomically; return its size."""
+        return snapshots.write(self.path, self.index_id, watermark, directory, holders)
 
     def files(self) -> list[Path]:
         """The LMDB files of this index (for size accounting and cache eviction)."""

@@ -172,7 +172,10 @@ class PrefixWalk:
             self.total += any_run
             return any_run
         if self._instance_of is not None:  # some instance holds blocks in several media
-            instances = [self._instance_of[h] for h in holder_ids]
+            # A holder newer than this walk's names (a Valkey reader's reads are not one
+            # snapshot) counts for no instance: the answer knows less, never more.
+            known = len(self._instance_of)
+            instances = [self._instance_of[h] if h < known else -1 for h in holder_ids]
             if len(set(instances)) == len(instances):
                 self._extend(self._instances, instances, runs, any_run)
             else:

