@@ -35,7 +35,7 @@ class Directory:
     (7, None, 1)
     """
 
-    __slots__ = ("keys", "segs", "_added", "_removed", "_count", "_hot")
+    __slots__ = ("keys", "segs", "_added", "_removed", "_count", "_hot", "_pending")
 
     def __init__(self, keys: np.ndarray | None = None, segs: np.ndarray | None = None) -> None:
         self.keys = np.empty(0, np.uint64) if keys is None else keys
@@ -44,6 +44,7 @@ class Directory:
         self._removed: set[int] = set()
         self._count = int(self.keys.size)
         self._hot: dict[int, int] = {}  # array entries looked up, not removed since
+        self._pending: tuple | None = None  # sorted arrays of _added and _removed
 
     @classmethod
     def from_entries(cls, keys: np.ndarray, segs: np.ndarray) -> Directory:
@@ -74,28 +75,39 @@ class Directory:
     def lookup_many(self, first_hashes: np.ndarray) -> np.ndarray:
         """:meth:`lookup` for many hashes at once: segment ids as int64, -1 where none.
 
-        Cost: one vectorised binary search, plus one dict probe per hash while
-        changes since the last :meth:`compact` are pending.
+        Cost: one vectorised binary search in the arrays, and one in sorted copies of
+        the changes since the last :meth:`compact` (rebuilt once after each change).
 
         >>> d = Directory.from_entries(np.array([5, 9], np.uint64), np.array([1, 2], np.uint32))
         >>> d.add(7, 3)
-        >>> d.lookup_many(np.array([9, 7, 8], np.uint64)).tolist()
-        [2, 3, -1]
+        >>> d.remove(9, 2)
+        >>> d.lookup_many(np.array([9, 7, 8, 5], np.uint64)).tolist()
+        [-1, 3, -1, 1]
         """
         keys = np.asarray(first_hashes, np.uint64)
         out = np.full(keys.size, -1, np.int64)
-        if self.keys.size:
-            at = np.minimum(self.keys.searchsorted(keys), self.keys.size - 1)
-            hit = self.keys[at] == keys
-            out[hit] = self.segs[at[hit]]
+        _find(self.keys, self.segs, keys, out)
         if self._added or self._removed:
-            added, removed = self._added, self._removed
-            for j, key in enumerate(keys.tolist()):
-                seg = added.get(key)
-                if seg is not None:
-                    out[j] = seg
-                elif key in removed:
-                    out[j] = -1
+            if self._pending is None and keys.size < len(self._added) + len(self._removed):
+                # fewer keys than changes: probing the dicts beats sorting the changes
+                added, removed = self._added, self._removed
+                for j, key in enumerate(keys.tolist()):
+                    seg = added.get(key)
+                    if seg is not None:
+                        out[j] = seg
+                    elif key in removed:
+                        out[j] = -1
+                return out
+            if self._pending is None:
+                gone = np.fromiter(self._removed - self._added.keys(), np.uint64)
+                gone.sort()
+                added = np.fromiter(self._added.keys(), np.uint64, len(self._added))
+                segs = np.fromiter(self._added.values(), np.int64, len(self._added))
+                order = np.argsort(added)
+                self._pending = (added[order], segs[order], gone)
+            added, segs, gone = self._pending
+            _find(gone, np.full(gone.size, -1, np.int64), keys, out)
+            _find(added, segs, keys, out)
         return out
 
     def add(self, first_hash: int, seg_id: int) -> None:
@@ -103,6 +115,7 @@ class Directory:
             self._count += 1
         self._added[first_hash] = seg_id
         self._hot.pop(first_hash, None)
+        self._pending = None
 
     def remove(self, first_hash: int, seg_id: int) -> None:
         """Drop the entry for ``first_hash`` if it names ``seg_id``."""
@@ -111,6 +124,7 @@ class Directory:
         self._added.pop(first_hash, None)
         self._hot.pop(first_hash, None)
         self._removed.add(first_hash)
+        self._pending = None
         self._count -= 1
 
     def compact(self) -> None:
@@ -127,6 +141,7 @@ class Directory:
         self.keys, self.segs = merged.keys, merged.segs
         self._added.clear()
         self._removed.clear()
+        self._pending = None
 
     def __len__(self) -> int:
         return self._count
@@ -152,3 +167,12 @@ class Directory:
             + sys.getsizeof(self._removed)
             + _INT_BYTES * (2 * pending + len(self._removed))
         )
+
+
+def _find(sorted_keys: np.ndarray, values: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+    """``out[j] = values[i]`` wherever ``keys[j] == sorted_keys[i]``, vectorised."""
+    if not sorted_keys.size:
+        return
+    at = np.minimum(sorted_keys.searchsorted(keys), sorted_keys.size - 1)
+    hit = sorted_keys[at] == keys
+    out[hit] = values[at[hit]]

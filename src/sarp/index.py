@@ -717,6 +717,9 @@ class Index:
             reads = [0] * n
             pos = np.zeros(n, np.int64)
             active = np.flatnonzero(sizes)
+            if r.prefetch is not None:  # a remote store: one round trip for all the chains
+                ids = self.directory.lookup_many(flat)
+                r.prefetch(ids[ids >= 0])
             while active.size:
                 at = pos[active]
                 seg_ids = self.directory.lookup_many(flat[starts[active] + at])
@@ -745,6 +748,9 @@ class Index:
 
     def _walk(self, r: ReadTxn, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes) -> None:
         """One directory probe and one record read per segment step, verified."""
+        if r.prefetch is not None:  # a remote store: one round trip for every predicted record
+            ids = self.directory.lookup_many(query)
+            r.prefetch(ids[ids >= 0])
         lookup, advance, unpack = self.directory.lookup, self._advance, _U64_LE.unpack_from
         pos, parent, size = 0, None, query.size
         while pos < size:

@@ -315,6 +315,7 @@ class ReadTxn:
     names), all in the same LMDB read transaction."""
 
     __slots__ = ("_store", "_txn", "reads")
+    prefetch = None  # records are local: nothing to fetch ahead (a remote store has it)
 
     def __init__(self, store: Store) -> None:
         self._store = store

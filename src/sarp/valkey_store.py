@@ -376,13 +376,22 @@ class ValkeyReadTxn:
     """Reads for a match or a reader's catch-up.  Each command sees every write that had
     returned before it; the verifier checks every record on its own."""
 
-    __slots__ = ("_store", "_c", "_meta", "reads")
+    __slots__ = ("_store", "_c", "_meta", "_fetched", "reads")
 
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
         self._c = store.client
         self._meta: dict[bytes, bytes] | None = None
+        self._fetched: dict[int, bytes | None] = {}
         self.reads = 0
+
+    def prefetch(self, seg_ids: np.ndarray) -> None:
+        """Fetch these records in one ``HMGET`` (one round trip, one atomic read), so the
+        match's steps read them from memory."""
+        wanted = [i for i in dict.fromkeys(seg_ids.tolist()) if i not in self._fetched]
+        if wanted:
+            values = self._c.hmget(self._store.keys["seg"], [_U64.pack(i) for i in wanted])
+            self._fetched.update(zip(wanted, values, strict=True))
 
     def __enter__(self) -> ValkeyReadTxn:
         return self
@@ -394,6 +403,8 @@ class ValkeyReadTxn:
 
     def record(self, seg_id: int) -> bytes | None:
         self.reads += 1
+        if seg_id in self._fetched:
+            return self._fetched[seg_id]
         return self._c.hget(self._store.keys["seg"], _U64.pack(seg_id))
 
     def segment(self, seg_id: int) -> Segment | None:

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..hashing import splitmix64
-from .baselines import dir_bytes, opener
+from .baselines import SARP_INDEXES, VALKEY_INDEXES, dir_bytes, opener
 from .traces import Request, read_requests
 
 DEFAULT_INDEXES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block")
@@ -126,6 +126,8 @@ def _restart_worker(name: str, folder: str, queries: str, options_json: str) -> 
         flat, offsets = data["flat"], data["offsets"]
     chains = [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
     open_fn = opener(name)
+    if name in VALKEY_INDEXES:
+        import sarp.valkey_store  # noqa: F401  (importing the client is not recovery)
     before = rss_anon_bytes()
     t0 = time.perf_counter()
     index = open_fn(Path(folder), **json.loads(options_json))
@@ -137,7 +139,7 @@ def _restart_worker(name: str, folder: str, queries: str, options_json: str) -> 
         index.match(chain)
     cold_s = time.perf_counter() - t1
     exact_memory = None
-    if name == "sarp":
+    if name in SARP_INDEXES:
         exact_memory = index.stats()["memory_bytes"]
     index.close()  # nothing changed since the snapshot: sarp writes none on the way out
     print(json.dumps({
@@ -193,12 +195,40 @@ def run(
         "command": " ".join(sys.argv),
         "indexes": {},
     }
+    server = None
+    if any(name in VALKEY_INDEXES for name in indexes):
+        from .valkey_server import ValkeyServer
+
+        server = ValkeyServer()  # on loopback, for this run only
+        options = {**options, "valkey_url": f"valkey://127.0.0.1:{server.port}"}
+    try:
+        _measure(result, requests, indexes, base, options, exact, queries, progress, passes,
+                 pass_s)
+    finally:
+        if server is not None:
+            server.stop()
+    return result
+
+
+def _options_for(name: str, options: dict) -> dict:
+    """What each index takes: sarp's tunables for sarp, the server for the Valkey ones."""
+    out = {k: v for k, v in options.items()
+           if (name in SARP_INDEXES and k != "valkey_url") or k == "durability"
+           or (k == "valkey_url" and name in VALKEY_INDEXES)}
+    if name in SARP_INDEXES:
+        out["progress"] = False
+    return out
+
+
+def _measure(result: dict, requests: list[Request], indexes: list[str], base: Path,
+             options: dict, exact: np.ndarray, queries: Path, progress: bool, passes: int,
+             pass_s: float) -> None:
+    """Replay, then the interleaved warm, batch and cold passes; fills ``result``."""
     opened, built, folders, opts_of = {}, {}, {}, {}
     for name in indexes:
         folder = folders[name] = base / name
         shutil.rmtree(folder, ignore_errors=True)
-        opts = options if name != "sarp" else {**options, "progress": False}
-        opts_of[name] = {k: v for k, v in opts.items() if name == "sarp" or k == "durability"}
+        opts_of[name] = _options_for(name, options)
         opened[name], built[name] = replay(name, requests, folder, opts_of[name], progress)
 
     sample = [r.hashes for r in requests[:: max(1, len(requests) // WARM_SAMPLE)]]
@@ -228,7 +258,9 @@ def run(
     order = list(indexes)
     for _ in tqdm(range(passes), desc="cold restarts", disable=not progress, leave=False):
         for name in order:
-            cold[name].append(cold_restart(name, folders[name], queries, opts_of[name]))
+            # on Valkey the fresh process is a reader: its recovery is a reader's
+            opts = {**opts_of[name], "readonly": True} if name == "sarp-valkey" else opts_of[name]
+            cold[name].append(cold_restart(name, folders[name], queries, opts))
         order.reverse()
 
     for name in indexes:
@@ -257,28 +289,30 @@ def run(
             "storage_reads_per_request": r["storage_reads_per_request"],
             "memory_bytes": int(np.median(memory)),
             "rss_anon_delta_bytes": int(np.median([x["rss_anon_delta_bytes"] for x in c])),
-            "disk_bytes": dir_bytes(folders[name]),
+            "disk_bytes": (stats[name].get("disk_bytes", 0) if name in VALKEY_INDEXES
+                           else dir_bytes(folders[name])),
             "stats": stats[name],
         }
     if "sarp" in indexes:
-        result["ratios"] = ratios(indexes, warm, batch, cold)
-    return result
+        result["ratios"] = ratios("sarp", indexes, warm, batch, cold)
+    if "sarp-valkey" in indexes:  # sarp on Valkey against the others, sarp on LMDB included
+        result["ratios_valkey"] = ratios("sarp-valkey", indexes, warm, batch, cold)
 
 
-def ratios(indexes: list[str], warm: dict, batch: dict, cold: dict) -> dict:
-    """sarp / each baseline, pass by pass (the passes were side by side in time)."""
+def ratios(ours: str, indexes: list[str], warm: dict, batch: dict, cold: dict) -> dict:
+    """``ours`` / each other index, pass by pass (the passes were side by side in time)."""
     def per_pass(a: list[float], b: list[float]) -> dict:
         return spread([x / y for x, y in zip(a, b, strict=True)])
 
     cold_rate = {n: [x["cold_match_requests_per_s"] for x in cold[n]] for n in indexes}
     out: dict = {}
     for name in indexes:
-        if name == "sarp":
+        if name == ours:
             continue
-        out[name] = {"warm": per_pass(warm["sarp"], warm[name]),
-                     "cold": per_pass(cold_rate["sarp"], cold_rate[name]),
-                     "batch": per_pass(batch["sarp"], batch[name]),
-                     "sarp_batch_vs_warm": per_pass(batch["sarp"], warm[name])}
+        out[name] = {"warm": per_pass(warm[ours], warm[name]),
+                     "cold": per_pass(cold_rate[ours], cold_rate[name]),
+                     "batch": per_pass(batch[ours], batch[name]),
+                     "sarp_batch_vs_warm": per_pass(batch[ours], warm[name])}
     return out
 
 
@@ -311,12 +345,14 @@ def table(result: dict) -> str:
                f"{r['memory_bytes'] / 1e6:.2f}", f"{r['disk_bytes'] / 1e6:.1f}",
                f"{r['recovery_s']:.4f}")
         lines.append(f"{name:<18}" + "".join(f"{str(v):>14}" for v in row))
-    for name, rs in result.get("ratios", {}).items():
-        parts = [f"{kind} {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
-                 for kind, x in rs.items() if kind != "sarp_batch_vs_warm"]
-        x = rs["sarp_batch_vs_warm"]
-        parts.append(f"sarp batch / {name} warm {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})")
-        lines.append(f"sarp / {name}: " + ", ".join(parts))
+    for ours, key in (("sarp", "ratios"), ("sarp-valkey", "ratios_valkey")):
+        for name, rs in result.get(key, {}).items():
+            parts = [f"{kind} {x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
+                     for kind, x in rs.items() if kind != "sarp_batch_vs_warm"]
+            x = rs["sarp_batch_vs_warm"]
+            parts.append(f"{ours} batch / {name} warm {x['median']:.2f}x "
+                         f"({x['min']:.2f}-{x['max']:.2f})")
+            lines.append(f"{ours} / {name}: " + ", ".join(parts))
     return "\n".join(lines)
 
 

@@ -15,7 +15,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-NAMES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block", "exact")
+NAMES = ("sarp", "memory-dict", "memory-radix", "lmdb-per-block", "rocksdb-per-block", "exact",
+         "sarp-valkey", "valkey-per-block")
+SARP_INDEXES = ("sarp", "sarp-valkey")  # take sarp's tunables
+VALKEY_INDEXES = ("sarp-valkey", "valkey-per-block")  # need a server: options["valkey_url"]
 
 
 _MODULES = {
@@ -24,6 +27,7 @@ _MODULES = {
     "lmdb-per-block": "lmdb_per_block",
     "rocksdb-per-block": "rocksdb_per_block",
     "exact": "exact",
+    "valkey-per-block": "valkey_per_block",
 }
 
 
@@ -33,8 +37,18 @@ def opener(name: str) -> Callable[..., Any]:
         import sarp
 
         return sarp.open
-    if name not in _MODULES:
+    if name not in NAMES:
         raise ValueError(f"index {name!r} is unknown; pick from {', '.join(NAMES)}")
+    if name in VALKEY_INDEXES:
+        def open_on_valkey(folder: str | os.PathLike, *, valkey_url: str, **options: Any):
+            import sarp
+
+            url = f"{valkey_url}/bench-{os.path.basename(os.fspath(folder))}"
+            if name == "sarp-valkey":
+                return sarp.open(url, **options)
+            return importlib.import_module(f"{__name__}.valkey_per_block").open(url, **options)
+
+        return open_on_valkey
     return importlib.import_module(f"{__name__}.{_MODULES[name]}").open
 
 
