@@ -255,3 +255,66 @@ def test_a_three_node_cluster_holds_an_index_and_its_readers():
         with sarp.open(url, durability="nosync") as index:  # recovers from the snapshot
             assert index.recovered_from == "snapshot"
             assert index.match(list(range(1, 20))).by_holder == {"w0": 9, "w1": 3}
+
+
+# -- sarp serve on Valkey: a standby takes over -------------------------------------------------
+
+
+def test_a_standby_serve_takes_over_a_killed_one_and_resumes_from_the_engine(url):
+    import random
+
+    import zmq
+
+    from sarp.serving.cluster import EnginePublisher, SimEngine
+
+    eng = SimEngine("e", 2000, EnginePublisher(zmq.Context.instance(), buffer_batches=50_000))
+    pub = eng.publisher
+    ns = url.rsplit("/", 1)[1]
+
+    def applied() -> int:
+        import valkey
+
+        with valkey.Valkey(port=shared_server().port) as c:
+            raw = c.get(f"sarp:{{{ns}}}:state:subscriber.json")
+        return -1 if raw is None else json.loads(raw)["sources"]["e"]["seq"]
+
+    def serve(wait_s: float) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sarp.cli", "serve", "--index", url, "--durability",
+             "nosync", "--replay-idle-timeout-s", "1", "--lease-s", "2",
+             "--wait-for-lease-s", str(wait_s),
+             "--source", f"e={pub.endpoint},{pub.replay_endpoint}"], stderr=subprocess.DEVNULL)
+
+    rng = random.Random(5)
+    roots = [[rng.getrandbits(63) for _ in range(4)] for _ in range(30)]
+    for _ in range(3000):
+        eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
+    first = serve(0)
+    standby = None
+    try:
+        deadline = time.monotonic() + 60
+        while applied() < 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        standby = serve(60)  # waits for the lease
+        time.sleep(0.5)
+        assert standby.poll() is None  # still waiting: the first one holds the lease
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        for _ in range(300):  # the engine goes on meanwhile
+            eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
+        last = pub.next_seq - 1
+        deadline = time.monotonic() + 120
+        while applied() < last and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert applied() == last
+        standby.send_signal(signal.SIGTERM)
+        assert standby.wait(timeout=30) == 0
+    finally:
+        for proc in (first, standby):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        pub.close()
+    with sarp.open(url, durability="nosync") as index:
+        assert set(index.blocks_of(eng.holder).tolist()) == set(eng.cache)
+        assert index.check() == []

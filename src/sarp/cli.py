@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ws.add_argument("--plot", type=Path, default=None)
 
     serve = sub.add_parser("serve", help="follow engines' KV events into an index")
-    serve.add_argument("--index", type=Path, required=True, help="index directory")
+    serve.add_argument("--index", required=True,
+                       help="index directory, or valkey://HOST:PORT/NAMESPACE")
     serve.add_argument("--source", action="append", required=True,
                        help="NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], repeatable; with --dp-ranks "
                        "the endpoints of rank 0")
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--durability", default="sync", choices=["sync", "nosync"])
     serve.add_argument("--snapshot-every-s", type=float, default=60.0)
     serve.add_argument("--report-every-s", type=float, default=30.0)
+    serve.add_argument("--lease-s", type=float, default=10.0,
+                       help="on Valkey: the writer lease, renewed while serve runs")
+    serve.add_argument("--wait-for-lease-s", type=float, default=0.0,
+                       help="on Valkey: wait this long for the lease (a standby that takes "
+                       "over when the writer stops renewing)")
 
     cl = sub.add_parser("cluster", help="simulate engines + events + routing on a trace")
     cl.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")

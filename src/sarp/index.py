@@ -801,6 +801,26 @@ class Index:
             self._counters.changes_since_snapshot = 0
             return size
 
+    def read_state(self, name: str) -> bytes | None:
+        """A small named value kept with the index, or None: the file ``name`` in the
+        index folder, or a key of the namespace on Valkey.  ``sarp serve`` keeps its
+        resume point (``subscriber.json``) here, so a writer that takes over an index on
+        Valkey from another machine resumes from it.  Cost: one file read or GET."""
+        with self._lock:
+            return self._live_store().load_state(name)
+
+    def write_state(self, name: str, data: bytes, *, durable: bool = False) -> None:
+        """Replace the named value atomically (fsync'ed when ``durable``); a writer's call.
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     index.write_state("resume.json", b"{}")
+        ...     index.read_state("resume.json")
+        b'{}'
+        """
+        with self._lock:
+            self._writable_store("write_state").save_state(name, data, durable)
+
     def stats(self) -> dict[str, object]:
         """Sizes and counters, for dashboards and the benchmark.
 

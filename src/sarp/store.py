@@ -225,6 +225,23 @@ class Store:
         """Write the directory snapshot file atomically; return its size."""
         return snapshots.write(self.path, self.index_id, watermark, directory, holders)
 
+    def load_state(self, name: str) -> bytes | None:
+        """A small state file kept beside the index (the subscriber's resume point)."""
+        try:
+            return (self.path / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def save_state(self, name: str, data: bytes, durable: bool) -> None:
+        """Replace the state file ``name`` atomically (fsync'ed when ``durable``)."""
+        tmp = self.path / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self.path / name)
+
     def files(self) -> list[Path]:
         """The LMDB files of this index (for size accounting and cache eviction)."""
         return [self.path / "data.mdb", self.path / "lock.mdb"]

@@ -15,6 +15,7 @@ on one node::
     sarp:{NS}:snap    STRING the directory snapshot (:mod:`sarp.snapshot`'s bytes)
     sarp:{NS}:lease   STRING "<fence>:<token>" of the one writer, with a TTL
     sarp:{NS}:fence   STRING counter: the fencing token of each lease taken
+    sarp:{NS}:state:NAME  STRING  small state kept with the index (``subscriber.json``)
 
 **One writer, fenced.**  A writer takes the lease with ``SET NX PX`` and a fence from
 ``INCR``; a thread renews it every third of its time.  Every write (a whole insert,
@@ -118,8 +119,8 @@ end
 if ARGV[2] ~= '' then redis.call('XTRIM', KEYS[6], 'MINID', ARGV[2]) end
 return 1
 """
-# KEYS: lease snap.  ARGV: lease value, snapshot bytes.
-_SNAPSHOT = """
+# KEYS: lease, the key to set.  ARGV: lease value, its new value.
+_SET = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('SARPFENCED this writer no longer holds the lease')
 end
@@ -205,7 +206,7 @@ class ValkeyStore:
             self.client = _connect(self.settings)
             self._aof = durability == "sync" and _aof_enabled(self.client)
             self._commit = self.client.register_script(_COMMIT)
-            self._snapshot = self.client.register_script(_SNAPSHOT)
+            self._set = self.client.register_script(_SET)
             self._renew = self.client.register_script(_RENEW)
             exists = self.client.hget(self.keys["meta"], b"format_version") is not None
             if not exists and (readonly or not create):
@@ -343,9 +344,21 @@ class ValkeyStore:
     def save_snapshot(self, watermark: int, directory, holders) -> int:
         self._check_lease()
         data = b"".join(snapshots.encode(self.index_id, watermark, directory, holders))
-        self._run(self._snapshot, [self.keys["lease"], self.keys["snap"]],
-                  [self._lease_value, data])
+        self._run(self._set, [self.keys["lease"], self.keys["snap"]], [self._lease_value, data])
         return len(data)
+
+    def load_state(self, name: str) -> bytes | None:
+        """A small state value kept with the index (the subscriber's resume point), so
+        that a writer taking over on another machine resumes from it."""
+        return self.client.get(self._state_key(name))
+
+    def save_state(self, name: str, data: bytes, durable: bool) -> None:
+        self._check_lease()
+        self._run(self._set, [self.keys["lease"], self._state_key(name)],
+                  [self._lease_value, data])
+
+    def _state_key(self, name: str) -> bytes:
+        return self.keys["meta"][: -len(b"meta")] + b"state:" + name.encode()
 
     def _run(self, script, keys: list, args: list):
         try:

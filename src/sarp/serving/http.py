@@ -68,6 +68,7 @@ class HttpConfig:
     scheme: str = "vllm-sha256-cbor"
     seed: str | None = None
     block_size: int | None = None
+    status_dir: str | None = None  # where the writer's status file is (default: the index)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -261,7 +262,7 @@ def make_app(index, config: HttpConfig):
     rejected = Counter("sarp_match_rejected", "match requests refused with 400")
     latency = Histogram("sarp_match_seconds", "time to answer one match request",
                         buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1))
-    path = Path(config.index_path)
+    path = Path(config.status_dir or config.index_path)
 
     def refuse(field: str, message: str) -> web.Response:
         rejected.inc()

@@ -43,27 +43,37 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with sarp.open(args.index, durability=args.durability) as index:
+    on_valkey = "://" in args.index
+    lease = {"lease_s": args.lease_s, "wait_for_lease_s": args.wait_for_lease_s} \
+        if on_valkey else {}
+    if on_valkey and args.wait_for_lease_s:
+        log.info("waiting up to %.0f s for the writer lease of %s", args.wait_for_lease_s,
+                 args.index)
+    # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
+    status_dir = tempfile.mkdtemp(prefix="sarp-status-") if on_valkey else args.index
+    with sarp.open(args.index, durability=args.durability, **lease) as index:
         log.info("index %s recovered from %s in %.1f ms; following %s", args.index,
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
         subscriber = Subscriber(index, sources,
                                 replay_idle_timeout_s=args.replay_idle_timeout_s)
-        workers = _start_http(args, http) if http else None
+        workers = _start_http(args, http, status_dir) if http else None
         try:
-            _follow(args, index, subscriber, stop, with_status=http is not None)
+            _follow(args, index, subscriber, stop, Path(status_dir) if http else None)
         finally:
             subscriber.close()
             if workers:
                 _stop_http(*workers)
+            if on_valkey:
+                shutil.rmtree(status_dir, ignore_errors=True)
         log.info("stopped; writing the snapshot")
     return 0
 
 
-def _follow(args, index, subscriber: Subscriber, stop: dict, with_status: bool) -> None:
+def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None) -> None:
     from .http import write_status
 
     started = time.time()
-    path = Path(args.index)
+    with_status = path is not None
     if with_status:
         write_status(path, subscriber, caught_up=False, started=started)
     subscriber.catch_up()
@@ -94,12 +104,13 @@ def _report(subscriber: Subscriber) -> None:
                  dict(s["applied"]["bad_events"]) or "none")
 
 
-def _start_http(args, address: tuple[str, int]) -> tuple[list, str]:
+def _start_http(args, address: tuple[str, int], status_dir: str) -> tuple[list, str]:
     from .http import HttpConfig, worker_main
 
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
     config = HttpConfig(str(args.index), address[0], address[1], metrics_dir,
-                        scheme=args.hash_scheme, seed=args.hash_seed, block_size=args.block_size)
+                        scheme=args.hash_scheme, seed=args.hash_seed, block_size=args.block_size,
+                        status_dir=status_dir)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(config,), name=f"sarp-http-{i}", daemon=True)
              for i in range(args.http_workers)]

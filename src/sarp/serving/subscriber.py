@@ -41,11 +41,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import xxhash
 import zmq
@@ -198,7 +196,6 @@ class Subscriber:
         self.sources = {s.key: s for s in sources}
         self.replay_idle_timeout_s = replay_idle_timeout_s
         self._ctx = context or zmq.Context.instance()
-        self._state_path = Path(index.path) / STATE_FILE
         self.state: dict[str, Fingerprint] = self._load_state()  # applied or queued
         self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
@@ -236,29 +233,26 @@ class Subscriber:
 
     def _load_state(self) -> dict[str, Fingerprint]:
         try:
-            state = json.loads(self._state_path.read_text())
+            raw = self.index.read_state(STATE_FILE)
+            if raw is None:
+                return {}
+            state = json.loads(raw)
             if "last_seq" in state:  # version 1: sequences only, continuity unprovable
                 return {str(k): Fingerprint(int(v), None, 0.0)
                         for k, v in state["last_seq"].items()}
             return {str(k): Fingerprint(int(v["seq"]), v["digest"], float(v["ts"]),
                                         v.get("prev_digest"))
                     for k, v in state["sources"].items()}
-        except FileNotFoundError:
-            return {}
         except (ValueError, KeyError, TypeError) as exc:
-            log.warning("sarp: ignoring unreadable %s (%s); starting fresh", self._state_path, exc)
+            log.warning("sarp: ignoring unreadable %s of %s (%s); starting fresh", STATE_FILE,
+                        self.index.path, exc)
             return {}
 
     def save_state(self, durable: bool = False) -> None:
         """Write the fingerprints (atomically; fsync when ``durable``)."""
-        tmp = self._state_path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"version": STATE_VERSION,
-                       "sources": {k: asdict(fp) for k, fp in self._committed.items()}}, f)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self._state_path)
+        data = json.dumps({"version": STATE_VERSION,
+                           "sources": {k: asdict(fp) for k, fp in self._committed.items()}})
+        self.index.write_state(STATE_FILE, data.encode(), durable=durable)
 
     # -- the loop ----------------------------------------------------------------------------
 
