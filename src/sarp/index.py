@@ -706,36 +706,35 @@ class Index:
         n = len(queries)
         if not n:
             return []
-        sizes = np.fromiter((q.size for q in queries), np.int64, n)
-        starts = np.zeros(n, np.int64)
-        np.cumsum(sizes[:-1], out=starts[1:])
-        flat = np.concatenate(queries)
+        sizes = [q.size for q in queries]
         query_bytes = [q.astype("<u8", copy=False).tobytes() for q in queries]
+        unpack = _U64_LE.unpack_from
         with self._lock, self._read() as r:
             instance_of = self._instance_of if self._multi_medium else None  # as caught up
             walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
             reads = [0] * n
-            pos = np.zeros(n, np.int64)
-            active = np.flatnonzero(sizes)
-            if r.prefetch is not None:  # a remote store: one round trip for all the chains
-                ids = self.directory.lookup_many(flat)
+            pos = [0] * n
+            active = [i for i in range(n) if sizes[i]]
+            if r.prefetch is not None and active:  # a remote store: one round trip for all
+                ids = self.directory.lookup_many(np.concatenate(queries))
                 r.prefetch(ids[ids >= 0])
-            while active.size:
-                at = pos[active]
-                seg_ids = self.directory.lookup_many(flat[starts[active] + at])
+            while active:
+                firsts = np.fromiter((unpack(query_bytes[i], 8 * pos[i])[0] for i in active),
+                                     np.uint64, len(active))
                 going = []
-                for i, seg_id, p in zip(active.tolist(), seg_ids.tolist(), at.tolist(),
-                                        strict=True):
+                for i, seg_id in zip(active, self.directory.lookup_many(firsts).tolist(),
+                                     strict=True):
                     if seg_id < 0:
                         continue
-                    parent = None if p == 0 else _U64_LE.unpack_from(query_bytes[i], 8 * p - 8)[0]
+                    p = pos[i]
+                    parent = None if p == 0 else unpack(query_bytes[i], 8 * p - 8)[0]
                     before = r.reads
                     step = self._advance(r, walks[i], seg_id, query_bytes[i], p, parent)
                     reads[i] += r.reads - before
+                    pos[i] = p + step
                     if step and walks[i].going and p + step < sizes[i]:
                         going.append(i)
-                    pos[i] = p + step
-                active = np.array(going, np.int64)
+                active = going
             for query in queries:
                 for observe in self._match_observers:
                     observe(query)
