@@ -318,3 +318,26 @@ def test_a_standby_serve_takes_over_a_killed_one_and_resumes_from_the_engine(url
     with sarp.open(url, durability="nosync") as index:
         assert set(index.blocks_of(eng.holder).tolist()) == set(eng.cache)
         assert index.check() == []
+
+
+def test_a_password_from_the_url_or_the_environment(monkeypatch):
+    with ValkeyServer(password="s3cret") as server:
+        url = f"valkey://:s3cret@127.0.0.1:{server.port}/pw"
+        with sarp.open(url, durability="nosync") as index:
+            index.insert([1, 2], holder="w")
+        monkeypatch.setenv("SARP_VALKEY_PASSWORD", "s3cret")
+        with sarp.open(server.url("pw"), readonly=True) as reader:
+            assert reader.match([1, 2]).num_blocks == 2
+        monkeypatch.setenv("SARP_VALKEY_PASSWORD", "wrong")
+        with pytest.raises(sarp.SarpError):
+            sarp.open(server.url("pw"), readonly=True)
+
+
+def test_verify_and_stats_on_valkey_beside_a_running_writer(url):
+    with sarp.open(url, durability="nosync") as index:
+        index.insert(list(range(1, 50)), holder="w")
+        for command in ("verify", "stats"):
+            out = subprocess.run([sys.executable, "-m", "sarp.cli", command, url],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["blocks"] == 49

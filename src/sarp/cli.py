@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", type=Path)
+        p.add_argument("path", help="index directory, or valkey://HOST:PORT/NAMESPACE")
 
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     import sarp
 
-    if not args.path.exists():
+    if "://" not in str(args.path) and not Path(args.path).exists():
         print(f"sarp: {args.path} does not exist", file=sys.stderr)
         return 2
     if args.command == "verify":
@@ -182,7 +182,7 @@ def _verify_child(path: str, conn) -> None:
         conn.send(("refused", f"{type(exc).__name__}: {exc}"))
 
 
-def _verify(path: Path) -> int:
+def _verify(path: str) -> int:
     """Check every invariant in a child process, so that damage LMDB cannot survive
     (an assertion, a SIGBUS) becomes a line of the report instead of a dead command."""
     import multiprocessing
@@ -200,7 +200,8 @@ def _verify(path: Path) -> int:
     if kind == "crashed":
         code = child.exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        problems = [f"{path / 'data.mdb'}: walking the LMDB pages crashed the checker ({how}); "
+        data = Path(path) / "data.mdb"
+        problems = [f"{data}: walking the LMDB pages crashed the checker ({how}); "
                     f"the file is damaged. Salvage what can be read with: sarp repair {path} "
                     "--out NEW_FOLDER"]
     elif kind == "refused":

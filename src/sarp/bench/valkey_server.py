@@ -57,7 +57,7 @@ def _wait_up(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (maybe wanting AUTH)
                     return
         except OSError:
             time.sleep(0.02)
@@ -68,13 +68,15 @@ class ValkeyServer:
     """One ``valkey-server`` on 127.0.0.1 (no persistence unless ``aof``), stopped on exit."""
 
     def __init__(self, *, aof: bool = False, cluster: bool = False, folder: Path | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port(with_bus=cluster)
         self.folder = Path(folder or tempfile.mkdtemp(prefix="sarp-valkey-"))
         self.folder.mkdir(parents=True, exist_ok=True)
         cmd = [binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "yes" if aof else "no", "--dir", str(self.folder),
                "--protected-mode", "no"]
+        if password:
+            cmd += ["--requirepass", password]
         if cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file",
                     str(self.folder / "nodes.conf"), "--cluster-node-timeout", "2000"]
