@@ -386,20 +386,29 @@ class Index:
         self._replay_log(r)
         return True
 
-    def _read(self) -> contextlib.AbstractContextManager[ReadTxn]:
+    def _read(self, query: np.ndarray | None = None) -> contextlib.AbstractContextManager[ReadTxn]:
         """A read transaction, with a reader's memory brought up to it first.
 
         A writer's memory is always current: its transaction needs no catch-up (and
-        no generator around it, a microsecond of every match).
+        no generator around it, a microsecond of every match).  ``query``: the hashes
+        about to be matched, so a reader of a remote store can fetch the records its
+        directory predicts together with the counters of its catch-up, in one round
+        trip.
         """
-        return self._reader_read() if self.readonly else self._live_store().read()
+        return self._reader_read(query) if self.readonly else self._live_store().read()
 
     @contextmanager
-    def _reader_read(self) -> Iterator[ReadTxn]:
+    def _reader_read(self, query: np.ndarray | None) -> Iterator[ReadTxn]:
         store = self._live_store()
         for _ in range(8):
             with store.read() as r:
+                if query is not None and r.prefetch is not None:
+                    ids = self.directory.lookup_many(query)
+                    r.prefetch(ids[ids >= 0], with_counters=True)
+                watermark = self._watermark
                 if self._catch_up(r):
+                    if self._watermark != watermark:
+                        r.forget_prefetched()  # predicted by the directory before catch-up
                     yield r
                     return
         raise StoreError(f"{self.path}: the writer kept replacing its snapshot; try again")
@@ -670,7 +679,7 @@ class Index:
         """
         query = as_hashes(hashes)
         query_bytes = query.astype("<u8", copy=False).tobytes()
-        with self._lock, self._read() as r:
+        with self._lock, self._read(query) as r:
             walk = PrefixWalk(self._instance_of if self._multi_medium else None, with_meta,
                               with_presence)
             self._walk(r, walk, query, query_bytes)
@@ -709,7 +718,7 @@ class Index:
         sizes = [q.size for q in queries]
         query_bytes = [q.astype("<u8", copy=False).tobytes() for q in queries]
         unpack = _U64_LE.unpack_from
-        with self._lock, self._read() as r:
+        with self._lock, self._read(np.concatenate(queries)) as r:
             instance_of = self._instance_of if self._multi_medium else None  # as caught up
             walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
             reads = [0] * n

@@ -334,6 +334,9 @@ class ReadTxn:
     __slots__ = ("_store", "_txn", "reads")
     prefetch = None  # records are local: nothing to fetch ahead (a remote store has it)
 
+    def forget_prefetched(self) -> None:
+        """Nothing is fetched ahead (see ``prefetch``)."""
+
     def __init__(self, store: Store) -> None:
         self._store = store
         self._txn = None

@@ -127,6 +127,15 @@ end
 redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
+# KEYS: meta seg.  ARGV: segment ids.  The counters and the records, in one atomic read.
+_READ = """
+local values = {}
+for j = 1, #ARGV, 500 do
+  local got = redis.call('HMGET', KEYS[2], unpack(ARGV, j, math.min(#ARGV, j + 499)))
+  for k = 1, #got do values[#values + 1] = got[k] end
+end
+return {redis.call('HGETALL', KEYS[1]), values}
+"""
 # KEYS: lease.  ARGV: lease value, milliseconds (0: release).
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -208,6 +217,7 @@ class ValkeyStore:
             self._commit = self.client.register_script(_COMMIT)
             self._set = self.client.register_script(_SET)
             self._renew = self.client.register_script(_RENEW)
+            self._read_script = self.client.register_script(_READ)
             exists = self.client.hget(self.keys["meta"], b"format_version") is not None
             if not exists and (readonly or not create):
                 raise NotAnIndexError(
@@ -398,13 +408,25 @@ class ValkeyReadTxn:
         self._fetched: dict[int, bytes | None] = {}
         self.reads = 0
 
-    def prefetch(self, seg_ids: np.ndarray) -> None:
+    def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None:
         """Fetch these records in one ``HMGET`` (one round trip, one atomic read), so the
-        match's steps read them from memory."""
+        match's steps read them from memory; ``with_counters``: the ``meta`` counters
+        too, in the same transaction (a reader's catch-up then costs no round trip when
+        nothing changed)."""
         wanted = [i for i in dict.fromkeys(seg_ids.tolist()) if i not in self._fetched]
-        if wanted:
-            values = self._c.hmget(self._store.keys["seg"], [_U64.pack(i) for i in wanted])
+        keys = self._store.keys
+        if with_counters and self._meta is None:
+            # a script: atomic, and one slot, so it runs on a cluster too (MULTI does not)
+            meta, values = self._store._read_script(
+                keys=[keys["meta"], keys["seg"]], args=[_U64.pack(i) for i in wanted])
+            self._meta = dict(zip(meta[::2], meta[1::2], strict=True))
             self._fetched.update(zip(wanted, values, strict=True))
+        elif wanted:
+            values = self._c.hmget(keys["seg"], [_U64.pack(i) for i in wanted])
+            self._fetched.update(zip(wanted, values, strict=True))
+
+    def forget_prefetched(self) -> None:
+        self._fetched.clear()
 
     def __enter__(self) -> ValkeyReadTxn:
         return self
