@@ -113,8 +113,10 @@ class ValkeyCluster:
     def __init__(self, nodes: int = 3) -> None:
         import valkey
 
-        self.servers = [ValkeyServer(cluster=True) for _ in range(nodes)]
+        self.servers: list[ValkeyServer] = []
         try:
+            for _ in range(nodes):  # one by one: a node that fails to start stops the others
+                self.servers.append(ValkeyServer(cluster=True))
             clients = [valkey.Valkey(port=s.port) for s in self.servers]
             per = 16384 // nodes
             for i, c in enumerate(clients):
