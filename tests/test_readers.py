@@ -81,7 +81,7 @@ def test_readers_in_other_processes_see_every_acknowledged_write(tmp_path):
     chains: list[list[int]] = []  # every chain ever stored, for queries
     holders = ["e0#0", "e1#0", "e2#1"]
     first_map = writer._store.env.info()["map_size"]
-    stale = steps = 0
+    stale = held_answers = 0
     done = {"snapshot": 0, "restart": 0}
     try:
         for _step in range(160):
@@ -119,7 +119,7 @@ def test_readers_in_other_processes_see_every_acknowledged_write(tmp_path):
             for conn in pipes:
                 got = conn.recv()
                 stale += sum(g != e for g, e in zip(got, expected, strict=True))
-            steps += 1
+                held_answers += sum(bool(e) for e in expected)
         assert stale == 0, f"{stale} answers differed from the writer's acknowledged state"
         assert writer._store.env.info()["map_size"] > first_map  # the map grew meanwhile
         assert done["snapshot"] >= 2 and done["restart"] >= 2, done
@@ -138,7 +138,7 @@ def test_readers_in_other_processes_see_every_acknowledged_write(tmp_path):
             if proc.is_alive():
                 proc.kill()
         writer.close()
-    assert steps == 160
+    assert held_answers > 500  # most comparisons were of blocks held, not of empty answers
 
 
 def test_a_reader_refuses_writes_and_changes_nothing(tmp_path):
