@@ -355,3 +355,23 @@ def test_a_write_the_filesystem_refuses_is_store_full_and_changes_nothing(tmp_pa
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "full:" in out.stdout and "ulimit" in out.stdout and out.stdout.endswith("ok\n")
+
+
+def test_match_many_equals_match_for_long_and_short_chains_mixed(tmp_path):
+    # chains longer than match_many's one-at-a-time threshold beside short ones
+    from test_model import same_match
+
+    rng = np.random.default_rng(3)
+    with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=64) as index:
+        trunk = rng.integers(1, 2**63, 900, dtype=np.uint64)
+        index.insert(trunk, holder="a", medium="GPU")
+        index.insert(trunk[:500], holder="b", medium="CPU")
+        branch = rng.integers(1, 2**63, 400, dtype=np.uint64)
+        index.insert(branch, parent=int(trunk[299]), holder="b", medium="GPU")
+        index.remove(trunk[600:610], holder="a", medium="GPU")
+        queries = [trunk, trunk[:20], np.concatenate([trunk[:300], branch]), trunk[:5],
+                   np.concatenate([trunk[:700], branch[:3]]), branch, trunk[:290]]
+        many = index.match_many(queries, with_meta=True, with_presence=True)
+        for q, got in zip(queries, many, strict=True):
+            assert same_match(got, index.match(q, with_meta=True, with_presence=True))
+        assert [m.num_blocks for m in many] == [600, 20, 700, 5, 600, 0, 290]

@@ -54,6 +54,7 @@ MAX_SEGMENT_BLOCKS = 4096
 DEFAULT_MEDIUM = "GPU"
 _SEP = "\0"
 _U64_LE = struct.Struct("<Q")
+_LONG_CHAIN = 256  # blocks: match_many walks longer chains one at a time
 
 
 @dataclass(slots=True)
@@ -716,17 +717,26 @@ class Index:
         if not n:
             return []
         sizes = [q.size for q in queries]
-        query_bytes = [q.astype("<u8", copy=False).tobytes() for q in queries]
+        # Long chains take match's walk one at a time: their steps are long compares,
+        # and the bytes of many of them at once only crowd the cache.
+        active = [i for i in range(n) if 0 < sizes[i] <= _LONG_CHAIN]
+        query_bytes = {i: queries[i].astype("<u8", copy=False).tobytes() for i in active}
         unpack = _U64_LE.unpack_from
-        with self._lock, self._read(np.concatenate(queries)) as r:
+        everything = np.concatenate(queries)
+        with self._lock, self._read(everything) as r:
             instance_of = self._instance_of if self._multi_medium else None  # as caught up
             walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
             reads = [0] * n
             pos = [0] * n
-            active = [i for i in range(n) if sizes[i]]
-            if r.prefetch is not None and active:  # a remote store: one round trip for all
-                ids = self.directory.lookup_many(np.concatenate(queries))
+            if r.prefetch is not None and everything.size:  # remote: one round trip for all
+                ids = self.directory.lookup_many(everything)
                 r.prefetch(ids[ids >= 0])
+            for i in range(n):
+                if sizes[i] > _LONG_CHAIN:
+                    before = r.reads
+                    self._walk(r, walks[i], queries[i],
+                               queries[i].astype("<u8", copy=False).tobytes())
+                    reads[i] = r.reads - before
             while active:
                 firsts = np.fromiter((unpack(query_bytes[i], 8 * pos[i])[0] for i in active),
                                      np.uint64, len(active))
