@@ -138,6 +138,8 @@ for line in sys.stdin:
         print(json.dumps(["acked", k]), flush=True)
     except sarp.LeaseLostError as exc:
         print(json.dumps(["refused", k, str(exc)]), flush=True)
+index.close()  # without the lease: no snapshot, no error
+print(json.dumps("closed"), flush=True)
 """
 
 
@@ -194,6 +196,8 @@ def test_a_paused_writer_that_lost_its_lease_can_never_write_again(url):
             assert answer[0] == "refused" and "lease" in answer[2], answer
             assert other.match([20_001, 20_002]).num_blocks == 0  # nothing of it landed
             assert other.match([10_001, 10_002]).by_holder == {"w1": 2}
+        proc.stdin.close()
+        assert json.loads(proc.stdout.readline()) == "closed"
     finally:
         proc.send_signal(signal.SIGCONT)
         proc.stdin.close()

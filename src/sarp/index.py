@@ -34,7 +34,13 @@ from tqdm import tqdm
 from . import snapshot as snapshots
 from .check import check
 from .directory import Directory
-from .errors import CorruptRecordError, IndexClosedError, ReadOnlyIndexError, StoreError
+from .errors import (
+    CorruptRecordError,
+    IndexClosedError,
+    LeaseLostError,
+    ReadOnlyIndexError,
+    StoreError,
+)
 from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes
 from .packing import Packer, Plan
@@ -215,6 +221,9 @@ class Index:
                 if not self.readonly and (self._counters.changes_since_snapshot
                                           or not self._snapshot_present):
                     self.snapshot()
+            except LeaseLostError as exc:
+                # Another writer owns the index now; its snapshots are the ones that count.
+                log.warning("sarp: closing without a snapshot: %s", exc)
             finally:
                 self._store.close()
                 self._store = None
