@@ -345,3 +345,11 @@ def test_verify_and_stats_on_valkey_beside_a_running_writer(url):
                                  capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["blocks"] == 49
+
+
+def test_rediss_asks_for_tls_and_says_so_when_the_server_does_not_speak_it():
+    # The wheel's server is built without TLS, so this is the half of TLS we can test:
+    # the scheme turns TLS on, and a plain server is a clear error, not a hang.
+    server = shared_server()
+    with pytest.raises(sarp.StoreError, match="over TLS"):
+        sarp.open(f"rediss://127.0.0.1:{server.port}/tls")

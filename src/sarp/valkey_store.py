@@ -80,6 +80,7 @@ DEFAULT_LEASE_S = 10.0
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _TABLES = ("meta", "seg", "blk", "hold")  # hashes a write changes, in script order
 _HOLDER = struct.Struct(">H")
+_UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
 
 # KEYS: lease meta seg blk hold log.  ARGV: lease value, trim MINID ("" for none),
@@ -229,9 +230,11 @@ class ValkeyStore:
                     self._create()
             self._check_version()
             self.index_id = bytes(self.client.hget(self.keys["meta"], b"index_id"))
-        except valkey.exceptions.ConnectionError as exc:
+        except _UNREACHABLE as exc:
             self.close()
-            raise StoreError(f"{url}: cannot reach Valkey ({exc}); is the server up?") from exc
+            how = " over TLS" if self.settings["ssl"] else ""
+            raise StoreError(f"{url}: cannot reach Valkey{how} ({exc}); is the server up"
+                             f"{', and serving TLS' if how else ''}?") from exc
         except BaseException:
             self.close()
             raise
@@ -327,7 +330,7 @@ class ValkeyStore:
         w = ValkeyWriteTxn(self)
         try:
             result = fn(w)
-        except valkey.exceptions.ConnectionError as exc:
+        except _UNREACHABLE as exc:
             raise StoreError(f"{self.path}: write failed ({exc}); nothing was written") from exc
         w.commit()
         return result
@@ -383,7 +386,7 @@ class ValkeyStore:
                 raise StoreFullError(f"{self.path}: Valkey is out of memory ({exc}); the "
                                      "index is unchanged") from exc
             raise StoreError(f"{self.path}: write failed: {exc}") from exc
-        except valkey.exceptions.ConnectionError as exc:
+        except _UNREACHABLE as exc:
             raise StoreError(f"{self.path}: write failed ({exc}); it may or may not have "
                              "been applied: reopen to see the stored state") from exc
 
@@ -432,7 +435,7 @@ class ValkeyReadTxn:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, valkey.exceptions.ConnectionError):
+        if exc_type is not None and issubclass(exc_type, _UNREACHABLE):
             raise StoreError(f"{self._store.path}: reading failed ({exc}); is Valkey up?") \
                 from exc
 
