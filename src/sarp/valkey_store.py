@@ -212,6 +212,7 @@ class ValkeyStore:
         self._lost = threading.Event()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._match_conn = None
         try:
             self.client = _connect(self.settings)
             self._aof = durability == "sync" and _aof_enabled(self.client)
@@ -308,6 +309,9 @@ class ValkeyStore:
             if self._lease_value is not None and not self._lost.is_set():
                 with contextlib.suppress(valkey.exceptions.ValkeyError):  # else it expires
                     self._renew(keys=[self.keys["lease"]], args=[self._lease_value, 0])
+            if self._match_conn is not None:
+                self._match_conn.disconnect()
+                self._match_conn = None
             client.close()
             self.client = None
         self._lease_value = None
@@ -338,6 +342,23 @@ class ValkeyStore:
     def counter(self, name: str) -> int:
         raw = self.client.hget(self.keys["meta"], name.encode())
         return 0 if raw is None else _U64.unpack(raw)[0]
+
+    def hmget(self, key: bytes, fields: list[bytes]) -> list:
+        """``HMGET`` on a connection kept for the match path (the Index's lock makes its
+        matches one at a time): the client's per-call layers cost about a third of a
+        loopback round trip.  A cluster client routes by slot, so it goes through it."""
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is None:
+            return self.client.hmget(key, fields)
+        if self._match_conn is None:
+            self._match_conn = pool.make_connection()
+        conn = self._match_conn
+        try:
+            conn.send_command("HMGET", key, *fields)
+            return conn.read_response()
+        except BaseException:
+            conn.disconnect()  # the next call connects again
+            raise
 
     def trim_log(self, upto: int) -> None:
         """Drop log entries with sequence <= ``upto`` (a snapshot covers them)."""
@@ -425,7 +446,7 @@ class ValkeyReadTxn:
             self._meta = dict(zip(meta[::2], meta[1::2], strict=True))
             self._fetched.update(zip(wanted, values, strict=True))
         elif wanted:
-            values = self._c.hmget(keys["seg"], [_U64.pack(i) for i in wanted])
+            values = self._store.hmget(keys["seg"], [_U64.pack(i) for i in wanted])
             self._fetched.update(zip(wanted, values, strict=True))
 
     def forget_prefetched(self) -> None:
