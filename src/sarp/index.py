@@ -410,15 +410,20 @@ class Index:
     @contextmanager
     def _reader_read(self, query: np.ndarray | None) -> Iterator[ReadTxn]:
         store = self._live_store()
-        for _ in range(8):
+        for attempt in range(8):
             with store.read() as r:
                 if query is not None and r.prefetch is not None:
                     ids = self.directory.lookup_many(query)
                     r.prefetch(ids[ids >= 0], with_counters=True)
-                watermark = self._watermark
+                seen = (self._watermark, self._holders_seen)
                 if self._catch_up(r):
-                    if self._watermark != watermark:
-                        r.forget_prefetched()  # predicted by the directory before catch-up
+                    if r.prefetch is not None and seen != (self._watermark, self._holders_seen):
+                        # A remote store's reads are separate commands: read again, so
+                        # that the records come from the same atomic read as the
+                        # counters this memory is now current with.
+                        if attempt < 7:
+                            continue
+                        r.forget_prefetched()
                     yield r
                     return
         raise StoreError(f"{self.path}: the writer kept replacing its snapshot; try again")
@@ -744,7 +749,7 @@ class Index:
                 if sizes[i] > _LONG_CHAIN:
                     before = r.reads
                     self._walk(r, walks[i], queries[i],
-                               queries[i].astype("<u8", copy=False).tobytes())
+                               queries[i].astype("<u8", copy=False).tobytes(), prefetched=True)
                     reads[i] = r.reads - before
             while active:
                 firsts = np.fromiter((unpack(query_bytes[i], 8 * pos[i])[0] for i in active),
@@ -773,9 +778,12 @@ class Index:
             self._counters.matched_blocks += sum(m.num_blocks for m in out)
             return out
 
-    def _walk(self, r: ReadTxn, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes) -> None:
-        """One directory probe and one record read per segment step, verified."""
-        if r.prefetch is not None:  # a remote store: one round trip for every predicted record
+    def _walk(self, r: ReadTxn, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes,
+              prefetched: bool = False) -> None:
+        """One directory probe and one record read per segment step, verified.
+
+        ``prefetched``: the caller fetched this query's predicted records already."""
+        if r.prefetch is not None and not prefetched:  # remote: one round trip for them all
             ids = self.directory.lookup_many(query)
             r.prefetch(ids[ids >= 0])
         lookup, advance, unpack = self.directory.lookup, self._advance, _U64_LE.unpack_from
