@@ -697,7 +697,8 @@ class Index:
         with self._lock, self._read(query) as r:
             walk = PrefixWalk(self._instance_of if self._multi_medium else None, with_meta,
                               with_presence)
-            self._walk(r, walk, query, query_bytes)
+            # a reader's read fetched the predicted records with its counters already
+            self._walk(r, walk, query, query_bytes, prefetched=self.readonly)
             for observe in self._match_observers:
                 observe(query)
             self._counters.matches += 1
@@ -742,7 +743,8 @@ class Index:
             walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
             reads = [0] * n
             pos = [0] * n
-            if r.prefetch is not None and everything.size:  # remote: one round trip for all
+            if r.prefetch is not None and not self.readonly and everything.size:
+                # a remote store's writer: one round trip for every chain's records
                 ids = self.directory.lookup_many(everything)
                 r.prefetch(ids[ids >= 0])
             for i in range(n):

@@ -405,15 +405,64 @@ class ReadTxn:
         return self._txn.stat(getattr(self._store, f"{table}_db"))
 
 
-class WriteTxn:
+class WriteLogic:
+    """What a write does the same way on every store, over the store's primitives:
+    ``counter``, ``set_counter``, ``_holder_get``/``_holder_put`` (the holders table),
+    ``forget_holders`` and ``_store.path``."""
+
+    __slots__ = ()
+
+    def new_segment_id(self) -> int:
+        seg_id = self.counter("next_seg_id") + 1
+        if seg_id > MAX_SEGMENT_ID:
+            raise StoreFullError(f"{self._store.path}: segment ids exhausted ({MAX_SEGMENT_ID})")
+        self.set_counter("next_seg_id", seg_id)
+        return seg_id
+
+    def _next_seq(self) -> int:
+        seq = self.counter("next_seq") + 1
+        self.set_counter("next_seq", seq)
+        return seq
+
+    def holder_id(self, name: str, create: bool, reclaim=None) -> int | None:
+        """The id of holder ``name``; with ``create``, a new one if it has none.
+
+        Ids are u16 (they are stored per row of every segment).  When all are taken,
+        ``reclaim(avoid)`` names an id whose holder holds nothing (an engine that was
+        cleared and went away); its old name is forgotten and the id reused.
+        """
+        key = b"n:" + name.encode()
+        value = self._holder_get(key)
+        if value is not None:
+            return struct.unpack(">H", value)[0]
+        if not create:
+            return None
+        new_id = self.counter("next_holder_id")
+        if new_id < MAX_HOLDERS:
+            self.set_counter("next_holder_id", new_id + 1)
+        else:
+            new_id = reclaim() if reclaim is not None else None
+            if new_id is None:
+                raise StoreFullError(
+                    f"{self._store.path}: {MAX_HOLDERS} holders hold blocks; clear the ones "
+                    "whose engines are gone (index.clear(NAME)) so their ids can be reused")
+            self.forget_holders([new_id])
+        packed = struct.pack(">H", new_id)
+        self._holder_put(key, packed)
+        self._holder_put(b"i:" + packed, name.encode())
+        self._holder_put(b"s:" + packed, _name_sum(name.encode()))
+        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
+        return new_id
+
+
+class WriteTxn(WriteLogic):
     """The operations a write needs, inside one LMDB write transaction."""
 
-    __slots__ = ("_store", "txn", "log_entries")
+    __slots__ = ("_store", "txn")
 
     def __init__(self, store: Store, txn: lmdb.Transaction) -> None:
         self._store = store
         self.txn = txn
-        self.log_entries: list[tuple[int, int, int]] = []
 
     def set_counter(self, name: str, value: int) -> None:
         self.txn.put(name.encode(), _U64.pack(value), db=self._store.meta_db)
@@ -432,13 +481,6 @@ class WriteTxn:
         blocks = self._store.blocks_db
         for key in hash_keys(seg.hashes):
             self.txn.delete(key, db=blocks)
-
-    def new_segment_id(self) -> int:
-        seg_id = self.counter("next_seg_id") + 1
-        if seg_id > MAX_SEGMENT_ID:
-            raise StoreFullError(f"{self._store.path}: segment ids exhausted ({MAX_SEGMENT_ID})")
-        self.set_counter("next_seg_id", seg_id)
-        return seg_id
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Segment id and offset of each hash (segment id 0 where absent), batched.
@@ -467,10 +509,8 @@ class WriteTxn:
         self.txn.cursor(db=self._store.blocks_db).putmulti(items)
 
     def log(self, seg_id: int, first_hash: int) -> None:
-        seq = self.counter("next_seq") + 1
-        self.set_counter("next_seq", seq)
-        self.txn.put(_U64.pack(seq), _LOG_VALUE.pack(seg_id, first_hash), db=self._store.log_db)
-        self.log_entries.append((seq, seg_id, first_hash))
+        self.txn.put(_U64.pack(self._next_seq()), _LOG_VALUE.pack(seg_id, first_hash),
+                     db=self._store.log_db)
 
     def forget_holders(self, holder_ids: list[int]) -> None:
         """Delete the name entries of ``holder_ids`` (both directions); ids are not reused."""
@@ -491,36 +531,11 @@ class WriteTxn:
             self.txn.delete(b"s:" + packed, db=db)
         self.set_counter("holder_changes", self.counter("holder_changes") + 1)
 
-    def holder_id(self, name: str, create: bool, reclaim=None) -> int | None:
-        """The id of holder ``name``; with ``create``, a new one if it has none.
+    def _holder_get(self, key: bytes) -> bytes | None:
+        return self.txn.get(key, db=self._store.holders_db)
 
-        Ids are u16 (they are stored per row of every segment).  When all are taken,
-        ``reclaim(avoid)`` names an id whose holder holds nothing (an engine that was
-        cleared and went away); its old name is forgotten and the id reused.
-        """
-        key = b"n:" + name.encode()
-        db = self._store.holders_db
-        value = self.txn.get(key, db=db)
-        if value is not None:
-            return struct.unpack(">H", value)[0]
-        if not create:
-            return None
-        new_id = self.counter("next_holder_id")
-        if new_id < MAX_HOLDERS:
-            self.set_counter("next_holder_id", new_id + 1)
-        else:
-            new_id = reclaim() if reclaim is not None else None
-            if new_id is None:
-                raise StoreFullError(
-                    f"{self._store.path}: {MAX_HOLDERS} holders hold blocks; clear the ones "
-                    "whose engines are gone (index.clear(NAME)) so their ids can be reused")
-            self.forget_holders([new_id])
-        packed = struct.pack(">H", new_id)
-        self.txn.put(key, packed, db=db)
-        self.txn.put(b"i:" + packed, name.encode(), db=db)
-        self.txn.put(b"s:" + packed, _name_sum(name.encode()), db=db)
-        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
-        return new_id
+    def _holder_put(self, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self._store.holders_db)
 
     def counter(self, name: str) -> int:
         raw = self.txn.get(name.encode(), db=self._store.meta_db)

@@ -65,10 +65,8 @@ from .store import (
     _U64,
     DURABILITY_MODES,
     FORMAT_VERSION,
-    MAX_HOLDERS,
-    MAX_SEGMENT_ID,
+    WriteLogic,
     _checked_name,
-    _name_sum,
     hash_keys,
 )
 
@@ -316,9 +314,6 @@ class ValkeyStore:
             self.client = None
         self._lease_value = None
 
-    def files(self) -> list:
-        return []
-
     def disk_bytes(self) -> int:
         """Bytes the namespace's keys take in the server (``MEMORY USAGE``)."""
         return sum(self.client.memory_usage(key) or 0 for key in self.keys.values())
@@ -513,7 +508,7 @@ class ValkeyReadTxn:
         return {"entries": self._c.hlen(self._store.keys[key])}
 
 
-class ValkeyWriteTxn:
+class ValkeyWriteTxn(WriteLogic):
     """A write's reads (through its own pending changes) and its changes, committed at
     the end by one fenced script (:data:`_COMMIT`)."""
 
@@ -563,13 +558,6 @@ class ValkeyWriteTxn:
         for key in hash_keys(seg.hashes):
             self._put("blk", key, None)
 
-    def new_segment_id(self) -> int:
-        seg_id = self.counter("next_seg_id") + 1
-        if seg_id > MAX_SEGMENT_ID:
-            raise StoreFullError(f"{self._store.path}: segment ids exhausted ({MAX_SEGMENT_ID})")
-        self.set_counter("next_seg_id", seg_id)
-        return seg_id
-
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``."""
         keys = hash_keys(hashes)
@@ -588,9 +576,8 @@ class ValkeyWriteTxn:
             pending[key] = _BLOCK_VALUE.pack(seg_id, first_offset + i)
 
     def log(self, seg_id: int, first_hash: int) -> None:
-        seq = self.counter("next_seq") + 1
-        self.set_counter("next_seq", seq)
-        self._log.append((f"{seq}-1".encode(), _LOG_VALUE.pack(seg_id, first_hash)))
+        entry_id = f"{self._next_seq()}-1".encode()
+        self._log.append((entry_id, _LOG_VALUE.pack(seg_id, first_hash)))
 
     def forget_holders(self, holder_ids: list[int]) -> None:
         wanted = {_HOLDER.pack(h) for h in holder_ids}
@@ -604,30 +591,11 @@ class ValkeyWriteTxn:
             self._put("hold", b"s:" + packed, None)
         self.set_counter("holder_changes", self.counter("holder_changes") + 1)
 
-    def holder_id(self, name: str, create: bool, reclaim=None) -> int | None:
-        """As :meth:`sarp.store.WriteTxn.holder_id`."""
-        key = b"n:" + name.encode()
-        value = self._get("hold", key)
-        if value is not None:
-            return _HOLDER.unpack(value)[0]
-        if not create:
-            return None
-        new_id = self.counter("next_holder_id")
-        if new_id < MAX_HOLDERS:
-            self.set_counter("next_holder_id", new_id + 1)
-        else:
-            new_id = reclaim() if reclaim is not None else None
-            if new_id is None:
-                raise StoreFullError(
-                    f"{self._store.path}: {MAX_HOLDERS} holders hold blocks; clear the ones "
-                    "whose engines are gone (index.clear(NAME)) so their ids can be reused")
-            self.forget_holders([new_id])
-        packed = _HOLDER.pack(new_id)
-        self._put("hold", key, packed)
-        self._put("hold", b"i:" + packed, name.encode())
-        self._put("hold", b"s:" + packed, _name_sum(name.encode()))
-        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
-        return new_id
+    def _holder_get(self, key: bytes) -> bytes | None:
+        return self._get("hold", key)
+
+    def _holder_put(self, key: bytes, value: bytes) -> None:
+        self._put("hold", key, value)
 
     # the commit
 
