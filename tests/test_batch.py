@@ -32,7 +32,7 @@ def random_ops(seed: int, count: int) -> list[tuple]:
         elif r < 0.85:
             chain = rng.choice(chains)
             ops.append(("remove", chain[rng.randrange(len(chain)):], holder, medium))
-        elif r < 0.95:
+        elif r < 0.93:
             ops.append(("clear", holder, rng.choice([None, medium])))
         else:
             ops.append(("insert", [rng.getrandbits(60) + 1], 12345, holder, medium))  # orphan
@@ -116,3 +116,81 @@ def test_bad_arguments_are_reported_per_operation_or_raised_by_batch(tmp_path):
         with index.batch() as b:
             pass
         assert b.result.failed == [] and b.result.operations == 0
+
+
+def engine_like_ops(seed: int, count: int) -> list[tuple]:
+    """Stores that re-store parts of chains others hold and extend them, and removes
+    in the orders engines evict (last block first), forwards, shuffled, with strays."""
+    rng = random.Random(seed)
+    chains: list[list[int]] = [[rng.getrandbits(60) + 1 for _ in range(rng.randrange(2, 12))]]
+    ops: list[tuple] = [("insert", chains[0], None, "a#0", "GPU")]
+    for _ in range(count):
+        holder = rng.choice(["a#0", "b#0", "c#1"])
+        medium = rng.choice(["GPU", "GPU", "CPU"])
+        chain = rng.choice(chains)
+        lo = rng.randrange(len(chain))
+        r = rng.random()
+        if r < 0.55:
+            hi = rng.randrange(lo + 1, len(chain) + 1)
+            new = [rng.getrandbits(60) + 1 for _ in range(rng.choice([0, 0, 1, 3, 9]))]
+            if hi < len(chain) and new:
+                chains.append(chain[:hi] + new)  # a branch off the middle
+            elif new:
+                chain.extend(new)
+            ops.append(("insert", chain[lo:hi] + new, chain[lo - 1] if lo else None, holder,
+                        medium))
+        elif r < 0.9:
+            blocks = chain[lo : lo + rng.randrange(1, 14)]
+            order = rng.random()
+            if order < 0.5:
+                blocks = blocks[::-1]
+            elif order < 0.65:
+                rng.shuffle(blocks)
+            if rng.random() < 0.2:
+                blocks.insert(rng.randrange(len(blocks) + 1), rng.getrandbits(60) + 1)
+            ops.append(("remove", blocks, holder, medium))
+        elif r < 0.93:
+            ops.append(("clear", holder, rng.choice([None, medium])))
+        else:
+            # Claims a stored block at another place: refused (a chain conflict).
+            other = rng.choice(rng.choice(chains) + [None])
+            if other != chain[lo]:
+                ops.append(("insert", [chain[lo]], other, holder, medium))
+    return ops
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_walking_write_path_equals_the_general_one(tmp_path, monkeypatch, seed):
+    """Inserts that follow segments from the parent and removes that follow runs give
+    exactly what looking every block up gives: same refusals, holdings, counts, layout."""
+    from sarp import store
+
+    ops = engine_like_ops(seed, 500)
+    chunks = []
+    rng = random.Random(seed)
+    while sum(map(len, chunks)) < len(ops):
+        start = sum(map(len, chunks))
+        chunks.append(ops[start : start + rng.randrange(1, 40)])
+
+    def run(path, walking: bool):
+        monkeypatch.setattr(store.WriteTxn, "LOCAL_LOOKUPS", walking)
+        with sarp.open(path, durability="nosync", segment_blocks=rng_blocks) as index:
+            if not walking:
+                index._packer.heads = None
+            refused, removed, start = [], [], 0
+            for chunk in chunks:
+                result = index.apply_batch(chunk)
+                refused += [(start + i, type(e).__name__) for i, e in result.failed]
+                removed += result.removed_per_op
+                start += len(chunk)
+            held = {(h, m): index.blocks_of(h, m).tolist()
+                    for h in ("a#0", "b#0", "c#1") for m in ("GPU", "CPU")}
+            stats = {k: index.stats()[k] for k in ("segments", "blocks", "directory_entries")}
+            assert index.check() == []
+            return refused, removed, held, stats
+
+    rng_blocks = random.Random(seed).choice([1, 3, 8, 64])
+    walked = run(tmp_path / "walk", True)
+    general = run(tmp_path / "general", False)
+    assert walked == general
+    assert sum(walked[1]) > 0 and any(walked[2].values())  # the ops did something

@@ -375,3 +375,18 @@ def test_match_many_equals_match_for_long_and_short_chains_mixed(tmp_path):
         for q, got in zip(queries, many, strict=True):
             assert same_match(got, index.match(q, with_meta=True, with_presence=True))
         assert [m.num_blocks for m in many] == [600, 20, 700, 5, 600, 0, 290]
+
+
+def test_reinserting_a_chain_around_a_segment_that_outlived_its_parent(tmp_path):
+    """A store walks from its parent; here the blocks before a surviving segment are
+    gone, so the walk cannot reach it and the insert must still find and reuse it."""
+    with sarp.open(tmp_path / "ix", segment_blocks=4) as index:
+        index.insert([1, 2, 3, 4], holder="a")
+        index.insert([5, 6], parent=4, holder="b")  # its own segment: the first is full
+        index.remove([4, 3, 2, 1], holder="a")  # that segment goes; [5, 6] stays
+        segments = index.stats()["segments"]
+        assert index.insert([1, 2, 3, 4, 5, 6, 7], holder="c") == 5  # 5 and 6 were stored
+        assert index.stats()["segments"] == segments + 1  # 7 went after 6, in its segment
+        assert index.match([1, 2, 3, 4, 5, 6, 7]).by_holder == {"c": 7}
+        assert "b" not in index.match([1, 2, 3, 4, 5, 6]).by_holder  # b holds no prefix
+        assert index.check() == []

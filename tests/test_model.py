@@ -114,11 +114,16 @@ class SarpVsModel(RuleBasedStateMachine):
         self.held[holder].update(path[start:])
 
     @rule(node=st.integers(0, NUM_NODES - 1), holder=st.sampled_from(HOLDERS),
-          lo=st.integers(0, 30), width=st.integers(1, 6))
-    def remove(self, node, holder, lo, width):
+          lo=st.integers(0, 30), width=st.integers(1, 6),
+          order=st.sampled_from(["forward", "last-first", "shuffled"]), seed=st.integers(0, 99))
+    def remove(self, node, holder, lo, width, order, seed):
         path = self.paths[node]
         lo = min(lo, len(path) - 1)
         blocks = path[lo : lo + width]
+        if order == "last-first":  # how engines evict a chain
+            blocks = blocks[::-1]
+        elif order == "shuffled":
+            random.Random(seed).shuffle(blocks)
         removed = self.index.remove(blocks, holder=holder[0], medium=holder[1])
         assert removed == len(self.held[holder] & set(blocks))
         self.held[holder] -= set(blocks)

@@ -107,16 +107,11 @@ def _from_array(arr: np.ndarray, name: str) -> np.ndarray:
 def _from_sequence(items: list, name: str) -> np.ndarray:
     if not items:
         return np.empty(0, dtype=np.uint64)
-    first = items[0]
-    if isinstance(first, bytes | bytearray) and all(
-        isinstance(b, bytes | bytearray) for b in items
-    ):
-        return np.fromiter(
-            (_bytes_to_int(bytes(b), f"{name}[{i}]") for i, b in enumerate(items)),
-            dtype=np.uint64,
-            count=len(items),
-        )
-    if all(type(v) is int for v in items):
+    # The element types, gathered in C (a generator would run Python code per block).
+    types = set(map(type, items))
+    if types <= {bytes, bytearray}:
+        return _from_bytes(items, name)
+    if types == {int}:
         # Plain ints (what JSON and msgpack give): numpy converts them in C. A list
         # mixing ints above 2**63 with small ones would otherwise become float64.
         try:
@@ -140,6 +135,23 @@ def _from_sequence(items: list, name: str) -> np.ndarray:
             )
         out[i] = as_hash(v, name=f"{name}[{i}]")
     return out
+
+
+def _from_bytes(items: list, name: str) -> np.ndarray:
+    """The low 64 bits, big-endian, of each bytes hash; vectorised when all have one
+    length (sha256 digests are 32 bytes)."""
+    size = len(items[0])
+    if size and set(map(len, items)) == {size}:
+        raw = np.frombuffer(b"".join(items), np.uint8).reshape(len(items), size)
+        low = np.zeros((len(items), 8), np.uint8)
+        take = min(size, 8)
+        low[:, 8 - take :] = raw[:, size - take :]
+        return low.view(">u8").ravel().astype(np.uint64)
+    return np.fromiter(
+        (_bytes_to_int(bytes(b), f"{name}[{i}]") for i, b in enumerate(items)),
+        dtype=np.uint64,
+        count=len(items),
+    )
 
 
 def _bytes_to_int(b: bytes, name: str) -> int:

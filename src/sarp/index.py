@@ -169,7 +169,8 @@ class Index:
         _check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
         started = time.perf_counter()
         self.path = path if is_url(path) else Path(path)
-        self._packer = Packer(segment_blocks, self.path, reclaim=self._reclaim_holder_id)
+        self._packer = Packer(segment_blocks, self.path, reclaim=self._reclaim_holder_id,
+                              heads=lambda first_hash: self.directory.lookup(first_hash))
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
         self._lock = threading.RLock()
@@ -482,8 +483,10 @@ class Index:
         to the index.  At the default durability the insert is on disk when this
         returns.
 
-        Cost: one write transaction: a batched lookup per block, and one record
-        write per touched segment (about n/S for n new blocks).
+        Cost: one write transaction: one lookup for the parent and a directory probe
+        per segment the chain runs through (stored blocks are found by following
+        segments, not looked up one by one), one ``blocks`` entry written per new
+        block, and one record write per touched segment (about n/S for n new blocks).
 
         >>> import tempfile, sarp
         >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -519,8 +522,9 @@ class Index:
         in :meth:`stats`).  A segment none of whose blocks is held any more is
         deleted.  Returns the number of blocks removed.
 
-        Cost: one write transaction: a batched lookup per block, one record write
-        (or delete) per touched segment.
+        Cost: one write transaction: one lookup per run of consecutive blocks (engines
+        evict a chain's blocks together, last first), one record write (or delete,
+        with its blocks' entries) per touched segment.
 
         >>> import tempfile, sarp
         >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -992,11 +996,12 @@ def _prepare(op: tuple) -> tuple:
     if kind == "insert":
         _, hashes, parent, holder, medium = op
         chain = as_hashes(hashes)
-        if np.unique(chain).size != chain.size:
+        distinct = set(chain.tolist())  # built in C; cheaper than np.unique's sort
+        if len(distinct) != chain.size:
             raise ValueError("hashes repeat a value; a chain of block hashes names each block "
                              "once (hash blocks with their parent, e.g. sarp.hash_blocks)")
         parent_hash = None if parent is None else as_hash(parent)
-        if parent_hash is not None and (chain == parent_hash).any():
+        if parent_hash is not None and parent_hash in distinct:
             raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
                              "blocks after it")
         return ("insert", chain, parent_hash, _holder_name(holder, medium), None)

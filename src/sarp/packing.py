@@ -13,6 +13,12 @@ in one transaction, writing each touched segment once.  Packing rules
 * a branch 1 to ``SPLIT_TAIL_BLOCKS`` blocks before a segment's end first moves that
   dead-end tail into a segment of its own, so the new chain stays inline;
 * a segment none of whose blocks is held any more is deleted.
+
+An insert finds its stored blocks by following segments from its parent and a
+remove follows runs of consecutive blocks (:meth:`Packer._walk_insert`,
+:meth:`Packer._remove_runs`), so neither looks every block up; anything the walk
+cannot settle goes through the general path, which does (docs/design.md, "The
+walking write path").
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 
 from .errors import ChainConflictError, ParentNotFoundError
 from .filters import HolderSegments
-from .segment import Segment, writable
+from .segment import Segment
 from .store import WriteTxn
 
 SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
@@ -33,11 +39,14 @@ SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
 class Packer:
     """Write transactions for one index: where blocks go, and what changed."""
 
-    def __init__(self, segment_blocks: int, path: Path, reclaim=None) -> None:
+    def __init__(self, segment_blocks: int, path: Path, reclaim=None, heads=None) -> None:
         self.segment_blocks = segment_blocks
         self.path = path
         # reclaim(avoid) -> a holder id that holds nothing and is not in ``avoid``
         self.reclaim = reclaim
+        # heads(hash) -> the committed segment whose first block is ``hash``, or None
+        # (the routing directory); without it every insert takes the general path.
+        self.heads = heads
 
     def insert(
         self,
@@ -49,7 +58,7 @@ class Packer:
     ) -> Plan:
         """Store ``chain`` (after ``parent``) as held by holder ``name``.
 
-        Cost: a batched lookup per block, one record write per touched segment.
+        Cost: see :meth:`_walk_insert`; one record write per touched segment.
         """
         plan, touched = Plan(), Touched(w)
         self.add_insert(w, touched, plan, chain, parent, name, meta)
@@ -101,7 +110,16 @@ class Packer:
     ) -> None:
         """Insert into ``touched`` (and the ``blocks`` table of ``w``).  Everything that
         can refuse is checked before anything is changed, so a refused insert inside a
-        batch leaves no trace."""
+        batch leaves no trace.
+
+        The common shapes (a chain that continues stored blocks and then adds new ones
+        at its end) take :meth:`_walk_insert`, which finds the stored blocks by
+        following segments from the parent instead of looking every block up; any
+        other shape, or a conflict, takes the general path below.
+        """
+        if self.heads is not None and self._walk_insert(w, touched, plan, chain, parent, name,
+                                                        meta):
+            return
         start_pos, parent_at = 0, None
         if parent is not None:
             parent_at = self._held_parent(w, touched, parent)
@@ -109,12 +127,7 @@ class Packer:
             start_pos = seg.start_pos + parent_at[1] + 1
         seg_ids, offsets = w.locate(chain)
         self._check_existing(touched, chain, parent, start_pos, seg_ids, offsets)
-        holder_id = w.holder_id(name, create=False)
-        if holder_id is None:
-            taken = {h for h, _ in plan.holder_names} | touched.holder_ids()
-            holder_id = w.holder_id(name, create=True,
-                                    reclaim=lambda: self.reclaim(taken) if self.reclaim else None)
-            plan.holder_names.append((holder_id, name))
+        holder_id = self._holder_for_insert(w, touched, plan, name)
         self._mark_existing(touched, seg_ids, offsets, holder_id, meta)
         new = np.flatnonzero(seg_ids == 0)
         if new.size:
@@ -125,12 +138,149 @@ class Packer:
                 self._pack_run(w, touched, chain, i, j, start_pos, parent, prev_at, holder_id, meta)
             plan.new_blocks += int(new.size)
 
+    def _holder_for_insert(self, w: WriteTxn, touched: Touched, plan: Plan, name: str) -> int:
+        holder_id = touched.holder_id(name)
+        if holder_id is None:
+            taken = {h for h, _ in plan.holder_names} | touched.holder_ids()
+            holder_id = w.holder_id(name, create=True,
+                                    reclaim=lambda: self.reclaim(taken) if self.reclaim else None)
+            touched.named(name, holder_id)
+            plan.holder_names.append((holder_id, name))
+        return holder_id
+
+    def _walk_insert(
+        self,
+        w: WriteTxn,
+        touched: Touched,
+        plan: Plan,
+        chain: np.ndarray,
+        parent: int | None,
+        name: str,
+        meta: np.ndarray | None,
+    ) -> bool:
+        """Insert by walking: the stored prefix of ``chain`` is found by following
+        segments from the parent (each block is stored once, either first in its
+        segment or right after its predecessor), the rest is new and packed at the
+        end.  The new blocks are claimed in the ``blocks`` table only if none of them
+        is stored anywhere; otherwise (a stored block the walk cannot reach, or a
+        claim that finds one) nothing is changed and it returns False for the
+        general path.  ``ParentNotFoundError`` is raised as there.
+
+        Cost: one lookup for the parent, one directory probe per segment boundary,
+        a few numpy compares per segment, one put per new block; no lookup per block.
+        """
+        n = int(chain.size)
+        if parent is None:
+            seg, off, start_pos, parent_at = None, -1, 0, None
+        else:
+            parent_at = self._held_parent(w, touched, parent)
+            seg, off = touched.get(parent_at[0]), parent_at[1]
+            start_pos = seg.start_pos + off + 1
+        runs: list[tuple[Segment, int, int, int]] = []  # (segment, offset, chain index, k)
+        i = 0
+        while i < n:
+            nxt = off + 1
+            if seg is not None and nxt < seg.hashes.size:
+                k = _common_prefix(seg.hashes[nxt:nxt + n - i], chain[i:])
+                if k:
+                    runs.append((seg, nxt, i, k))
+                    i += k
+                    off = nxt + k - 1
+                    continue
+            # chain[i] is not next where the walk stands: it can only be stored as the
+            # first block of a segment whose parent is chain[i - 1].
+            head = int(chain[i])
+            seg_id = touched.head(head)
+            if seg_id is None:
+                seg_id = self.heads(head)
+            if seg_id is None:
+                break
+            seg = touched.get(seg_id)
+            if seg.parent != (int(chain[i - 1]) if i else parent) or seg.start_pos != start_pos + i:
+                return False  # a conflict: the general path names it
+            off = -1
+        placements = self._place(w, touched, chain, i, start_pos, parent, parent_at, runs)
+        if placements is None:
+            return False
+        holder_id = self._holder_for_insert(w, touched, plan, name)
+        for seg, at, j, k in runs:
+            row = seg.row_of(holder_id)
+            seg.presence[row, at : at + k] = 1
+            if meta is not None:
+                seg.set_meta(row, np.arange(at, at + k), meta[j : j + k])
+        for target, split_at, j, k in placements:
+            if isinstance(target, Segment):
+                if split_at is not None:
+                    self._split(w, touched, target, split_at)
+                target.append(chain[j : j + k], holder_id,
+                              None if meta is None else meta[j : j + k])
+            else:
+                touched.add_new(Segment(
+                    seg_id=target,
+                    start_pos=start_pos + j,
+                    parent=parent if j == 0 else int(chain[j - 1]),
+                    hashes=chain[j : j + k].copy(),
+                    holder_ids=np.array([holder_id], np.uint16),
+                    presence=np.ones((1, k), np.uint8),
+                    meta=None if meta is None else meta[j : j + k].reshape(1, k).copy(),
+                ))
+        plan.new_blocks += n - i
+        return True
+
+    def _place(self, w: WriteTxn, touched: Touched, chain: np.ndarray, i: int,
+               start_pos: int, parent: int | None, parent_at: tuple[int, int] | None,
+               runs: list) -> list[tuple] | None:
+        """Where new blocks ``chain[i:]`` go (as :meth:`_pack_run` packs them), with
+        each placement's blocks claimed in the ``blocks`` table; None, with nothing
+        claimed, if one of them is already stored."""
+        n, cap = int(chain.size), self.segment_blocks
+        placements: list[tuple] = []  # (segment or new id, split offset, chain index, k)
+        if i == n:
+            return placements
+        if runs:
+            seg, at, _, k = runs[-1]
+            prev = (seg, at + k - 1)
+        elif parent_at is not None:
+            prev = (touched.get(parent_at[0]), parent_at[1])
+        else:
+            prev = None
+        claimed: list[np.ndarray] = []
+
+        def claim(hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
+            if w.claim_blocks(hashes, seg_id, first_offset):
+                claimed.append(hashes)
+                return True
+            for done in claimed:
+                w.release_blocks(done)
+            return False
+
+        if prev is not None:
+            seg, o = prev
+            blocks = seg.hashes.size
+            split_at = None
+            if 0 < blocks - 1 - o <= SPLIT_TAIL_BLOCKS:
+                split_at = blocks = o + 1
+            if o == blocks - 1 and blocks < cap:
+                k = min(cap - blocks, n - i)
+                if not claim(chain[i : i + k], seg.seg_id, blocks):
+                    return None
+                placements.append((seg, split_at, i, k))
+                i += k
+        while i < n:
+            k = min(cap, n - i)
+            seg_id = w.new_segment_id()
+            if not claim(chain[i : i + k], seg_id, 0):
+                return None
+            placements.append((seg_id, None, i, k))
+            i += k
+        return placements
+
     def _held_parent(self, w: WriteTxn, touched: Touched, parent: int) -> tuple[int, int]:
-        seg_ids, offsets = w.locate(np.array([parent], np.uint64))
-        if seg_ids[0]:
-            seg = touched.get(int(seg_ids[0]))
-            if seg.presence[:, int(offsets[0])].any():
-                return int(seg_ids[0]), int(offsets[0])
+        seg_id, offset = w.locate_one(parent)
+        if seg_id:
+            seg = touched.get(seg_id)
+            if np.count_nonzero(seg.presence[:, offset]):
+                return seg_id, offset
         raise ParentNotFoundError(
             f"parent={parent} is not held by any holder in {self.path}; insert the chain "
             "from its first block (parent=None) or from a block that is still stored"
@@ -242,6 +392,8 @@ class Packer:
         if seg.meta is not None:
             seg.meta = seg.meta[:, :at].copy()
         touched.add_new(tail)
+        touched.cleared(seg.seg_id)  # either side may now have rows holding nothing
+        touched.cleared(tail.seg_id)
         w.put_blocks(tail.hashes, tail.seg_id, 0)
 
     def remove(self, w: WriteTxn, chain: np.ndarray, name: str) -> Plan:
@@ -253,8 +405,17 @@ class Packer:
 
     def add_remove(self, w: WriteTxn, touched: Touched, plan: Plan, chain: np.ndarray,
                    name: str) -> None:
-        holder_id = w.holder_id(name, create=False)
+        """Clear ``name``'s presence bits for ``chain`` (blocks it lacks are skipped).
+
+        Engines evict a chain's blocks last first, so a remove is mostly runs of
+        consecutive blocks, backwards (or forwards): with local lookups each run costs
+        one lookup and a compare in its segment, not a lookup per block.
+        """
+        holder_id = touched.holder_id(name)
         if holder_id is None:
+            return
+        if w.LOCAL_LOOKUPS:
+            self._remove_runs(w, touched, plan, chain, holder_id)
             return
         seg_ids, offsets = w.locate(chain)
         for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
@@ -265,8 +426,35 @@ class Packer:
             offs = offsets[seg_ids == seg_id].astype(np.int64)
             plan.removed_blocks += int(seg.presence[rows[0], offs].sum())
             seg.presence[rows[0], offs] = 0
+            touched.cleared(seg_id)
             if seg.meta is not None:
                 seg.meta[rows[0], offs] = -1
+
+    def _remove_runs(self, w: WriteTxn, touched: Touched, plan: Plan, chain: np.ndarray,
+                     holder_id: int) -> None:
+        n, i = int(chain.size), 0
+        while i < n:
+            seg_id, off = w.locate_one(int(chain[i]))
+            if not seg_id:
+                i += 1
+                continue
+            seg = touched.get(seg_id)
+            rest = chain[i + 1 :]
+            k = _common_prefix(seg.hashes[off - 1 :: -1], rest) if off else 0
+            if k:
+                lo, hi = off - k, off + 1
+            else:
+                k = _common_prefix(seg.hashes[off + 1 :], rest)
+                lo, hi = off, off + k + 1
+            i += k + 1
+            holders = seg.holder_ids.tolist()
+            if holder_id in holders:
+                row = holders.index(holder_id)
+                plan.removed_blocks += int(np.count_nonzero(seg.presence[row, lo:hi]))
+                seg.presence[row, lo:hi] = 0
+                touched.cleared(seg_id)
+                if seg.meta is not None:
+                    seg.meta[row, lo:hi] = -1
 
     def clear(self, w: WriteTxn, holder_ids: list[int], holders: HolderSegments) -> Plan:
         """Clear every block of ``holder_ids``, visiting only their segments (``holders``)."""
@@ -287,6 +475,18 @@ class Packer:
                 if rows.size:
                     plan.removed_blocks += int(seg.presence[rows[0]].sum())
                     seg.presence[rows[0]] = 0
+                    touched.cleared(seg_id)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading elements ``a`` and ``b`` share."""
+    m = min(a.size, b.size)
+    if not m or a[0] != b[0]:  # the common answer, without building an array
+        return 0
+    a, b = a[:m], b[:m]
+    if a.tobytes() == b.tobytes():  # cheaper than a compare and a reduction
+        return m
+    return int((a != b).argmax())
 
 
 def _matches(name: str, instance: str, medium: str | None) -> bool:
@@ -310,17 +510,41 @@ class Plan:
 class Touched:
     """Segments read or created inside one write transaction, written back by ``flush``."""
 
-    __slots__ = ("_w", "_segs", "_new")
+    __slots__ = ("_w", "_segs", "_new", "_heads", "_cleared", "_names")
 
     def __init__(self, w: WriteTxn) -> None:
         self._w = w
         self._segs: dict[int, Segment] = {}
         self._new: set[int] = set()
+        self._heads: dict[int, int] = {}  # first hash -> id, for segments created here
+        self._cleared: set[int] = set()  # segments where presence bits were cleared
+        self._names: dict[str, int | None] = {}  # holder name -> id, as looked up here
+
+    def holder_id(self, name: str) -> int | None:
+        """The id of holder ``name`` (None if it has none), looked up once per write."""
+        try:
+            return self._names[name]
+        except KeyError:
+            holder_id = self._names[name] = self._w.holder_id(name, create=False)
+            return holder_id
+
+    def named(self, name: str, holder_id: int) -> None:
+        """Holder ``name`` was just given ``holder_id`` (a reused id drops its old name)."""
+        self._names = {n: h for n, h in self._names.items() if h != holder_id}
+        self._names[name] = holder_id
+
+    def cleared(self, seg_id: int) -> None:
+        """Note that ``seg_id`` lost presence bits (a row may now hold nothing)."""
+        self._cleared.add(seg_id)
+
+    def head(self, first_hash: int) -> int | None:
+        """A segment created in this transaction whose first block is ``first_hash``."""
+        return self._heads.get(first_hash)
 
     def get(self, seg_id: int) -> Segment:
         seg = self._segs.get(seg_id)
         if seg is None:
-            seg = self._segs[seg_id] = writable(self._w.segment(seg_id))
+            seg = self._segs[seg_id] = self._w.segment(seg_id)
         return seg
 
     def holder_ids(self) -> set[int]:
@@ -334,13 +558,15 @@ class Touched:
     def add_new(self, seg: Segment) -> None:
         self._segs[seg.seg_id] = seg
         self._new.add(seg.seg_id)
+        self._heads[int(seg.hashes[0])] = seg.seg_id
 
     def flush(self, plan: Plan) -> None:
+        entries = []
         for seg_id, seg in self._segs.items():
-            dropped = seg.drop_empty_rows()
+            dropped = seg.drop_empty_rows() if seg_id in self._cleared else None
             first_hash = int(seg.hashes[0])
-            if dropped.size:
-                plan.dropped[seg_id] = dropped.tolist()
+            if dropped:
+                plan.dropped[seg_id] = dropped
             if not seg.holder_ids.size:
                 self._w.delete_segment(seg)
                 plan.segments.append((seg_id, first_hash, None, False))
@@ -349,4 +575,6 @@ class Touched:
                 plan.segments.append(
                     (seg_id, first_hash, seg.holder_ids.tolist(), seg_id in self._new)
                 )
-            self._w.log(seg_id, first_hash)
+            entries.append((seg_id, first_hash))
+        if entries:
+            self._w.log(entries)

@@ -59,15 +59,19 @@ class Segment:
 
     def row_of(self, holder_id: int) -> int:
         """Row of ``holder_id`` in ``presence``, adding an empty row if it has none."""
-        rows = np.flatnonzero(self.holder_ids == holder_id)
-        if rows.size:
-            return int(rows[0])
-        n = self.num_blocks
+        holders = self.holder_ids.tolist()  # a handful: a list beats numpy calls here
+        if holder_id in holders:
+            return holders.index(holder_id)
+        nh, n = len(holders), self.num_blocks
         self.holder_ids = np.append(self.holder_ids, np.uint16(holder_id))
-        self.presence = np.vstack([self.presence, np.zeros((1, n), dtype=np.uint8)])
+        presence = np.zeros((nh + 1, n), np.uint8)
+        presence[:nh] = self.presence
+        self.presence = presence
         if self.meta is not None:
-            self.meta = np.vstack([self.meta, np.full((1, n), -1, dtype=np.int64)])
-        return self.holder_ids.size - 1
+            meta = np.full((nh + 1, n), -1, np.int64)
+            meta[:nh] = self.meta
+            self.meta = meta
+        return nh
 
     def set_meta(self, row: int, offsets: np.ndarray, values: np.ndarray) -> None:
         if self.meta is None:
@@ -80,25 +84,34 @@ class Segment:
         row = self.row_of(holder_id)
         rows = self.presence.shape[0]
         self.hashes = np.concatenate([self.hashes, hashes])
-        self.presence = np.hstack([self.presence, np.zeros((rows, k), np.uint8)])
-        self.presence[row, old:] = 1
+        presence = np.zeros((rows, old + k), np.uint8)
+        presence[:, :old] = self.presence
+        presence[row, old:] = 1
+        self.presence = presence
         if self.meta is None and meta is not None:
             self.meta = np.full((rows, old), -1, dtype=np.int64)
         if self.meta is not None:
-            tail = np.full((rows, k), -1, dtype=np.int64)
+            grown = np.full((rows, old + k), -1, dtype=np.int64)
+            grown[:, :old] = self.meta
             if meta is not None:
-                tail[row] = meta
-            self.meta = np.hstack([self.meta, tail])
+                grown[row, old:] = meta
+            self.meta = grown
 
-    def drop_empty_rows(self) -> np.ndarray:
+    def drop_empty_rows(self) -> list[int]:
         """Remove holder rows that hold nothing; return the holder ids removed."""
-        keep = self.presence.any(axis=1)
-        gone = self.holder_ids[~keep]
-        if gone.size:
-            self.holder_ids = self.holder_ids[keep]
-            self.presence = self.presence[keep]
-            if self.meta is not None:
-                self.meta = self.meta[keep]
+        if self.presence.shape[0] == 1:  # the common case, without a reduction per row
+            if np.count_nonzero(self.presence):
+                return []
+            keep = np.zeros(1, bool)
+        else:
+            keep = self.presence.any(axis=1)
+            if keep.all():
+                return []
+        gone = self.holder_ids[~keep].tolist()
+        self.holder_ids = self.holder_ids[keep]
+        self.presence = self.presence[keep]
+        if self.meta is not None:
+            self.meta = self.meta[keep]
         return gone
 
     def encode(self) -> bytes:
@@ -187,31 +200,25 @@ def decode(seg_id: int, record: bytes) -> Segment:
 
     Cost: O(record size): one xxh3 pass and zero-copy numpy views.
     """
-    v = peek(seg_id, record)
-    n, nh = v.num_blocks, v.num_holders
+    flags, n, nh, start_pos, parent, holders_at, presence_at, meta_at = layout(seg_id, record)
     buf = memoryview(record)
     meta = None
-    if v.flags & HAS_META:
-        meta = np.frombuffer(buf, "<i8", nh * n, v.meta_at).reshape(nh, n)
+    if flags & HAS_META:
+        meta = np.frombuffer(buf, "<i8", nh * n, meta_at).reshape(nh, n)
     return Segment(
-        seg_id=seg_id,
-        start_pos=v.start_pos,
-        parent=v.parent,
-        hashes=np.frombuffer(buf, "<u8", n, RecordView.HASHES_AT),
-        holder_ids=np.frombuffer(buf, "<u2", nh, v.holders_at),
-        presence=np.frombuffer(buf, np.uint8, nh * n, v.presence_at).reshape(nh, n),
-        meta=meta,
+        seg_id,
+        start_pos,
+        parent,
+        np.frombuffer(buf, "<u8", n, RecordView.HASHES_AT),
+        np.frombuffer(buf, "<u2", nh, holders_at),
+        np.frombuffer(buf, np.uint8, nh * n, presence_at).reshape(nh, n),
+        meta,
     )
 
 
-def writable(seg: Segment) -> Segment:
-    """A copy of a decoded segment whose arrays can be modified in place."""
-    return Segment(
-        seg.seg_id,
-        seg.start_pos,
-        seg.parent,
-        seg.hashes.copy(),
-        seg.holder_ids.copy(),
-        seg.presence.copy(),
-        None if seg.meta is None else seg.meta.copy(),
-    )
+def writable(seg_id: int, record: bytes) -> Segment:
+    """:func:`decode` into arrays that can be modified in place (one copy of the record).
+
+    Cost: O(record size): one xxh3 pass and one copy.
+    """
+    return decode(seg_id, bytearray(record))

@@ -40,7 +40,7 @@ from .errors import (
     StoreError,
     StoreFullError,
 )
-from .segment import Segment, decode
+from .segment import Segment, decode, writable
 
 FORMAT_VERSION = 1
 DURABILITY_MODES = ("sync", "nosync")
@@ -60,8 +60,18 @@ T = TypeVar("T")
 
 def hash_keys(hashes: np.ndarray) -> list[bytes]:
     """Big-endian 8-byte keys for a ``uint64`` array (byte order is numeric order)."""
-    raw = hashes.astype(">u8").tobytes()
-    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+    # A void view's tolist() makes the bytes objects in C (an "S8" view would strip
+    # trailing zero bytes).
+    return hashes.astype(">u8").view("V8").tolist()
+
+
+def _block_items(hashes: np.ndarray, seg_id: int, first_offset: int) -> list[tuple[bytes, bytes]]:
+    """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on."""
+    values = np.empty(hashes.size, _BLOCK_DTYPE)
+    values["seg"] = seg_id
+    values["off"] = np.arange(first_offset, first_offset + hashes.size)
+    packed = values.view(f"V{_BLOCK_DTYPE.itemsize}").tolist()
+    return list(zip(hash_keys(hashes), packed, strict=True))
 
 
 class Store:
@@ -419,10 +429,11 @@ class WriteLogic:
         self.set_counter("next_seg_id", seg_id)
         return seg_id
 
-    def _next_seq(self) -> int:
-        seq = self.counter("next_seq") + 1
-        self.set_counter("next_seq", seq)
-        return seq
+    def _take_seqs(self, count: int) -> int:
+        """Reserve ``count`` log sequence numbers; return the first."""
+        first = self.counter("next_seq") + 1
+        self.set_counter("next_seq", first + count - 1)
+        return first
 
     def holder_id(self, name: str, create: bool, reclaim=None) -> int | None:
         """The id of holder ``name``; with ``create``, a new one if it has none.
@@ -459,6 +470,7 @@ class WriteTxn(WriteLogic):
     """The operations a write needs, inside one LMDB write transaction."""
 
     __slots__ = ("_store", "txn")
+    LOCAL_LOOKUPS = True  # a lookup costs about a µs: walk runs rather than batch them
 
     def __init__(self, store: Store, txn: lmdb.Transaction) -> None:
         self._store = store
@@ -468,10 +480,11 @@ class WriteTxn(WriteLogic):
         self.txn.put(name.encode(), _U64.pack(value), db=self._store.meta_db)
 
     def segment(self, seg_id: int) -> Segment:
+        """Segment ``seg_id``, decoded into arrays the write may modify in place."""
         record = self.txn.get(_U64.pack(seg_id), db=self._store.segments_db)
         if record is None:
             raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
-        return decode(seg_id, record)
+        return writable(seg_id, record)
 
     def put_segment(self, seg: Segment) -> None:
         self.txn.put(_U64.pack(seg.seg_id), seg.encode(), db=self._store.segments_db)
@@ -501,16 +514,51 @@ class WriteTxn(WriteLogic):
             offsets[where] = values["off"]
         return seg_ids, offsets
 
-    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
-        items = [
-            (key, _BLOCK_VALUE.pack(seg_id, first_offset + i))
-            for i, key in enumerate(hash_keys(hashes))
-        ]
-        self.txn.cursor(db=self._store.blocks_db).putmulti(items)
+    def locate_one(self, block_hash: int) -> tuple[int, int]:
+        """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent.
 
-    def log(self, seg_id: int, first_hash: int) -> None:
-        self.txn.put(_U64.pack(self._next_seq()), _LOG_VALUE.pack(seg_id, first_hash),
-                     db=self._store.log_db)
+        Cost: one LMDB lookup.
+        """
+        value = self.txn.get(_U64.pack(block_hash), db=self._store.blocks_db)
+        return (0, 0) if value is None else _BLOCK_VALUE.unpack(value)
+
+    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
+        self.txn.cursor(db=self._store.blocks_db).putmulti(
+            _block_items(hashes, seg_id, first_offset))
+
+    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
+        """:meth:`put_blocks` if none of ``hashes`` is stored; else change nothing and
+        return False.
+
+        Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the same descent
+        that would insert it); a refusal also reads back and deletes what was added.
+        """
+        items = _block_items(hashes, seg_id, first_offset)
+        _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
+        if added == len(items):
+            return True
+        cur = self.txn.cursor(db=self._store.blocks_db)
+        ours = dict(items)
+        for key, value in cur.getmulti(list(ours)):
+            if value == ours[key]:  # no stored entry can name this new place
+                self.txn.delete(key, db=self._store.blocks_db)
+        return False
+
+    def release_blocks(self, hashes: np.ndarray) -> None:
+        """Delete the ``blocks`` entries of ``hashes`` (undoing a claim)."""
+        blocks = self._store.blocks_db
+        for key in hash_keys(hashes):
+            self.txn.delete(key, db=blocks)
+
+    def log(self, entries: list[tuple[int, int]]) -> None:
+        """Append ``(segment id, first hash)`` entries to the log, in order.
+
+        Cost: one counter update and one appending ``putmulti``.
+        """
+        first = self._take_seqs(len(entries))
+        self.txn.cursor(db=self._store.log_db).putmulti(
+            [(_U64.pack(first + i), _LOG_VALUE.pack(seg_id, first_hash))
+             for i, (seg_id, first_hash) in enumerate(entries)], append=True)
 
     def forget_holders(self, holder_ids: list[int]) -> None:
         """Delete the name entries of ``holder_ids`` (both directions); ids are not reused."""

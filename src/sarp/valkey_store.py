@@ -57,7 +57,7 @@ from .errors import (
     StoreError,
     StoreFullError,
 )
-from .segment import Segment, decode
+from .segment import Segment, decode, writable
 from .store import (
     _BLOCK_DTYPE,
     _BLOCK_VALUE,
@@ -512,6 +512,8 @@ class ValkeyWriteTxn(WriteLogic):
     """A write's reads (through its own pending changes) and its changes, committed at
     the end by one fenced script (:data:`_COMMIT`)."""
 
+    LOCAL_LOOKUPS = False  # a lookup is a round trip: batch them (one HMGET per call)
+
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
         self._c = store.client
@@ -548,7 +550,7 @@ class ValkeyWriteTxn(WriteLogic):
         record = self._get("seg", _U64.pack(seg_id))
         if record is None:
             raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
-        return decode(seg_id, record)
+        return writable(seg_id, record)
 
     def put_segment(self, seg: Segment) -> None:
         self._put("seg", _U64.pack(seg.seg_id), seg.encode())
@@ -575,9 +577,26 @@ class ValkeyWriteTxn(WriteLogic):
         for i, key in enumerate(hash_keys(hashes)):
             pending[key] = _BLOCK_VALUE.pack(seg_id, first_offset + i)
 
-    def log(self, seg_id: int, first_hash: int) -> None:
-        entry_id = f"{self._next_seq()}-1".encode()
-        self._log.append((entry_id, _LOG_VALUE.pack(seg_id, first_hash)))
+    def locate_one(self, block_hash: int) -> tuple[int, int]:
+        seg_ids, offsets = self.locate(np.array([block_hash], np.uint64))
+        return int(seg_ids[0]), int(offsets[0])
+
+    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
+        """:meth:`put_blocks` if none of ``hashes`` is stored (one ``HMGET``); else False."""
+        if self.locate(hashes)[0].any():
+            return False
+        self.put_blocks(hashes, seg_id, first_offset)
+        return True
+
+    def release_blocks(self, hashes: np.ndarray) -> None:
+        pending = self._pending["blk"]
+        for key in hash_keys(hashes):
+            pending[key] = None
+
+    def log(self, entries: list[tuple[int, int]]) -> None:
+        first = self._take_seqs(len(entries))
+        self._log.extend((f"{first + i}-1".encode(), _LOG_VALUE.pack(seg_id, first_hash))
+                         for i, (seg_id, first_hash) in enumerate(entries))
 
     def forget_holders(self, holder_ids: list[int]) -> None:
         wanted = {_HOLDER.pack(h) for h in holder_ids}
