@@ -137,6 +137,31 @@ def _from_sequence(items: list, name: str) -> np.ndarray:
     return out
 
 
+def repeats(hashes: np.ndarray, parent: int | None = None) -> str | None:
+    """Why ``hashes`` cannot be a chain after ``parent``: ``"repeat"`` if a hash occurs
+    twice, ``"parent"`` if ``parent`` is one of them; else None.
+
+    Cost: a set of the values for short chains, one sort for long ones (what is
+    cheaper at each size; both in C).
+
+    >>> repeats(np.array([1, 2, 1], np.uint64)), repeats(np.array([1, 2], np.uint64), 2)
+    ('repeat', 'parent')
+    """
+    if hashes.size <= 64:
+        distinct = set(hashes.tolist())
+        if len(distinct) != hashes.size:
+            return "repeat"
+        return "parent" if parent is not None and parent in distinct else None
+    ordered = np.sort(hashes)
+    if bool((ordered[1:] == ordered[:-1]).any()):
+        return "repeat"
+    if parent is not None:
+        i = int(ordered.searchsorted(np.uint64(parent)))
+        if i < ordered.size and int(ordered[i]) == parent:
+            return "parent"
+    return None
+
+
 def _from_bytes(items: list, name: str) -> np.ndarray:
     """The low 64 bits, big-endian, of each bytes hash; vectorised when all have one
     length (sha256 digests are 32 bytes)."""

@@ -42,7 +42,7 @@ from .errors import (
     StoreError,
 )
 from .filters import HolderSegments
-from .hashing import HashesLike, as_hash, as_hashes
+from .hashing import HashesLike, as_hash, as_hashes, repeats
 from .packing import Packer, Plan
 from .segment import decode
 from .store import DEFAULT_MAX_READERS, ReadTxn, Store
@@ -494,13 +494,14 @@ class Index:
         (3, 1)
         """
         chain = as_hashes(hashes)
-        if np.unique(chain).size != chain.size:
+        parent_hash = None if parent is None else as_hash(parent)
+        fault = repeats(chain, parent_hash)
+        if fault == "repeat":
             raise ValueError(
                 "hashes repeat a value; a chain of block hashes names each block once "
                 "(hash blocks with their parent, e.g. sarp.hash_blocks)"
             )
-        parent_hash = None if parent is None else as_hash(parent)
-        if parent_hash is not None and (chain == parent_hash).any():
+        if fault == "parent":
             raise ValueError(
                 f"parent={parent_hash} also appears in hashes; pass only the blocks after it"
             )
@@ -996,12 +997,12 @@ def _prepare(op: tuple) -> tuple:
     if kind == "insert":
         _, hashes, parent, holder, medium = op
         chain = as_hashes(hashes)
-        distinct = set(chain.tolist())  # built in C; cheaper than np.unique's sort
-        if len(distinct) != chain.size:
+        parent_hash = None if parent is None else as_hash(parent)
+        fault = repeats(chain, parent_hash)
+        if fault == "repeat":
             raise ValueError("hashes repeat a value; a chain of block hashes names each block "
                              "once (hash blocks with their parent, e.g. sarp.hash_blocks)")
-        parent_hash = None if parent is None else as_hash(parent)
-        if parent_hash is not None and parent_hash in distinct:
+        if fault == "parent":
             raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
                              "blocks after it")
         return ("insert", chain, parent_hash, _holder_name(holder, medium), None)

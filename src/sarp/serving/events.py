@@ -45,7 +45,7 @@ from ..errors import (
     SarpError,
     StoreError,
 )
-from ..hashing import as_hash, as_hashes
+from ..hashing import as_hash, as_hashes, repeats
 from .media import canonical_medium, is_valid_medium
 
 log = logging.getLogger("sarp.events")
@@ -206,16 +206,16 @@ def _event(kind: object, fields: dict) -> Event:
     medium = canonical_medium(medium)
     if kind == "BlockRemoved":
         return Removed(block_hashes, medium, group_idx)
-    distinct = set(block_hashes.tolist())  # built in C; cheaper than np.unique's sort
-    if len(distinct) != block_hashes.size:
-        raise _Fault("repeated_hash", "BlockStored.block_hashes repeat a value")
     parent = fields.get("parent_block_hash")
     try:
         parent_hash = None if parent is None else as_hash(parent,
                                                           name="BlockStored.parent_block_hash")
     except (TypeError, ValueError) as exc:
         raise _Fault("bad_hashes", str(exc)) from None
-    if parent_hash is not None and parent_hash in distinct:
+    fault = repeats(block_hashes, parent_hash)
+    if fault == "repeat":
+        raise _Fault("repeated_hash", "BlockStored.block_hashes repeat a value")
+    if fault == "parent":
         raise _Fault("parent_in_chain", "BlockStored.parent_block_hash is one of its own "
                                         "block_hashes")
     lora_name = fields.get("lora_name")

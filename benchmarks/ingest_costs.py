@@ -1,0 +1,171 @@
+"""Where an event's apply time goes, and the floor the ``blocks`` table sets.
+
+    .venv/bin/python benchmarks/ingest_costs.py [--trace TRACE]   # e.g. ../shared/traces/...
+
+Records the event stream of ``sarp bench-events`` (8 engines, 10,000-block LRU caches)
+and reports:
+
+1. what the stream asks of the ``blocks`` table: blocks stored, how many were new,
+   how many left with a deleted segment, removes and the runs they walk;
+2. the same stream applied to sarp directly (chunks of 4,096 events, as in
+   ``bench-events`` (c)), 5 times, with the time inside each part of the write path
+   (medians, seconds): claiming new blocks, deleting dead segments' entries, writing
+   records, the insert walk, the remove runs, decoding the events;
+3. LMDB's own cost per key for random inserts and deletes in a table the size of
+   the stream's, in one write transaction (py-lmdb ``putmulti`` and ``delete``),
+   and what it makes of (1): the time no write path over this table can go under.
+
+docs/performance.md ("Event ingestion") quotes a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import lmdb
+import numpy as np
+
+from sarp import packing, store
+from sarp.bench import ingest
+from sarp.bench.run import load_requests
+from sarp.serving import events
+
+PARTS = {
+    "claim new blocks": (store.WriteTxn, "claim_blocks"),
+    "delete dead segments": (store.WriteTxn, "delete_segment"),
+    "write records": (store.WriteTxn, "put_segment"),
+    "insert walk (all of it)": (packing.Packer, "_walk_insert"),
+    "remove runs (all of it)": (packing.Packer, "_remove_runs"),
+    "flush (all of it)": (packing.Touched, "flush"),
+}
+
+
+def timed(spent: dict[str, float], label: str, cls, name: str) -> None:
+    inner = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - started
+
+    setattr(cls, name, wrapper)
+
+
+def stream_shape(chunks) -> dict[str, int]:
+    """Blocks the stream stores (and how many are new), removes, and their runs."""
+    held: dict[int, set[str]] = {}
+    shape = {"stored": 0, "new": 0, "removed": 0, "removes": 0}
+    for chunk in chunks:
+        for op in chunk:
+            if op[0] == "insert":
+                hashes = op[1].tolist()
+                shape["stored"] += len(hashes)
+                for h in hashes:
+                    if h not in held:
+                        shape["new"] += 1
+                        held[h] = set()
+                    held[h].add(op[3])
+            elif op[0] == "remove":
+                shape["removes"] += 1
+                shape["removed"] += op[1].size
+                for h in op[1].tolist():
+                    holders = held.get(h)
+                    if holders is not None:
+                        holders.discard(op[2])
+                        if not holders:
+                            del held[h]
+    return shape
+
+
+def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> tuple[float, float]:
+    """Median µs per key of random no-overwrite puts and of deletes."""
+    rng = np.random.default_rng(0)
+    env = lmdb.open(tempfile.mkdtemp(prefix="sarp-costs-"), map_size=1 << 32, sync=False,
+                    metasync=False, max_dbs=2)
+    db = env.open_db(b"blocks")
+
+    def keys(n: int) -> list[bytes]:
+        return rng.integers(0, 2**63, n, dtype=np.int64).astype(">u8").view("V8").tolist()
+
+    with env.begin(write=True) as txn:
+        txn.cursor(db=db).putmulti([(k, b"\0" * 6) for k in sorted(keys(table_keys))])
+    puts, deletes = [], []
+    for _ in range(rounds):
+        new = keys(ops)
+        items = [(k, b"\0" * 6) for k in new]
+        with env.begin(write=True) as txn:
+            cursor = txn.cursor(db=db)
+            started = time.perf_counter()
+            for i in range(0, len(items), 16):  # a claim's worth at a time
+                cursor.putmulti(items[i : i + 16], overwrite=False)
+            puts.append(1e6 * (time.perf_counter() - started) / ops)
+            started = time.perf_counter()
+            for k in new:
+                txn.delete(k, db=db)
+            deletes.append(1e6 * (time.perf_counter() - started) / ops)
+            txn.abort()
+    env.close()
+    return statistics.median(puts), statistics.median(deletes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    label, requests = load_requests(args.trace, 1, None, mix_ids=True)
+    stream, _ = ingest.record(requests, 8, 10_000)
+    chunks = ingest.ops_of(stream)
+    num_events = sum(len(c) for c in chunks)
+    shape = stream_shape(chunks)
+    print(f"{label}: {num_events:,} events; {shape['stored']:,} blocks stored, "
+          f"{shape['new']:,} of them new; {shape['removes']:,} removes of "
+          f"{shape['removed']:,} blocks")
+
+    started = time.perf_counter()
+    for _, payload in stream:
+        events.decode(payload)
+    decode_s = time.perf_counter() - started
+
+    spent = dict.fromkeys(PARTS, 0.0)
+    for part, (cls, name) in PARTS.items():
+        timed(spent, part, cls, name)
+    deleted = {"blocks": 0}
+    inner_delete = store.WriteTxn.delete_segment
+
+    def counting_delete(self, seg):
+        deleted["blocks"] += seg.hashes.size
+        return inner_delete(self, seg)
+
+    store.WriteTxn.delete_segment = counting_delete
+    totals, parts = [], {p: [] for p in PARTS}
+    for _ in range(args.rounds):
+        for part in spent:
+            spent[part] = 0.0
+        deleted["blocks"] = 0
+        totals.append(ingest.direct("sarp", chunks, tempfile.gettempdir())["seconds"])
+        for part, seconds in spent.items():
+            parts[part].append(seconds)
+    total = statistics.median(totals)
+    print(f"direct apply: {total:.3f} s median of {args.rounds} "
+          f"({num_events / total:,.0f} events/s, {1e6 * total / num_events:.1f} µs/event)")
+    for part, values in parts.items():
+        print(f"  {part:<26} {statistics.median(values):.3f} s")
+    print(f"  decoding the events (once) {decode_s:.3f} s "
+          f"({1e6 * decode_s / num_events:.1f} µs/event)")
+
+    put_us, delete_us = lmdb_costs(max(shape["new"] // 2, 10_000), 30_000)
+    floor = (shape["new"] * put_us + deleted["blocks"] * delete_us) / 1e6
+    print(f"LMDB per key: {put_us:.2f} µs a put, {delete_us:.2f} µs a delete; "
+          f"{shape['new']:,} new blocks put and {deleted['blocks']:,} deleted with their "
+          f"segments: {floor:.3f} s, a ceiling of {num_events / floor:,.0f} events/s for "
+          "any write path over this table")
+
+
+if __name__ == "__main__":
+    main()
