@@ -11,7 +11,9 @@ and reports:
    ``bench-events`` (c)), 5 times, with the time inside each part of the write path
    (medians, seconds): claiming new blocks, deleting dead segments' entries, writing
    records, the insert walk, the remove runs, decoding the events;
-3. LMDB's own cost per key for random inserts and deletes in a table the size of
+3. what a 1-block tail append (a decode step) and a 1-block tail eviction cost
+   against the size of the segment they touch, alone and in a batch;
+4. LMDB's own cost per key for random inserts and deletes in a table the size of
    the stream's, in one write transaction (py-lmdb ``putmulti`` and ``delete``),
    and what it makes of (1): the time no write path over this table can go under.
 
@@ -113,6 +115,48 @@ def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> tuple[float, float
     return statistics.median(puts), statistics.median(deletes)
 
 
+def tail_costs(sizes=(16, 256, 1000), rounds: int = 5, steps: int = 500) -> dict:
+    """µs per 1-block tail append and per 1-block tail eviction, after a segment of
+    ``size`` blocks held by 4 holders: one write transaction each, and ``steps`` of them
+    in one batch.  Sizes are interleaved round by round; medians."""
+    import sarp
+
+    rng = np.random.default_rng(1)
+    costs: dict = {(size, kind): [] for size in sizes
+                   for kind in ("append", "remove", "batched append", "batched remove")}
+    for _ in range(rounds):
+        for size in sizes:
+            with sarp.open(tempfile.mkdtemp(prefix="sarp-tail-"), durability="nosync") as ix:
+                chain = rng.integers(1, 2**63, size, dtype=np.int64).view(np.uint64)
+                for h in range(4):
+                    ix.insert(chain, holder=f"w{h}")
+                new = rng.integers(1, 2**63, 2 * steps, dtype=np.int64).view(np.uint64)
+                one, batched = new[:steps].tolist(), new[steps:].tolist()
+                last = int(chain[-1])
+                started = time.perf_counter()
+                for h in one:
+                    ix.insert([h], parent=last, holder="w0")
+                    last = h
+                costs[size, "append"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                for h in reversed(one):
+                    ix.remove([h], holder="w0")
+                costs[size, "remove"].append(time.perf_counter() - started)
+                last = int(chain[-1])
+                started = time.perf_counter()
+                with ix.batch() as b:
+                    for h in batched:
+                        b.insert([h], parent=last, holder="w0")
+                        last = h
+                costs[size, "batched append"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                with ix.batch() as b:
+                    for h in reversed(batched):
+                        b.remove([h], holder="w0")
+                costs[size, "batched remove"].append(time.perf_counter() - started)
+    return {key: 1e6 * statistics.median(values) / steps for key, values in costs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=None)
@@ -158,6 +202,13 @@ def main() -> None:
         print(f"  {part:<26} {statistics.median(values):.3f} s")
     print(f"  decoding the events (once) {decode_s:.3f} s "
           f"({1e6 * decode_s / num_events:.1f} µs/event)")
+
+    tails = tail_costs()
+    print("tail writes, µs per 1-block operation (segment of N blocks, 4 holders):")
+    for size in sorted({size for size, _ in tails}):
+        print(f"  N = {size:>5}: " + ", ".join(f"{kind} {tails[size, kind]:.1f}"
+                                             for kind in ("append", "remove", "batched append",
+                                                          "batched remove")))
 
     put_us, delete_us = lmdb_costs(max(shape["new"] // 2, 10_000), 30_000)
     floor = (shape["new"] * put_us + deleted["blocks"] * delete_us) / 1e6
