@@ -16,7 +16,7 @@ A record is decoded and checked (checksum, sizes) on every read; a bad one raise
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -52,6 +52,10 @@ class Segment:
     holder_ids: np.ndarray
     presence: np.ndarray
     meta: np.ndarray | None = None
+    # (record buffer, the arrays decoded onto it) when :func:`writable` made this
+    # segment: while the same arrays are in place, edits to them are edits to the
+    # buffer, and :meth:`encode` only renews the checksum.
+    source: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -122,6 +126,13 @@ class Segment:
         >>> decode(7, s.encode()).hashes.tolist()
         [5, 6]
         """
+        if self.source is not None:
+            buf, hashes, holder_ids, presence, meta = self.source
+            if (hashes is self.hashes and holder_ids is self.holder_ids
+                    and presence is self.presence and meta is self.meta):
+                body = memoryview(buf)[: len(buf) - 8]
+                _CHECKSUM.pack_into(buf, len(buf) - 8, xxhash.xxh3_64_intdigest(body))
+                return bytes(buf)
         n, nh = self.num_blocks, int(self.holder_ids.size)
         flags = (HAS_META if self.meta is not None else 0) | (IS_ROOT if self.parent is None else 0)
         parts = [
@@ -221,4 +232,7 @@ def writable(seg_id: int, record: bytes) -> Segment:
 
     Cost: O(record size): one xxh3 pass and one copy.
     """
-    return decode(seg_id, bytearray(record))
+    buf = bytearray(record)
+    seg = decode(seg_id, buf)
+    seg.source = (buf, seg.hashes, seg.holder_ids, seg.presence, seg.meta)
+    return seg

@@ -21,7 +21,9 @@ import os
 import resource
 import struct
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -65,13 +67,19 @@ def hash_keys(hashes: np.ndarray) -> list[bytes]:
     return hashes.astype(">u8").view("V8").tolist()
 
 
-def _block_items(hashes: np.ndarray, seg_id: int, first_offset: int) -> list[tuple[bytes, bytes]]:
-    """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on."""
-    values = np.empty(hashes.size, _BLOCK_DTYPE)
-    values["seg"] = seg_id
-    values["off"] = np.arange(first_offset, first_offset + hashes.size)
-    packed = values.view(f"V{_BLOCK_DTYPE.itemsize}").tolist()
-    return list(zip(hash_keys(hashes), packed, strict=True))
+# u16 LE offsets, prepacked; a segment holds at most sarp.index.MAX_SEGMENT_BLOCKS (4,096)
+_OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
+
+
+def _block_items(hashes: np.ndarray, seg_id: int,
+                 first_offset: int) -> Iterator[tuple[bytes, bytes]]:
+    """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on.
+
+    The values are made by ``map`` over prepacked offsets: C, no Python per block.
+    """
+    prefix = struct.pack("<I", seg_id)
+    values = map(prefix.__add__, _OFFSETS[first_offset : first_offset + hashes.size])
+    return zip(hash_keys(hashes), values, strict=True)
 
 
 class Store:
@@ -491,9 +499,9 @@ class WriteTxn(WriteLogic):
 
     def delete_segment(self, seg: Segment) -> None:
         self.txn.delete(_U64.pack(seg.seg_id), db=self._store.segments_db)
-        blocks = self._store.blocks_db
-        for key in hash_keys(seg.hashes):
-            self.txn.delete(key, db=blocks)
+        # consumed in C: no Python per block
+        deque(map(partial(self.txn.delete, db=self._store.blocks_db), hash_keys(seg.hashes)),
+              maxlen=0)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Segment id and offset of each hash (segment id 0 where absent), batched.
@@ -535,10 +543,10 @@ class WriteTxn(WriteLogic):
         """
         items = _block_items(hashes, seg_id, first_offset)
         _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
-        if added == len(items):
+        if added == hashes.size:
             return True
         cur = self.txn.cursor(db=self._store.blocks_db)
-        ours = dict(items)
+        ours = dict(_block_items(hashes, seg_id, first_offset))
         for key, value in cur.getmulti(list(ours)):
             if value == ours[key]:  # no stored entry can name this new place
                 self.txn.delete(key, db=self._store.blocks_db)
