@@ -353,3 +353,36 @@ def test_rediss_asks_for_tls_and_says_so_when_the_server_does_not_speak_it():
     server = shared_server()
     with pytest.raises(sarp.StoreError, match="over TLS"):
         sarp.open(f"rediss://127.0.0.1:{server.port}/tls")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_walking_inserts_on_valkey_equal_the_general_path_on_lmdb(url, tmp_path, monkeypatch,
+                                                                  seed):
+    """Valkey claims new blocks with one HMGET and locates a remove's blocks at once; the
+    result equals LMDB's general path (every block looked up), refusals included."""
+    from test_batch import engine_like_ops
+
+    from sarp import store
+
+    ops = engine_like_ops(seed, 300)
+
+    def run(index) -> tuple:
+        refused, removed = [], []
+        for start in range(0, len(ops), 25):
+            result = index.apply_batch(ops[start : start + 25])
+            refused += [(start + i, type(e).__name__) for i, e in result.failed]
+            removed += result.removed_per_op
+        held = {(h, m): index.blocks_of(h, m).tolist()
+                for h in ("a#0", "b#0", "c#1") for m in ("GPU", "CPU")}
+        stats = {k: index.stats()[k] for k in ("segments", "blocks", "directory_entries")}
+        assert index.check() == []
+        return refused, removed, held, stats
+
+    with sarp.open(url, durability="nosync", segment_blocks=8) as on_valkey:
+        walked = run(on_valkey)
+    monkeypatch.setattr(store.WriteTxn, "LOCAL_LOOKUPS", False)
+    with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=8) as on_lmdb:
+        on_lmdb._packer.heads = None
+        general = run(on_lmdb)
+    assert walked == general
+    assert any(walked[0]) and sum(walked[1]) > 0
