@@ -452,7 +452,8 @@ class Packer:
                 row = holders.index(holder_id)
                 plan.removed_blocks += int(np.count_nonzero(seg.presence[row, lo:hi]))
                 seg.presence[row, lo:hi] = 0
-                touched.cleared(seg_id)
+                if not np.count_nonzero(seg.presence[row]):
+                    touched.cleared(seg_id)  # the row holds nothing now: flush drops it
                 if seg.meta is not None:
                     seg.meta[row, lo:hi] = -1
 
@@ -517,7 +518,7 @@ class Touched:
         self._segs: dict[int, Segment] = {}
         self._new: set[int] = set()
         self._heads: dict[int, int] = {}  # first hash -> id, for segments created here
-        self._cleared: set[int] = set()  # segments where presence bits were cleared
+        self._cleared: set[int] = set()  # segments where a row may hold nothing now
         self._names: dict[str, int | None] = {}  # holder name -> id, as looked up here
 
     def holder_id(self, name: str) -> int | None:
@@ -534,7 +535,7 @@ class Touched:
         self._names[name] = holder_id
 
     def cleared(self, seg_id: int) -> None:
-        """Note that ``seg_id`` lost presence bits (a row may now hold nothing)."""
+        """Note that a row of ``seg_id`` may now hold nothing (flush drops such rows)."""
         self._cleared.add(seg_id)
 
     def head(self, first_hash: int) -> int | None:
