@@ -383,3 +383,76 @@ def test_one_new_engine_batch_taken_as_a_continuation_cannot_prove_itself(index)
         sub.close()
     finally:
         eng.publisher.close()
+
+
+_ENGINE_PROCESS = """
+import json, random, sys, time
+import zmq
+from sarp.serving.cluster import EnginePublisher, SimEngine
+pub, replay, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+eng = SimEngine("e", 200, EnginePublisher(zmq.Context.instance(), bind=(pub, replay)))
+print("ready", flush=True)
+sys.stdin.readline()  # the subscriber is connected
+rng = random.Random(seed)
+for _ in range(30):
+    eng.serve([rng.getrandbits(63) for _ in range(5)])
+print(json.dumps({"last": eng.publisher.next_seq - 1, "cache": list(eng.cache)}), flush=True)
+time.sleep(600)  # idle, as an engine between requests: alive, answering replays
+"""
+
+
+def test_an_engine_killed_with_sigkill_is_taken_as_gone_and_its_blocks_forgotten(index):
+    """An idle engine answers the liveness probe and keeps its blocks; a killed one does
+    not, and its blocks leave the index; started again, it is followed again."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    base = free_port_pair()
+    endpoints = (f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}")
+
+    def start(seed: int) -> tuple[subprocess.Popen, dict]:
+        proc = subprocess.Popen([sys.executable, "-c", _ENGINE_PROCESS, *endpoints, str(seed)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # the SUB socket (re)connects
+            sub.poll(20)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        return proc, json.loads(proc.stdout.readline())
+
+    def poll_until(done, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            sub.poll(20)
+
+    sub = Subscriber(index, [Source("e", *endpoints)], probe_after_s=0.3, dead_after_s=0.7)
+    procs = []
+    try:
+        proc, engine_state = start(1)
+        procs.append(proc)
+        poll_until(lambda: sub.last_seq.get("e", -1) >= engine_state["last"], 10)
+        poll_until(lambda: False, 2.0)  # idle: several probes, all answered
+        stats = sub.stats["e"]
+        assert stats.probes >= 3 and stats.gone == 0
+        assert held(index, "e#0") == set(engine_state["cache"])
+
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        poll_until(lambda: not held(index, "e#0"), 10)
+        assert held(index, "e#0") == set() and stats.gone == 1
+        assert index.check() == []
+
+        proc, engine_state = start(2)  # a new engine on the same ports
+        procs.append(proc)
+        poll_until(lambda: held(index, "e#0") == set(engine_state["cache"]), 10)
+        assert held(index, "e#0") == set(engine_state["cache"])
+        assert stats.gone == 1
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        sub.close()

@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                        "ports of rank 0 + r (as vLLM and SGLang bind them); holders NAME#r")
     serve.add_argument("--replay-idle-timeout-s", type=float, default=5.0,
                        help="a replay that delivers nothing for this long is over")
+    serve.add_argument("--probe-after-s", type=float, default=30.0,
+                       help="ask an engine that has sent nothing for this long whether it is "
+                       "there (on its replay endpoint); 0: never")
+    serve.add_argument("--dead-after-s", type=float, default=10.0,
+                       help="an engine that does not answer within this long is taken as "
+                       "gone: its holders are cleared")
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help="also answer POST /v1/match, GET /metrics, /healthz, /readyz")
     serve.add_argument("--http-workers", type=int, default=2,

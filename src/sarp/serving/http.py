@@ -335,6 +335,8 @@ class _StatusCollector:
                  ("gaps", "sequence gaps seen"), ("replayed", "batches applied from replays"),
                  ("restarts", "engine restarts detected"),
                  ("unrecoverable_gaps", "gaps no replay could fill (holders cleared)"),
+                 ("probes", "liveness probes sent to silent engines"),
+                 ("gone", "engines taken as gone (no answer to a probe; holders cleared)"),
                  ("bad_payloads", "batches that could not be decoded"),
                  ("bad_frames", "frames dropped (bad sequence or shape)"))
 

@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("index %s recovered from %s in %.1f ms; following %s", args.index,
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
         subscriber = Subscriber(index, sources,
-                                replay_idle_timeout_s=args.replay_idle_timeout_s)
+                                replay_idle_timeout_s=args.replay_idle_timeout_s,
+                                probe_after_s=args.probe_after_s or None,
+                                dead_after_s=args.dead_after_s)
         workers = _start_http(args, http, status_dir) if http else None
         try:
             _follow(args, index, subscriber, stop, Path(status_dir) if http else None)

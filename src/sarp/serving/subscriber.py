@@ -32,6 +32,14 @@ negative sequence, or one the engine's own buffer does not know, is a bad frame:
 counted and dropped.  A batch that cannot be decoded is a lost batch (the holders
 are cleared); a bad event inside a readable batch is skipped (:func:`sarp.serving.events.apply`).
 
+An engine that dies stops publishing, but so does one that is idle.  So a source
+with a replay endpoint that has sent nothing for ``probe_after_s`` is asked on it
+(for sequences beyond any it has: the answer is just the end marker); an engine
+that does not answer within ``dead_after_s`` is taken as gone and its holders are
+cleared.  If it answers later it is back: its buffer is replayed from sequence 0,
+as for any engine the subscriber knows nothing about.  A source without a replay
+endpoint cannot be asked, and keeps its holders until it publishes again.
+
 The fingerprints are written to ``subscriber.json`` in the index directory after
 what they describe has committed, so a restarted subscriber resumes where it
 stopped (re-applying a batch is harmless: every event sets or clears holder bits).
@@ -39,6 +47,7 @@ stopped (re-applying a batch is harmless: every event sets or clears holder bits
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -59,6 +68,7 @@ END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 MAX_BATCH_OPS = 4096  # events applied in one index transaction, at most
 MAX_BATCH_MS = 50.0  # ... and how long the first of them may wait for the commit
+_PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +173,8 @@ class SourceStats:
     bad_payloads: int = 0
     bad_frames: int = 0
     rank_mismatches: int = 0
+    probes: int = 0  # liveness probes sent after a silence
+    gone: int = 0  # times a probe went unanswered and the holders were cleared
     applied: ApplyStats = field(default_factory=ApplyStats)
 
 
@@ -172,7 +184,9 @@ class Subscriber:
     ``replay_idle_timeout_s`` is how long a replay may go without delivering a
     frame before it is taken as ended without its end marker.  ``on_commit``, if
     given, is called after each commit with the fingerprints of the batches it
-    applied (for measuring publish-to-applied lag).
+    applied (for measuring publish-to-applied lag).  ``probe_after_s`` (None: never)
+    and ``dead_after_s``: when a silent engine is asked whether it is still there,
+    and how long it has to answer before its holders are cleared.
 
     Cost: one index write per event; a replay round trip per continuity check.
     """
@@ -185,6 +199,8 @@ class Subscriber:
         replay_idle_timeout_s: float = 5.0,
         context: zmq.Context | None = None,
         on_commit=None,
+        probe_after_s: float | None = 30.0,
+        dead_after_s: float = 10.0,
     ) -> None:
         keys = [s.key for s in sources]
         if len(set(keys)) != len(keys):
@@ -210,6 +226,14 @@ class Subscriber:
         self._verify: set[str] = set()  # sources whose continuity must be checked first
         self._rejected = False  # the message being handled was a bad frame
         self.last_applied_at: dict[str, float] = {}  # wall-clock time of the last batch
+        for name, value in (("probe_after_s", probe_after_s), ("dead_after_s", dead_after_s)):
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"{name}={value!r}; pass a number of seconds > 0")
+        self.probe_after_s, self.dead_after_s = probe_after_s, dead_after_s
+        now = time.monotonic()
+        self._heard = {key: now for key in self.sources}  # last frame or answer from each
+        self._probes: dict[zmq.Socket, tuple[str, float]] = {}  # asked, and when
+        self._gone: set[str] = set()  # taken as gone: cleared, still asked now and then
         self._subs: dict[zmq.Socket, str] = {}
         self._monitors: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
@@ -278,6 +302,9 @@ class Subscriber:
                     break
                 applied += self._on_message(key, frames)
                 self._maybe_flush()
+        for sock in [sock for sock in self._probes if sock in ready]:
+            self._on_probe_answer(sock)
+        self._check_liveness()
         self.flush()
         return applied
 
@@ -334,10 +361,60 @@ class Subscriber:
         self.save_state(durable=True)
         for sock in self._subs:
             sock.disable_monitor()
-        for sock in [*self._subs, *self._monitors]:
+        for sock in [*self._subs, *self._monitors, *self._probes]:
             sock.close(linger=0)
+        self._probes.clear()
         self._subs.clear()
         self._monitors.clear()
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def _check_liveness(self) -> None:
+        """Ask silent engines whether they are there; clear the ones that do not answer."""
+        if self.probe_after_s is None:
+            return
+        now = time.monotonic()
+        asked = {key: (sock, at) for sock, (key, at) in self._probes.items()}
+        for key, source in self.sources.items():
+            if source.replay_endpoint is None:
+                continue
+            if key in asked:
+                sock, at = asked[key]
+                if now - at >= self.dead_after_s:
+                    self._end_probe(sock)
+                    self._heard[key] = now  # ask again after another silence
+                    if key not in self._gone:
+                        self._gone.add(key)
+                        if key in self.state or self._holds_anything(key):
+                            self.stats[key].gone += 1
+                            self._forget(key, f"nothing heard for {self.probe_after_s:g} s "
+                                              f"and no answer on its replay endpoint for "
+                                              f"{self.dead_after_s:g} s: taken as gone")
+            elif now - self._heard[key] >= self.probe_after_s:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(source.replay_endpoint)
+                # Nowhere to queue it (zmq.Again): no answer will come, and that decides.
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart([b"", _PROBE_FROM.to_bytes(8, "big")], zmq.NOBLOCK)
+                self._probes[sock] = (key, now)
+                self._poller.register(sock, zmq.POLLIN)
+                self.stats[key].probes += 1
+
+    def _on_probe_answer(self, sock: zmq.Socket) -> None:
+        key, _ = self._probes[sock]
+        self._end_probe(sock)
+        self._heard[key] = time.monotonic()
+        if key in self._gone:
+            # Back after being taken as gone (or a slow answer): what it holds now can
+            # only be learned from its buffer, as for an engine never seen before.
+            self._gone.discard(key)
+            self._verify.add(key)
+
+    def _end_probe(self, sock: zmq.Socket) -> None:
+        self._poller.unregister(sock)
+        del self._probes[sock]
+        sock.close(linger=0)
 
     # -- one message -------------------------------------------------------------------------
 
@@ -357,6 +434,8 @@ class Subscriber:
                         "" if parsed is None else f", sequence {parsed[0]}")
             return 0
         seq, payload = parsed
+        self._heard[key] = time.monotonic()
+        self._gone.discard(key)
         live_last = self._live_last.get(key)
         self._live_last[key] = seq
         self._rejected = False
@@ -547,6 +626,7 @@ class Subscriber:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while dealer.poll(idle_ms):
                 parsed = _parse_frames(dealer.recv_multipart())
+                self._heard[key] = time.monotonic()  # an answer: the engine is there
                 if parsed is None:
                     continue
                 if parsed[0] == END_OF_REPLAY:
