@@ -264,3 +264,93 @@ def test_media_aliases_map_to_canonical_tiers(tmp_path):
         apply(index, "e", decode(encode_batch([("removed", [2], "cpu_pinned")], dp_rank=0,
                                               style="sglang")))
         assert index.blocks_of("e#0", medium="CPU").tolist() == [1]
+
+
+def _same_batch(a, b) -> bool:
+    def same_event(x, y) -> bool:
+        if type(x) is not type(y):
+            return False
+        for name in x.__slots__:
+            u, v = getattr(x, name), getattr(y, name)
+            if isinstance(u, np.ndarray) or isinstance(v, np.ndarray):
+                if u is None or v is None or u.dtype != v.dtype or not np.array_equal(u, v):
+                    return False
+            elif u != v:
+                return False
+        return True
+
+    return (a.ts, a.dp_rank, len(a.events)) == (b.ts, b.dp_rank, len(b.events)) and all(
+        same_event(x, y) for x, y in zip(a.events, b.events, strict=True))
+
+
+def test_reading_past_token_ids_gives_what_the_full_decode_gives():
+    """decode() reads the common shape without building the token ids; for engines'
+    payloads in every style, and for fuzzed ones, it answers (or refuses) exactly as
+    building the whole payload does, except that it does not check the text inside the
+    fields it reads past."""
+    from sarp.serving.events import _decode_common, _decode_full
+
+    rng = random.Random(99)
+
+    def events() -> list[tuple]:
+        out = []
+        for _ in range(rng.randrange(1, 5)):
+            r = rng.random()
+            hashes = [rng.getrandbits(64) for _ in range(rng.randrange(1, 9))]
+            if r < 0.5:
+                out.append(("stored", hashes, rng.choice([None, rng.getrandbits(64)]),
+                            rng.choice(["GPU", "cpu", "DISK"])))
+            elif r < 0.9:
+                out.append(("removed", hashes, "GPU"))
+            else:
+                out.append(("cleared",))
+        return out
+
+    good = [encode_batch(events(), style=style, dp_rank=rng.choice([None, 0, 3]),
+                         ts=rng.random() * 1e9)
+            for style in ENCODING_STYLES for _ in range(30)]
+    junk = [None, True, -1, 2**64 - 1, -(2**63), 1.5, "s", b"b", [], {}, [[]], {"type": 1},
+            [1, 1], [[1]] * 3]
+    payloads = list(good)
+    base_of = {}
+    for i in range(3000):
+        base = good[i % len(good)]
+        kind = i % 3
+        if kind == 0:
+            payloads.append(base[: rng.randrange(len(base))])
+        elif kind == 1:
+            mutated = bytearray(base)
+            for _ in range(2):
+                mutated[rng.randrange(len(mutated))] = rng.getrandbits(8)
+            payloads.append(bytes(mutated))
+            base_of[payloads[-1]] = base
+        else:
+            obj = msgpack.unpackb(base, strict_map_key=False)
+            if obj[1]:
+                event = obj[1][rng.randrange(len(obj[1]))]
+                keys = list(event) if isinstance(event, dict) else list(range(len(event)))
+                event[rng.choice(keys)] = rng.choice(junk)
+            if rng.random() < 0.1:
+                obj.append(rng.choice(junk))  # a fourth element, or a bad dp rank
+            payloads.append(msgpack.packb(obj))
+    streamed = lenient = 0
+    for payload in payloads:
+        try:
+            want = _decode_full(payload)
+        except BadEvent:
+            if _decode_common(payload) is not None:
+                # Read past unchecked: bytes inside the token ids that are not valid
+                # text (or a valid extension) sink the full decode only. Such a
+                # mutant still decodes to its unmutated payload's events.
+                assert _same_batch(decode(payload), _decode_full(base_of[payload]))
+                lenient += 1
+            else:
+                with pytest.raises(BadEvent):
+                    decode(payload)
+            continue
+        got = decode(payload)
+        assert _same_batch(got, want), payload
+        streamed += _decode_common(payload) is not None
+    assert all(_decode_common(p) is not None for p in good)  # engines' shape: streamed
+    assert streamed > len(good) + 500  # and most readable mutants too
+    assert lenient < 50

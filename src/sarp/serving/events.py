@@ -118,6 +118,12 @@ def decode(payload: bytes) -> Batch:
     ...     "parent_block_hash": None}]])).events[0].kind
     'repeated_hash'
     """
+    batch = _decode_common(payload)
+    return batch if batch is not None else _decode_full(payload)
+
+
+def _decode_full(payload: bytes) -> Batch:
+    """:func:`decode` of any payload, building every object in it."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
@@ -128,6 +134,84 @@ def decode(payload: bytes) -> Batch:
         raise
     except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
         raise BadEvent(f"malformed event batch: {exc}") from None
+
+
+# Fields of a store that sarp never reads and that make most of its bytes (16 or so
+# token ids per block): the streaming decode reads past them without building them.
+_SKIPPED = frozenset({"token_ids", "extra_keys"})
+_ARRAY_TYPES = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])  # msgpack array headers
+_MAP_TYPES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # and map headers
+
+
+def _decode_common(payload: bytes) -> Batch | None:
+    """:func:`decode` for the shape engines send, a ``[ts, events(, dp_rank)]`` array of
+    tagged-array or map events, reading past token ids instead of building a Python
+    int for each (they are most of a store's bytes).  None for anything else or
+    anything wrong, and the caller decodes the whole payload: so the answer is the one
+    the full decode gives, except that the fields read past are not checked (text in
+    them that is not UTF-8 does not sink the batch).
+
+    Cost: a few method calls per field, none per token.
+    """
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(payload)
+    try:
+        if payload[0] not in _ARRAY_TYPES:
+            return None
+        size = unpacker.read_array_header()
+        if not 2 <= size <= 3:
+            return None
+        ts = unpacker.unpack()
+        if payload[unpacker.tell()] not in _ARRAY_TYPES:
+            return None
+        events = []
+        for _ in range(unpacker.read_array_header()):
+            event = _event_streamed(unpacker, payload)
+            if event is None:
+                return None
+            events.append(event)
+        dp_rank = unpacker.unpack() if size == 3 else None
+        if unpacker.tell() != len(payload):
+            return None
+    except Exception:  # msgpack raises several unrelated types on bad input
+        return None
+    if (not isinstance(ts, int | float) or isinstance(ts, bool) or not math.isfinite(ts)
+            or (dp_rank is not None and (not isinstance(dp_rank, int)
+                                         or isinstance(dp_rank, bool)
+                                         or not 0 <= dp_rank <= MAX_DP_RANK))):
+        return None  # the full decode says what is wrong
+    return Batch(float(ts), events, dp_rank)
+
+
+def _event_streamed(unpacker: msgpack.Unpacker, payload: bytes) -> Event | None:
+    """The next event, with the fields the full decode would give it but the skipped
+    ones; None when it is neither a non-empty array nor a map."""
+    head = payload[unpacker.tell()]
+    fields: dict = {}
+    if head in _ARRAY_TYPES:
+        count = unpacker.read_array_header()
+        if not count:
+            return None
+        kind = unpacker.unpack()
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(
+            kind, ()) if isinstance(kind, str) else ()
+        for i in range(count - 1):
+            name = names[i] if i < len(names) else None
+            if name is None or name in _SKIPPED:
+                unpacker.skip()
+            else:
+                fields[name] = unpacker.unpack()
+    elif head in _MAP_TYPES:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in _SKIPPED:
+                unpacker.skip()
+            else:
+                fields[key] = unpacker.unpack()
+        kind = fields.get("type")
+    else:
+        return None
+    return _checked_event(kind, fields)
 
 
 def _batch(obj: object) -> Batch:
@@ -161,17 +245,19 @@ class _Fault(Exception):
 
 
 def _event_or_malformed(obj: object) -> Event:
-    kind = None
+    if isinstance(obj, dict):
+        return _checked_event(obj.get("type"), obj)
+    if isinstance(obj, list | tuple) and obj:
+        kind = obj[0]
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(
+            kind, ()) if isinstance(kind, str) else ()
+        return _checked_event(kind, dict(zip(names, obj[1:], strict=False)))
+    return Malformed("malformed", f"an event is a tagged array or map, got {_show(obj)}", None)
+
+
+def _checked_event(kind: object, fields: dict) -> Event:
+    """The event ``kind`` with ``fields``, or a :class:`Malformed` saying what is wrong."""
     try:
-        if isinstance(obj, dict):
-            kind, fields = obj.get("type"), obj
-        elif isinstance(obj, list | tuple) and obj:
-            kind = obj[0]
-            names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(
-                kind, ()) if isinstance(kind, str) else ()
-            fields = dict(zip(names, obj[1:], strict=False))
-        else:
-            raise _Fault("malformed", f"an event is a tagged array or map, got {_show(obj)}")
         return _event(kind, fields)
     except _Fault as fault:
         return Malformed(fault.kind, fault.reason, kind if isinstance(kind, str) else None,
@@ -468,6 +554,18 @@ def encode_batch(
 ENCODING_STYLES = ("vllm-0.11", "vllm-0.33", "sglang")
 
 
+BLOCK_SIZE = 16  # tokens per block in the events encode_batch makes
+
+
+def _tokens_of(hashes) -> list[int]:
+    """Token ids for the stored blocks, ``BLOCK_SIZE`` per block, as engines send them
+    (the payload's bulk; the index never reads them).  Made up from the hashes: ids
+    below 2**17, like a real vocabulary's."""
+    h = np.repeat(np.asarray([int(x) for x in hashes], np.uint64), BLOCK_SIZE)
+    shifts = np.tile(np.arange(BLOCK_SIZE, dtype=np.uint64) * np.uint64(3), len(hashes))
+    return ((h >> shifts) & np.uint64(0x1FFFF)).tolist()
+
+
 def _encode_event(e: tuple, style: str) -> object:
     def ints(hashes) -> list[int]:
         values = [int(h) for h in hashes]
@@ -478,10 +576,12 @@ def _encode_event(e: tuple, style: str) -> object:
     if e[0] == "stored":
         parent = None if e[2] is None else ints([e[2]])[0]
         group = e[4] if len(e) > 4 else None
+        tokens = _tokens_of(e[1])
         if style == "vllm-0.11":
-            return ["BlockStored", ints(e[1]), parent, [], 16, None, e[3], None]
+            return ["BlockStored", ints(e[1]), parent, tokens, BLOCK_SIZE, None, e[3], None]
         event = {"type": "BlockStored", "block_hashes": ints(e[1]), "parent_block_hash": parent,
-                 "token_ids": [], "block_size": 16, "lora_id": None, "medium": e[3]}
+                 "token_ids": tokens, "block_size": BLOCK_SIZE, "lora_id": None,
+                 "medium": e[3]}
         if style == "vllm-0.33":
             event["lora_name"] = None
         if group is not None:
