@@ -390,3 +390,17 @@ def test_reinserting_a_chain_around_a_segment_that_outlived_its_parent(tmp_path)
         assert index.match([1, 2, 3, 4, 5, 6, 7]).by_holder == {"c": 7}
         assert "b" not in index.match([1, 2, 3, 4, 5, 6]).by_holder  # b holds no prefix
         assert index.check() == []
+
+
+def test_meta_of_blocks_another_holder_stored_first(tmp_path):
+    """A store that re-stores others' blocks (found by walking segments) and extends
+    them keeps each holder's own meta for each block."""
+    with sarp.open(tmp_path / "ix", segment_blocks=4) as ix:
+        ix.insert(chain(1, 6), holder="w0", meta=[10, 11, 12, 13, 14, 15])
+        ix.insert(chain(3, 6), parent=2, holder="w1", meta=[23, 24, 25, 26, 27, 28])  # 7, 8 new
+        ix.insert(chain(1, 2), holder="w1", meta=[21, 22])
+        m = ix.match(chain(1, 8), with_meta=True)
+        assert m.num_blocks == 8 and m.by_holder == {"w0": 6, "w1": 8}
+        assert m.meta[("w0", "GPU")].tolist() == [10, 11, 12, 13, 14, 15]
+        assert m.meta[("w1", "GPU")].tolist() == [21, 22, 23, 24, 25, 26, 27, 28]
+        assert ix.check() == []
