@@ -19,7 +19,10 @@ Three measurements on one index built from the trace (hashes mixed like engines'
 The event stream: 4 engines with LRU caches serve the trace with random routing,
 recorded once (vLLM encodings); a publisher process replays it over real ZeroMQ
 sockets, keeping at most ``--max-ahead`` batches ahead of what serve has applied, so
-"busy" is serve's full apply rate and "idle" starts with no backlog.
+"busy" is serve's full apply rate and "idle" starts with no backlog.  Before any
+measurement serve applies the whole recorded stream once (a fixed amount, so the
+index measured does not depend on how fast serve is); (c) runs on exactly that
+index, then (a).
 """
 
 from __future__ import annotations
@@ -77,20 +80,26 @@ def publisher_main(events_file: str, endpoints_out, control, state_path: str,
     ctx = zmq.Context.instance()
     pubs = [EnginePublisher(ctx, buffer_batches=200_000) for _ in range(ENGINES)]
     endpoints_out.send([(p.endpoint, p.replay_endpoint) for p in pubs])
-    on, i, published = False, 0, 0
+    on, i, published, limit = False, 0, 0, None
     while True:
         if control.poll(0 if on else 0.05):
             cmd = control.recv()
             if cmd == "stop":
                 break
-            on = cmd == "on"
+            # "on", "off", or ("until", N): publish until N batches in all, then stop
+            on = cmd == "on" or isinstance(cmd, tuple)
+            limit = cmd[1] if isinstance(cmd, tuple) else None
             control.send(("ok", published))
         if not on:
+            continue
+        if limit is not None and published >= limit:
+            on = False
             continue
         if published - _applied(state_path) > max_ahead:
             time.sleep(0.002)  # serve is behind: wait (cheaply) for it to apply
             continue
-        for _ in range(max_ahead // 4):
+        for _ in range(max_ahead // 4 if limit is None else min(max_ahead // 4,
+                                                                 limit - published)):
             engine, payload = events[i % len(events)]
             pubs[engine].publish(payload)
             i += 1
@@ -334,8 +343,12 @@ def main() -> None:
     try:
         wait_http(port)
         pids = {"serve": serve.pid, "publisher": publisher.pid}
-        result["throughput"] = throughput_passes(args, str(path), queries_file, ctl_here, pids)
+        # Warm up by a fixed amount, not a fixed time: the whole recorded stream once
+        # (evictions, new branches), so the index every pass sees does not depend on
+        # how fast serve applies. The HTTP passes answer from exactly that state.
+        _ingest_batches(ctl_here, path / "subscriber.json", len(events))
         result["http"] = http_passes(args, port, str(path), queries, queries_file)
+        result["throughput"] = throughput_passes(args, str(path), queries_file, ctl_here, pids)
     finally:
         ctl_here.send("stop")
         publisher.join(timeout=10)
@@ -356,9 +369,6 @@ def main() -> None:
 def throughput_passes(args, path: str, queries_file: str, control, pids: dict) -> dict:
     state = Path(path) / "subscriber.json"
     out: dict = {}
-    # Warm up: the event stream reshapes the index (evictions, new branches); every
-    # measured pass, idle or busy, should see an index in that steady state.
-    _ingest_for(control, state, 2 * args.pass_s)
     for n in (1, 2):
         idle, busy, applied, cores = [], [], [], []
         for _ in range(args.passes):
@@ -386,10 +396,13 @@ def throughput_passes(args, path: str, queries_file: str, control, pids: dict) -
     return out
 
 
-def _ingest_for(control, state: Path, seconds: float) -> None:
-    control.send("on")
-    control.recv()
-    time.sleep(seconds)
+def _ingest_batches(control, state: Path, count: int) -> None:
+    """Have the publisher send ``count`` batches, and serve apply them all."""
+    control.send(("until", count))
+    _, published = control.recv()
+    deadline = time.monotonic() + 600
+    while _applied(str(state)) < published + count and time.monotonic() < deadline:
+        time.sleep(0.05)
     _stop_and_drain(control, state)
 
 
