@@ -100,9 +100,9 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None) 
 def _report(subscriber: Subscriber) -> None:
     for name, s in subscriber.summary().items():
         log.info("%s: seq %s, %d batches, %d gaps, %d replayed, %d restarts, "
-                 "%d bad batches, %d bad frames, bad events %s", name,
+                 "%d times gone, %d bad batches, %d bad frames, bad events %s", name,
                  s["last_seq"], s["batches"], s["gaps"], s["replayed"],
-                 s["restarts"], s["bad_payloads"], s["bad_frames"],
+                 s["restarts"], s["gone"], s["bad_payloads"], s["bad_frames"],
                  dict(s["applied"]["bad_events"]) or "none")
 
 
