@@ -456,3 +456,40 @@ def test_an_engine_killed_with_sigkill_is_taken_as_gone_and_its_blocks_forgotten
                 proc.kill()
                 proc.wait()
         sub.close()
+
+
+def test_an_engine_that_publishes_while_asked_is_not_taken_as_gone(index):
+    """A probe goes out after a silence; the engine's replay endpoint never answers
+    (a ROUTER nobody reads), but it publishes again before the probe times out: it is
+    alive, and its blocks stay."""
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind("tcp://127.0.0.1:*")
+    router.bind("tcp://127.0.0.1:*")
+    endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (pub, router)]
+    sub = Subscriber(index, [Source("e", *endpoints)], probe_after_s=0.3, dead_after_s=1.5,
+                     replay_idle_timeout_s=0.2)
+
+    def poll_for(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            sub.poll(10)
+
+    def publish(seq: int, hashes: list[int], parent: int | None) -> None:
+        payload = encode_batch([("stored", hashes, parent, "GPU")], ts=time.time(), dp_rank=0)
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    try:
+        poll_for(0.5)  # connected
+        t0 = time.monotonic()
+        publish(0, [11, 12], None)
+        poll_for(0.9)  # a probe goes out at about t0 + 0.3, due at t0 + 1.8
+        assert sub.stats["e"].probes >= 1
+        publish(1, [13], 12)  # heard from: the next probe goes out at about t0 + 1.2
+        poll_for(t0 + 2.25 - time.monotonic())  # past the first probe's deadline only
+        assert sub.stats["e"].gone == 0
+        assert held(index, "e#0") == {11, 12, 13}
+    finally:
+        sub.close()
+        pub.close(linger=0)
+        router.close(linger=0)

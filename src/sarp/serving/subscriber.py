@@ -35,8 +35,8 @@ are cleared); a bad event inside a readable batch is skipped (:func:`sarp.servin
 An engine that dies stops publishing, but so does one that is idle.  So a source
 with a replay endpoint that has sent nothing for ``probe_after_s`` is asked on it
 (for sequences beyond any it has: the answer is just the end marker); an engine
-that does not answer within ``dead_after_s`` is taken as gone and its holders are
-cleared.  If it answers later it is back: its buffer is replayed from sequence 0,
+that neither answers nor publishes within ``dead_after_s`` is taken as gone and its
+holders are cleared.  If it answers later it is back: its buffer is replayed from sequence 0,
 as for any engine the subscriber knows nothing about.  A source without a replay
 endpoint cannot be asked, and keeps its holders until it publishes again.
 
@@ -380,7 +380,9 @@ class Subscriber:
                 continue
             if key in asked:
                 sock, at = asked[key]
-                if now - at >= self.dead_after_s:
+                if self._heard[key] > at:  # it published (or answered a replay) since
+                    self._end_probe(sock)
+                elif now - at >= self.dead_after_s:
                     self._end_probe(sock)
                     self._heard[key] = now  # ask again after another silence
                     if key not in self._gone:
