@@ -493,18 +493,7 @@ class Index:
         ...     index.insert([1, 2, 3], holder="w0"), index.insert([4], parent=3, holder="w0")
         (3, 1)
         """
-        chain = as_hashes(hashes)
-        parent_hash = None if parent is None else as_hash(parent)
-        fault = repeats(chain, parent_hash)
-        if fault == "repeat":
-            raise ValueError(
-                "hashes repeat a value; a chain of block hashes names each block once "
-                "(hash blocks with their parent, e.g. sarp.hash_blocks)"
-            )
-        if fault == "parent":
-            raise ValueError(
-                f"parent={parent_hash} also appears in hashes; pass only the blocks after it"
-            )
+        chain, parent_hash = _chain_after(hashes, parent)
         name = _holder_name(holder, medium)
         values = _as_meta(meta, chain.size)
         with self._lock:
@@ -996,15 +985,7 @@ def _prepare(op: tuple) -> tuple:
     kind = op[0] if isinstance(op, tuple | list) and op else None
     if kind == "insert":
         _, hashes, parent, holder, medium = op
-        chain = as_hashes(hashes)
-        parent_hash = None if parent is None else as_hash(parent)
-        fault = repeats(chain, parent_hash)
-        if fault == "repeat":
-            raise ValueError("hashes repeat a value; a chain of block hashes names each block "
-                             "once (hash blocks with their parent, e.g. sarp.hash_blocks)")
-        if fault == "parent":
-            raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
-                             "blocks after it")
+        chain, parent_hash = _chain_after(hashes, parent)
         return ("insert", chain, parent_hash, _holder_name(holder, medium), None)
     if kind == "remove":
         _, hashes, holder, medium = op
@@ -1017,6 +998,20 @@ def _prepare(op: tuple) -> tuple:
             raise ValueError(f"holder={holder!r}; pass the instance name as a non-empty str")
         return ("clear", holder, medium)
     raise ValueError(f"batch operation {kind!r}; use 'insert', 'remove' or 'clear'")
+
+
+def _chain_after(hashes: HashesLike, parent: object) -> tuple[np.ndarray, int | None]:
+    """An insert's hashes and parent, checked: no hash twice, the parent not among them."""
+    chain = as_hashes(hashes)
+    parent_hash = None if parent is None else as_hash(parent)
+    fault = repeats(chain, parent_hash)
+    if fault == "repeat":
+        raise ValueError("hashes repeat a value; a chain of block hashes names each block "
+                         "once (hash blocks with their parent, e.g. sarp.hash_blocks)")
+    if fault == "parent":
+        raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
+                         "blocks after it")
+    return chain, parent_hash
 
 
 def _holders_version(r: ReadTxn) -> tuple[int, int]:

@@ -151,38 +151,12 @@ def _padded(raw: bytes) -> bytes:
     return raw + b"\0" * (_pad8(len(raw)) - len(raw))
 
 
-@dataclass(slots=True)
-class RecordView:
-    """A checked record's header and section offsets, without building arrays.
-
-    The match path reads hashes and presence straight from ``record`` through it.
-    """
-
-    seg_id: int
-    record: bytes
-    flags: int
-    num_blocks: int
-    num_holders: int
-    start_pos: int
-    parent: int | None
-    holders_at: int
-    presence_at: int
-    meta_at: int
-
-    HASHES_AT = _HEADER.size
-
-
-def peek(seg_id: int, record: bytes) -> RecordView:
-    """Check a record (checksum, magic, sizes) and locate its sections.
-
-    Cost: one xxh3 pass over the record; no per-block work.
-    """
-    return RecordView(seg_id, record, *layout(seg_id, record))
+HASHES_AT = _HEADER.size  # where a record's hashes start
 
 
 def layout(seg_id: int, record: bytes) -> tuple[int, int, int, int, int | None, int, int, int]:
-    """:func:`peek` as a plain tuple, for the match path: ``(flags, num_blocks,
-    num_holders, start_pos, parent, holders_at, presence_at, meta_at)``.
+    """Check a record (checksum, magic, sizes) and locate its sections: ``(flags,
+    num_blocks, num_holders, start_pos, parent, holders_at, presence_at, meta_at)``.
 
     Cost: one xxh3 pass over the record; no per-block work, no object built.
     """
@@ -220,7 +194,7 @@ def decode(seg_id: int, record: bytes) -> Segment:
         seg_id,
         start_pos,
         parent,
-        np.frombuffer(buf, "<u8", n, RecordView.HASHES_AT),
+        np.frombuffer(buf, "<u8", n, HASHES_AT),
         np.frombuffer(buf, "<u2", nh, holders_at),
         np.frombuffer(buf, np.uint8, nh * n, presence_at).reshape(nh, n),
         meta,

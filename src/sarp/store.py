@@ -499,9 +499,7 @@ class WriteTxn(WriteLogic):
 
     def delete_segment(self, seg: Segment) -> None:
         self.txn.delete(_U64.pack(seg.seg_id), db=self._store.segments_db)
-        # consumed in C: no Python per block
-        deque(map(partial(self.txn.delete, db=self._store.blocks_db), hash_keys(seg.hashes)),
-              maxlen=0)
+        self.release_blocks(seg.hashes)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Segment id and offset of each hash (segment id 0 where absent), batched.
@@ -553,10 +551,12 @@ class WriteTxn(WriteLogic):
         return False
 
     def release_blocks(self, hashes: np.ndarray) -> None:
-        """Delete the ``blocks`` entries of ``hashes`` (undoing a claim)."""
-        blocks = self._store.blocks_db
-        for key in hash_keys(hashes):
-            self.txn.delete(key, db=blocks)
+        """Delete the ``blocks`` entries of ``hashes`` (a dead segment's, or a claim undone).
+
+        Consumed in C: no Python per block.
+        """
+        deque(map(partial(self.txn.delete, db=self._store.blocks_db), hash_keys(hashes)),
+              maxlen=0)
 
     def log(self, entries: list[tuple[int, int]]) -> None:
         """Append ``(segment id, first hash)`` entries to the log, in order.

@@ -557,8 +557,7 @@ class ValkeyWriteTxn(WriteLogic):
 
     def delete_segment(self, seg: Segment) -> None:
         self._put("seg", _U64.pack(seg.seg_id), None)
-        for key in hash_keys(seg.hashes):
-            self._put("blk", key, None)
+        self.release_blocks(seg.hashes)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``."""
@@ -589,9 +588,8 @@ class ValkeyWriteTxn(WriteLogic):
         return True
 
     def release_blocks(self, hashes: np.ndarray) -> None:
-        pending = self._pending["blk"]
-        for key in hash_keys(hashes):
-            pending[key] = None
+        """Delete the ``blocks`` entries of ``hashes`` at commit (no Python per block)."""
+        self._pending["blk"].update(dict.fromkeys(hash_keys(hashes)))
 
     def log(self, entries: list[tuple[int, int]]) -> None:
         first = self._take_seqs(len(entries))

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .segment import RecordView, Segment, decode, layout
+from .segment import HASHES_AT, Segment, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
-_HASHES_AT = RecordView.HASHES_AT
+_HASHES_AT = HASHES_AT
 
 
 def examine(
