@@ -209,3 +209,70 @@ def test_a_request_without_a_full_block_matches_nothing(service):
                                                                  "instances": []})
     status, body = match(service["port"], {"token_ids": [1, 2, 3]})  # < one 16-token block
     assert status == 200 and body["matched_blocks"] == 0
+
+
+def _healthz_pid(conn: http.client.HTTPConnection) -> int:
+    conn.request("GET", "/healthz")
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return json.loads(resp.read())["pid"]
+
+
+def test_a_pool_of_keepalive_connections_is_spread_evenly_over_the_workers(service):
+    # A gateway's connection pool: with SO_REUSEPORT's hash, 8 connections landed 7 on
+    # one of two workers in one run of 5; dealt in turn they land 4 and 4.
+    conns = [http.client.HTTPConnection("127.0.0.1", service["port"], timeout=10)
+             for _ in range(8)]
+    try:
+        pids = [_healthz_pid(conn) for conn in conns]
+        assert [_healthz_pid(conn) for conn in conns] == pids  # kept alive, same worker
+    finally:
+        for conn in conns:
+            conn.close()
+    assert sorted(pids.count(p) for p in set(pids)) == [4, 4]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_leave_with_a_killed_serve_and_a_taken_port_changes_nothing(tmp_path):
+    port = free_port()
+    folder = tmp_path / "ix"
+    cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(folder), "--source",
+           "e=tcp://127.0.0.1:9", "--probe-after-s", "0", "--http", f"127.0.0.1:{port}",
+           "--http-workers", "2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                         for _ in range(2)]
+                workers = {_healthz_pid(conn) for conn in conns}
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "sarp serve --http never answered"
+                time.sleep(0.1)
+        assert len(workers) == 2 and proc.pid not in workers
+        # a second serve on the same port is refused before it opens its index
+        other = subprocess.run([*cmd[:5], str(tmp_path / "other"), *cmd[6:]],
+                               capture_output=True, text=True, timeout=60)
+        assert other.returncode == 2
+        assert f"--http 127.0.0.1:{port}: cannot listen there" in other.stderr
+        assert not (tmp_path / "other").exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    # serve's end of each worker's socket pair closed with it: the workers exit
+    # rather than answer from an index nobody writes any more
+    deadline = time.monotonic() + 20
+    while not all(_gone(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived serve"
+        time.sleep(0.1)
+    with pytest.raises(OSError):
+        call(port, "GET", "/healthz", timeout_s=2)

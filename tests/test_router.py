@@ -91,3 +91,38 @@ def test_token_ids_are_hashed_in_the_engines_scheme(index):
                     seed="42")
     assert only.matched_blocks == 4 and only.matched_tokens == 64
     assert score(index, token_ids=tokens, block_size=16) == []  # xxh3 names other blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scores_equal_the_per_block_definition(tmp_path, seed):
+    """Each block of an instance's prefix counts the best medium holding it; instances in
+    one medium take the shortcut (no per-block work), the others the per-block path."""
+    rng = np.random.default_rng(seed)
+    weights = {"GPU": 1.0, "CPU": 0.7, "DISK": 0.4}
+    chains = [[1000 * c + k for k in range(12)] for c in range(3)]
+    with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=4) as index:
+        for _ in range(30):
+            chain = chains[rng.integers(3)]
+            holder = f"w{rng.integers(4)}"
+            medium = ["GPU", "CPU", "DISK"][rng.integers(3 if holder == "w0" else 1)]
+            lo, hi = sorted(rng.integers(0, 13, 2).tolist())
+            if rng.random() < 0.7 and hi:
+                index.insert(chain[:hi], holder=holder, medium=medium)
+            elif hi > lo:
+                index.remove(chain[lo:hi], holder=holder, medium=medium)
+        for chain in chains:
+            query = chain + [7]
+            m, scores = score_match(index, query, weights=weights)
+            full = index.match(query, with_presence=True)
+            expected = {}
+            for instance, blocks in full.by_holder.items():
+                media = [md for (inst, md) in full.presence if inst == instance]
+                best = [max((md for md in media if full.presence[(instance, md)][k]),
+                            key=weights.get) for k in range(blocks)]
+                expected[instance] = ({md: best.count(md) for md in set(best)},
+                                      sum(weights[md] for md in best))
+            got = {s.instance: (s.by_medium, s.score) for s in scores}
+            assert got.keys() == expected.keys()
+            for instance, (by_medium, total) in expected.items():
+                assert got[instance][0] == by_medium
+                assert got[instance][1] == pytest.approx(total)

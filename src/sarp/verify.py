@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .segment import HASHES_AT, Segment, decode, layout
+from .segment import HASHES_AT, Segment, checked_presence, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
 _HASHES_AT = HASHES_AT
@@ -180,14 +180,14 @@ class PrefixWalk:
                 self._extend(self._instances, instances, runs, any_run)
             else:
                 inst_ids, inst_presence = group_rows(
-                    decode(seg_id, record).presence[:, :any_run], np.array(instances, np.int64)
+                    checked_presence(record)[:, :any_run], np.array(instances, np.int64)
                 )
                 _, inst_runs = leading_runs(inst_presence, any_run)
                 self._extend(self._instances, inst_ids.tolist(), inst_runs, any_run)
         if self._with_meta:
             self._take_meta(decode(seg_id, record), holder_ids, runs)
         if self._steps is not None:
-            rows = decode(seg_id, record).presence[:, :any_run].astype(bool)
+            rows = checked_presence(record)[:, :any_run].astype(bool)
             self._steps.append((holder_ids, rows))
         self._first = False
         self.total += any_run
@@ -243,12 +243,17 @@ class PrefixWalk:
                     meta[(instance, medium)] = np.concatenate(self._meta[holder_id])[: state[0]]
         presence = {}
         if self._steps is not None:
-            for holder_id in {h for ids, _ in self._steps for h in ids} & holder_names.keys():
-                parts = []
-                for ids, rows in self._steps:
-                    if holder_id in ids:
-                        parts.append(rows[ids.index(holder_id)])
-                    else:
-                        parts.append(np.zeros(rows.shape[1], bool))
-                presence[holder_names[holder_id]] = np.concatenate(parts)
+            # one row per named holder over every verified block, filled step by step
+            named = {h for ids, _ in self._steps for h in ids} & holder_names.keys()
+            row_of = {h: i for i, h in enumerate(named)}
+            table = np.zeros((len(row_of), self.total), bool)
+            at = 0
+            for ids, rows in self._steps:
+                width = rows.shape[1]
+                for k, holder_id in enumerate(ids):
+                    i = row_of.get(holder_id)
+                    if i is not None:
+                        table[i, at : at + width] = rows[k]
+                at += width
+            presence = {holder_names[h]: table[i] for h, i in row_of.items()}
         return Match(self.total, by_holder, by_medium, meta, reads, presence)

@@ -21,26 +21,35 @@ Endpoints:
   caught up since serve started, and the writer's status is fresh.
 
 Queries are answered by worker processes, each with its own ``readonly=True`` open
-of the index and its own aiohttp server on the same port (``SO_REUSEPORT``: the
-kernel spreads connections).  Processes, not threads, because ingestion and
-matching are both CPU work in Python: in one process they would take turns on the
-GIL, and a burst of queries would stall ingestion.  aiohttp because it is a
-maintained server with a C HTTP parser, keep-alive, request size limits, and
-``reuse_port``; orjson parses a 1,350-hash body in a quarter of the time of the
-standard ``json``.  prometheus_client's multiprocess mode sums the workers'
-counters.  This module is the only one that imports aiohttp, orjson and
-prometheus_client.
+of the index and its own aiohttp server.  Processes, not threads, because ingestion
+and matching are both CPU work in Python: in one process they would take turns on
+the GIL, and a burst of queries would stall ingestion.  serve's process owns the
+listening socket and deals each accepted connection to the workers in turn (its
+file descriptor passed over a Unix socket pair, :class:`ConnectionDealer`): a
+gateway's pool of 8 keep-alive connections lands 4 and 4 on two workers, where
+``SO_REUSEPORT``'s hash put 7 on one of them in one run of 5; and workers whose
+serve is gone see their socket pair close and exit instead of answering on.
+aiohttp because it is a maintained server with a C HTTP parser, keep-alive and
+request size limits, and it serves an accepted socket; orjson parses a 1,350-hash
+body in a quarter of the time of the standard ``json``.  prometheus_client's
+multiprocess mode sums the workers' counters.  This module is the only one that
+imports aiohttp, orjson and prometheus_client.
 """
 
 from __future__ import annotations
 
 import array
+import asyncio
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
+import socket
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +88,87 @@ def parse_address(text: str) -> tuple[str, int]:
     """
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--http {text!r}: write HOST:PORT, e.g. 127.0.0.1:8080")
-    return host, int(port)
+        raise ValueError(f"--http {text!r}: write HOST:PORT, e.g. 127.0.0.1:8080 "
+                         "or [::1]:8080")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+class ConnectionDealer:
+    """serve's side of the HTTP service: listens on HOST:PORT and deals each accepted
+    connection to the next live worker, round robin.
+
+    A connection's file descriptor goes to its worker over a Unix socket pair
+    (``SCM_RIGHTS``); the worker serves it to the end (keep-alive included).
+    Dealing in turn spreads a client's connections evenly, whatever their ports;
+    one accept per connection costs serve's process a few microseconds, and
+    requests never pass through it.  Binding here also means a port in use fails
+    ``sarp serve`` at once, with the address in the message.
+
+    Cost: one accept and one ``sendmsg`` per connection, on a thread of serve.
+
+    >>> dealer = ConnectionDealer("127.0.0.1", 0, workers=2)
+    >>> len(dealer.worker_ends), dealer.listener.getsockname()[0]
+    (2, '127.0.0.1')
+    >>> dealer.close()
+    """
+
+    def __init__(self, host: str, port: int, workers: int) -> None:
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)[0][0]
+            self.listener = socket.create_server((host, port), family=family, backlog=1024)
+        except OSError as exc:
+            raise ValueError(f"--http {host}:{port}: cannot listen there ({exc}); pick a free "
+                             "port, or stop what holds it") from exc
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                 for _ in range(workers)]
+        self._ours = [a for a, _ in pairs]
+        self.worker_ends = [b for _, b in pairs]  # one per worker process, passed at spawn
+        self._live = list(range(workers))
+        self._next = 0
+        self.dealt = [0] * workers
+        self._thread = threading.Thread(target=self._deal, name="sarp-http-dealer",
+                                        daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        """Start dealing (after the workers were spawned with :attr:`worker_ends`)."""
+        for end in self.worker_ends:
+            end.close()  # the workers hold their copies
+        self._thread.start()
+        self._started = True
+
+    def _deal(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed: serve is stopping
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while self._live:
+                    k = self._live[self._next % len(self._live)]
+                    self._next += 1
+                    try:
+                        socket.send_fds(self._ours[k], [b"c"], [conn.fileno()])
+                        self.dealt[k] += 1
+                        break
+                    except OSError as exc:  # that worker is gone
+                        log.error("sarp: HTTP worker %d is gone (%s); dealing to the others",
+                                  k, exc)
+                        self._live.remove(k)
+                else:
+                    log.error("sarp: no HTTP worker is left; connection refused")
+
+    def close(self) -> None:
+        """Stop accepting, and tell the workers (their socket pairs close)."""
+        with contextlib.suppress(OSError):  # closed already
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
+        self.listener.close()
+        if self._started:
+            self._thread.join(timeout=5)
+        for end in self._ours + self.worker_ends:
+            end.close()
 
 
 # -- the status file the writer keeps --------------------------------------------------------
@@ -227,21 +315,65 @@ def _show(value: object) -> str:
 # -- the worker -----------------------------------------------------------------------------
 
 
-def worker_main(config: HttpConfig) -> None:
-    """One HTTP worker process: a readonly open of the index and an aiohttp server."""
+def worker_main(config: HttpConfig, channel: socket.socket) -> None:
+    """One HTTP worker process: a readonly open of the index, and an aiohttp server
+    for the connections serve's :class:`ConnectionDealer` passes over ``channel``.
+    It stops at SIGTERM or SIGINT, or when serve closes (or loses) its end."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
     import uvloop
-    from aiohttp import web
 
     import sarp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     index = sarp.open(config.index_path, readonly=True)
-    app = make_app(index, config)
-    web.run_app(app, host=config.host, port=config.port, reuse_port=True, access_log=None,
-                print=None, handle_signals=True, shutdown_timeout=1.0,
-                loop=uvloop.new_event_loop())
-    index.close()
+    try:
+        uvloop.run(_serve_dealt(make_app(index, config), channel))
+    finally:
+        index.close()
+
+
+async def _serve_dealt(app, channel: socket.socket) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, done.set)
+    adopting: set[asyncio.Task] = set()
+
+    async def adopt(conn: socket.socket) -> None:
+        try:
+            await loop.connect_accepted_socket(runner.server, conn)
+        except OSError:  # the client left before we got to it
+            conn.close()
+
+    def take() -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(channel, 64, 64)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg, fds = b"", []
+            if not msg and not fds:  # serve closed its end: it is stopping, or gone
+                done.set()
+                loop.remove_reader(channel.fileno())
+                return
+            for fd in fds:
+                task = loop.create_task(adopt(socket.socket(fileno=fd)))
+                adopting.add(task)
+                task.add_done_callback(adopting.discard)
+
+    channel.setblocking(False)
+    loop.add_reader(channel.fileno(), take)
+    try:
+        await done.wait()
+    finally:
+        loop.remove_reader(channel.fileno())
+        channel.close()
+        await runner.cleanup()
 
 
 def make_app(index, config: HttpConfig):
@@ -325,7 +457,8 @@ _NOTHING = {"matched_blocks": 0, "instances": []}
 
 
 def _answer(m, scores) -> dict:
-    return {"matched_blocks": m.num_blocks, "instances": [asdict(s) for s in scores]}
+    # orjson writes the InstanceScore dataclasses' fields itself, in their order
+    return {"matched_blocks": m.num_blocks, "instances": scores}
 
 
 class _StatusCollector:

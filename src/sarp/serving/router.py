@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -21,9 +22,11 @@ from .media import canonical_medium
 
 log = logging.getLogger("sarp.router")
 
-DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5}
+DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"GPU": 1.0, "CPU": 0.8,
+                                                               "DISK": 0.5})
 UNKNOWN_TIER_WEIGHT = 0.3
 _warned_unknown: set[str] = set()
+_default_scorers: dict[int | None, _Scorer] = {}  # by block_size, for the default weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,7 @@ def score_match(
         if token_ids is None or block_size is None:
             raise ValueError("pass hashes, or token_ids together with block_size")
         hashes = hash_blocks(token_ids, block_size, scheme=scheme, seed=seed)
-    scorer = _Scorer(weights, unknown_weight, block_size)
+    scorer = _scorer(weights, unknown_weight, block_size)
     m = index.match(hashes, with_presence=True)
     return m, scorer.scores(m)
 
@@ -127,8 +130,21 @@ def score_many(
     ...     [[s.instance for s in scores] for _, scores in score_many(index, [[1, 2], [5]])]
     [['w0'], []]
     """
-    scorer = _Scorer(weights, unknown_weight, block_size)
+    scorer = _scorer(weights, unknown_weight, block_size)
     return [(m, scorer.scores(m)) for m in index.match_many(chains, with_presence=True)]
+
+
+def _scorer(weights: Mapping[str, float], unknown_weight: float,
+            block_size: int | None) -> _Scorer:
+    """A scorer with checked weights; the default weights' are checked once."""
+    if weights is not DEFAULT_TIER_WEIGHTS or unknown_weight != UNKNOWN_TIER_WEIGHT:
+        return _Scorer(weights, unknown_weight, block_size)
+    scorer = _default_scorers.get(block_size) if type(block_size) in (int, type(None)) else None
+    if scorer is None:
+        scorer = _Scorer(weights, unknown_weight, block_size)  # raises for a bad block_size
+        if len(_default_scorers) < 64:
+            _default_scorers[block_size] = scorer
+    return scorer
 
 
 class _Scorer:
@@ -159,13 +175,26 @@ class _Scorer:
 
     def scores(self, m: Match) -> list[InstanceScore]:
         out = []
+        media_of: dict[str, list[str]] = {}
+        for inst, medium in m.presence:
+            media_of.setdefault(inst, []).append(medium)
         for instance, blocks in m.by_holder.items():
-            media = sorted(medium for (inst, medium) in m.presence if inst == instance)
-            rows = np.stack([m.presence[(instance, medium)][:blocks] for medium in media])
-            w = np.array([self.weight_of(medium) for medium in media])
-            weighted = rows * w[:, None]
-            best = weighted.argmax(axis=0)
-            counts = np.bincount(best, minlength=len(media))
+            media = media_of.get(instance, [])
+            if len(media) == 1:
+                # One medium holds all ``blocks`` (that is what the instance's prefix
+                # means): every block weighs the same, no per-block work.
+                medium = media[0]
+                by_medium = {medium: blocks}
+                score = blocks * self.weight_of(medium)
+            else:
+                media.sort()
+                rows = np.stack([m.presence[(instance, medium)][:blocks] for medium in media])
+                w = np.array([self.weight_of(medium) for medium in media])
+                weighted = rows * w[:, None]
+                counts = np.bincount(weighted.argmax(axis=0), minlength=len(media))
+                by_medium = {medium: int(c) for medium, c in zip(media, counts, strict=True)
+                             if c}
+                score = float(weighted.max(axis=0).sum())
             engine, _, rank = instance.rpartition("#")
             dp_rank = int(rank) if engine and rank.isdigit() else None
             out.append(InstanceScore(
@@ -174,9 +203,8 @@ class _Scorer:
                 dp_rank=dp_rank,
                 matched_blocks=blocks,
                 matched_tokens=None if self.block_size is None else blocks * self.block_size,
-                by_medium={medium: int(c) for medium, c in zip(media, counts, strict=True)
-                           if c},
-                score=round(float(weighted.max(axis=0).sum()), 6),
+                by_medium=by_medium,
+                score=round(score, 6),
             ))
         out.sort(key=lambda s: (-s.score, -s.matched_blocks, s.instance))
         return out

@@ -24,17 +24,16 @@ STATUS_EVERY_S = 0.5
 
 
 def run(args: argparse.Namespace) -> int:
-    import sarp
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
-    http = None
+    dealer = None
     if args.http:
-        from .http import parse_address
+        from .http import ConnectionDealer, parse_address
 
-        http = parse_address(args.http)
         if args.http_workers < 1:
             raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
+        # listen before the index opens: a port in use stops serve with nothing changed
+        dealer = ConnectionDealer(*parse_address(args.http), args.http_workers)
     stop = {"now": False}
 
     def on_signal(signum, _frame) -> None:
@@ -49,6 +48,17 @@ def run(args: argparse.Namespace) -> int:
     if on_valkey and args.wait_for_lease_s:
         log.info("waiting up to %.0f s for the writer lease of %s", args.wait_for_lease_s,
                  args.index)
+    try:
+        return _run(args, sources, dealer, stop, on_valkey, lease)
+    finally:
+        if dealer is not None:
+            dealer.close()
+
+
+def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease: dict) -> int:
+    import sarp
+
+    http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
     status_dir = tempfile.mkdtemp(prefix="sarp-status-") if on_valkey else args.index
     with sarp.open(args.index, durability=args.durability, **lease) as index:
@@ -58,12 +68,13 @@ def run(args: argparse.Namespace) -> int:
                                 replay_idle_timeout_s=args.replay_idle_timeout_s,
                                 probe_after_s=args.probe_after_s or None,
                                 dead_after_s=args.dead_after_s)
-        workers = _start_http(args, http, status_dir) if http else None
+        workers = _start_http(args, dealer, status_dir) if http else None
         try:
             _follow(args, index, subscriber, stop, Path(status_dir) if http else None)
         finally:
             subscriber.close()
             if workers:
+                dealer.close()  # no new connections for workers on their way out
                 _stop_http(*workers)
             if on_valkey:
                 shutil.rmtree(status_dir, ignore_errors=True)
@@ -106,19 +117,21 @@ def _report(subscriber: Subscriber) -> None:
                  dict(s["applied"]["bad_events"]) or "none")
 
 
-def _start_http(args, address: tuple[str, int], status_dir: str) -> tuple[list, str]:
+def _start_http(args, dealer, status_dir: str) -> tuple[list, str]:
     from .http import HttpConfig, worker_main
 
+    host, port = dealer.listener.getsockname()[:2]
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
-    config = HttpConfig(str(args.index), address[0], address[1], metrics_dir,
-                        scheme=args.hash_scheme, seed=args.hash_seed, block_size=args.block_size,
-                        status_dir=status_dir)
+    config = HttpConfig(str(args.index), host, port, metrics_dir, scheme=args.hash_scheme,
+                        seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(config,), name=f"sarp-http-{i}", daemon=True)
-             for i in range(args.http_workers)]
+    procs = [ctx.Process(target=worker_main, args=(config, end), name=f"sarp-http-{i}",
+                         daemon=True)
+             for i, end in enumerate(dealer.worker_ends)]
     for proc in procs:
         proc.start()
-    log.info("HTTP on %s:%d with %d worker processes", *address, len(procs))
+    dealer.start()
+    log.info("HTTP on %s:%d with %d worker processes", host, port, len(procs))
     return procs, metrics_dir
 
 
