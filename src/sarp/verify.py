@@ -14,6 +14,7 @@ import numpy as np
 from .segment import HASHES_AT, Segment, checked_presence, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
+_FEW_HOLDERS = 8  # up to this many rows, a record's runs are found row by row in C
 _HASHES_AT = HASHES_AT
 
 
@@ -55,9 +56,19 @@ def examine(
         gap = record.find(b"\0", presence_at, presence_at + same)
         run = same if gap < 0 else gap - presence_at
         return same, run, [_HOLDER_ID.unpack_from(record, holders_at)[0]], [run]
+    holder_ids = np.frombuffer(record, "<u2", nh, holders_at).tolist()
+    if nh <= _FEW_HOLDERS:
+        # each row's run is one bytes.find; when some row holds all ``same`` blocks
+        # (the holder that stored them, as a rule), so do the rows together
+        runs = []
+        for at in range(presence_at, presence_at + nh * n, n):
+            gap = record.find(b"\0", at, at + same)
+            runs.append(same if gap < 0 else gap - at)
+        if max(runs) == same:
+            return same, same, holder_ids, runs
     presence = np.frombuffer(record, np.uint8, nh * n, presence_at).reshape(nh, n)
     any_run, runs = leading_runs(presence, same)
-    return same, any_run, np.frombuffer(record, "<u2", nh, holders_at).tolist(), runs
+    return same, any_run, holder_ids, runs
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:
