@@ -23,12 +23,22 @@ sockets, keeping at most ``--max-ahead`` batches ahead of what serve has applied
 measurement serve applies the whole recorded stream once (a fixed amount, so the
 index measured does not depend on how fast serve is); (c) runs on exactly that
 index, then (a).
+
+The busy passes of (a) replay a second recording: the same engines serving the same
+trace with every hash XORed with a constant, chains the readers never ask for.  serve
+does the same work per event, and the readers' matches find exactly what they find
+while idle.  Replaying the first stream instead changed what the readers matched: a
+recording that wraps around starts over from empty caches on an index holding their
+end state, and the readers of one run matched 1,712 blocks per match while busy
+against 815 while idle, so the ratio measured the index's contents, not the writer.
+Each pass reports its blocks per match, and they must agree.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -49,6 +59,7 @@ from sarp.bench import load_requests
 from sarp.bench.ingest import record
 
 ENGINES = 4
+BUSY_XOR = 0x9E3779B97F4A7C15  # the busy stream's chains: the trace's, hashes XORed with this
 
 
 # -- building ------------------------------------------------------------------------------
@@ -76,11 +87,12 @@ def publisher_main(events_file: str, endpoints_out, control, state_path: str,
     with open(events_file, "rb") as f:
         import pickle
 
-        events = pickle.load(f)
+        warm_events, busy_events = pickle.load(f)
     ctx = zmq.Context.instance()
     pubs = [EnginePublisher(ctx, buffer_batches=200_000) for _ in range(ENGINES)]
     endpoints_out.send([(p.endpoint, p.replay_endpoint) for p in pubs])
-    on, i, published, limit = False, 0, 0, None
+    on, published, limit = False, 0, None
+    at = {"warm": 0, "busy": 0}  # where each recording is up to
     while True:
         if control.poll(0 if on else 0.05):
             cmd = control.recv()
@@ -98,11 +110,13 @@ def publisher_main(events_file: str, endpoints_out, control, state_path: str,
         if published - _applied(state_path) > max_ahead:
             time.sleep(0.002)  # serve is behind: wait (cheaply) for it to apply
             continue
+        # ("until", N) replays the warm-up recording, "on" the busy one (disjoint chains)
+        which, events = ("busy", busy_events) if limit is None else ("warm", warm_events)
         for _ in range(max_ahead // 4 if limit is None else min(max_ahead // 4,
                                                                  limit - published)):
-            engine, payload = events[i % len(events)]
+            engine, payload = events[at[which] % len(events)]
             pubs[engine].publish(payload)
-            i += 1
+            at[which] += 1
             published += 1
     for p in pubs:
         p.close()
@@ -134,17 +148,18 @@ def reader_main(path: str, queries_file: str, duration_s: float, start_at: float
     index.match(queries[0])
     while time.monotonic() < start_at:
         time.sleep(0.001)
-    done, i = 0, 0
+    done, blocks = 0, 0
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
-        index.match(queries[i % len(queries)])
-        i += 1
+        blocks += index.match(queries[done % len(queries)]).num_blocks
         done += 1
-    conn.send(done / duration_s)
+    conn.send((done / duration_s, blocks / max(done, 1)))
     index.close()
 
 
-def run_readers(path: str, queries_file: str, n: int, duration_s: float) -> float:
+def run_readers(path: str, queries_file: str, n: int, duration_s: float
+                ) -> tuple[float, float]:
+    """Matches/s of ``n`` reader processes together, and their blocks per match."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     start_at = time.monotonic() + 1.5  # after every reader has opened
@@ -155,10 +170,10 @@ def run_readers(path: str, queries_file: str, n: int, duration_s: float) -> floa
         proc.start()
         pipes.append(here)
         procs.append(proc)
-    rates = [conn.recv() for conn in pipes]
+    answers = [conn.recv() for conn in pipes]
     for proc in procs:
         proc.join()
-    return sum(rates)
+    return sum(a[0] for a in answers), statistics.mean(a[1] for a in answers)
 
 
 # -- (b) visibility lag --------------------------------------------------------------------
@@ -314,12 +329,16 @@ def main() -> None:
     offsets = np.cumsum([0] + [q.size for q in queries])
     np.savez(queries_file, flat=np.concatenate(queries), offsets=offsets)
     events, _ = record(requests, ENGINES, args.capacity_blocks, seed=1, rounds=args.rounds)
+    elsewhere = [dataclasses.replace(r, hashes=r.hashes ^ np.uint64(BUSY_XOR)) for r in requests]
+    busy_events, _ = record(elsewhere, ENGINES, args.capacity_blocks, seed=1,
+                            rounds=args.rounds)
     events_file = str(work / "events.pkl")
     with open(events_file, "wb") as f:
         import pickle
 
-        pickle.dump(events, f)
-    print(f"recorded {len(events)} event batches", flush=True)
+        pickle.dump((events, busy_events), f)
+    print(f"recorded {len(events)} event batches, and as many on disjoint chains for the "
+          "busy passes", flush=True)
 
     ctx = mp.get_context("spawn")
     ep_here, ep_there = ctx.Pipe()
@@ -370,15 +389,19 @@ def throughput_passes(args, path: str, queries_file: str, control, pids: dict) -
     state = Path(path) / "subscriber.json"
     out: dict = {}
     for n in (1, 2):
-        idle, busy, applied, cores = [], [], [], []
+        idle, busy, applied, cores, idle_blocks, busy_blocks = [], [], [], [], [], []
         for _ in range(args.passes):
-            idle.append(run_readers(path, queries_file, n, args.pass_s))
+            rate, blocks = run_readers(path, queries_file, n, args.pass_s)
+            idle.append(rate)
+            idle_blocks.append(blocks)
             control.send("on")
             control.recv()
             time.sleep(0.5)
             before, t0 = _applied(str(state)), time.monotonic()
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
-            busy.append(run_readers(path, queries_file, n, args.pass_s))
+            rate, blocks = run_readers(path, queries_file, n, args.pass_s)
+            busy.append(rate)
+            busy_blocks.append(blocks)
             wall = time.monotonic() - t0
             applied.append((_applied(str(state)) - before) / wall)
             cores.append({k: (cpu_seconds(p) - cpu0[k]) / wall for k, p in pids.items()})
@@ -386,12 +409,15 @@ def throughput_passes(args, path: str, queries_file: str, control, pids: dict) -
         ratios = [b / i for b, i in zip(busy, idle, strict=True)]
         out[f"{n}_readers"] = {"idle_matches_per_s": idle, "busy_matches_per_s": busy,
                                "ratio": ratios, "ratio_median": statistics.median(ratios),
+                               "idle_blocks_per_match": idle_blocks,
+                               "busy_blocks_per_match": busy_blocks,
                                "serve_batches_per_s_while_busy": applied,
                                "cores_used_while_busy": cores}
         print(f"{n} reader(s): busy/idle {statistics.median(ratios):.2f} "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f}); serve applied "
-              f"{statistics.median(applied):,.0f} batches/s meanwhile, using "
-              f"{statistics.median(c['serve'] for c in cores):.2f} cores (publisher "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f}); blocks per match "
+              f"{statistics.median(idle_blocks):.1f} idle, {statistics.median(busy_blocks):.1f}"
+              f" busy; serve applied {statistics.median(applied):,.0f} batches/s meanwhile, "
+              f"using {statistics.median(c['serve'] for c in cores):.2f} cores (publisher "
               f"{statistics.median(c['publisher'] for c in cores):.2f})", flush=True)
     return out
 

@@ -50,6 +50,12 @@ class HolderSegments:
         for bm in self._maps.values():
             bm.discard(seg_id)
 
+    def discard_many_everywhere(self, seg_ids: Iterable[int]) -> None:
+        """:meth:`discard_everywhere` for many segments: one difference per holder."""
+        gone = BitMap(seg_ids)
+        for bm in self._maps.values():
+            bm.difference_update(gone)
+
     def segments(self, holder_id: int) -> list[int]:
         bm = self._maps.get(holder_id)
         return [] if bm is None else list(bm)

@@ -45,6 +45,7 @@ from .filters import HolderSegments
 from .hashing import HashesLike, as_hash, as_hashes, repeats
 from .packing import Packer, Plan
 from .segment import decode
+from .segment import head as segment_head
 from .store import DEFAULT_MAX_READERS, ReadTxn, Store
 from .verify import Match, PrefixWalk, examine
 
@@ -348,24 +349,36 @@ class Index:
             latest[seg_id] = first_hash
             self._watermark = seq
             count += 1
-        for seg_id, first_hash in latest.items():
-            self._replay(r, seg_id, first_hash)
+        self._replay(r, latest)
         self._watermark = max(self._watermark, r.counter("next_seq"))
         return count
 
-    def _replay(self, r: ReadTxn, seg_id: int, first_hash: int) -> None:
-        try:
-            seg = r.segment(seg_id)
-        except CorruptRecordError as exc:
-            log.warning("sarp: replay skips %s", exc)
-            seg = None
-        self.holders.discard_everywhere(seg_id)
-        if seg is None:
-            self.directory.remove(first_hash, seg_id)
-            return
-        self.directory.add(int(seg.hashes[0]), seg_id)
-        for holder_id in seg.holder_ids.tolist():
-            self.holders.add(holder_id, seg_id)
+    def _replay(self, r: ReadTxn, latest: dict[int, int]) -> None:
+        """Bring the directory and the holder filters to the state of ``r`` for the
+        segments in ``latest`` (segment id -> its first hash as last logged).
+
+        Cost: one record read and check per segment (one round trip for them all on a
+        remote store), and one bitmap operation per holder, not per segment.
+        """
+        seg_ids = list(latest)
+        self.holders.discard_many_everywhere(seg_ids)
+        held: dict[int, list[int]] = {}
+        directory = self.directory
+        for seg_id, record in zip(seg_ids, r.raw_records(seg_ids), strict=True):
+            found = None
+            if record is not None:
+                try:
+                    found = segment_head(seg_id, record)
+                except CorruptRecordError as exc:
+                    log.warning("sarp: replay skips %s", exc)
+            if found is None:
+                directory.remove(latest[seg_id], seg_id)
+                continue
+            directory.add(found[0], seg_id)
+            for holder_id in found[1]:
+                held.setdefault(holder_id, []).append(seg_id)
+        for holder_id, segs in held.items():
+            self.holders.add_many(holder_id, segs)
 
     def _catch_up(self, r: ReadTxn) -> bool:
         """A reader: bring memory to the state of ``r``.  False: retry with a newer ``r``.

@@ -465,6 +465,12 @@ class ValkeyReadTxn:
         record = self._c.hget(self._store.keys["seg"], _U64.pack(seg_id))
         return None if record is None else decode(seg_id, record)
 
+    def raw_records(self, seg_ids: list[int]) -> list[bytes | None]:
+        """The unchecked records of many segments, in order: one ``HMGET``."""
+        if not seg_ids:
+            return []
+        return self._c.hmget(self._store.keys["seg"], [_U64.pack(s) for s in seg_ids])
+
     def counter(self, name: str) -> int:
         if self._meta is None:  # one round trip per transaction, on first use
             self._meta = self._c.hgetall(self._store.keys["meta"])
