@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -240,24 +241,66 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_workers_leave_with_a_killed_serve_and_a_taken_port_changes_nothing(tmp_path):
-    port = free_port()
-    folder = tmp_path / "ix"
+def _serve_http(folder, port: int) -> tuple[subprocess.Popen, list[str], set[int]]:
+    """A `sarp serve --http` with 2 workers and a source that never publishes; its
+    command and the workers' pids, once both answer."""
     cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(folder), "--source",
            "e=tcp://127.0.0.1:9", "--probe-after-s", "0", "--http", f"127.0.0.1:{port}",
            "--http-workers", "2"]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=5) for _ in range(2)]
+            workers = {_healthz_pid(conn) for conn in conns}
+            for conn in conns:
+                conn.close()
+            return proc, cmd, workers
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError("sarp serve --http never answered") from None
+            time.sleep(0.1)
+
+
+def _workers_answering(port: int) -> set[int]:
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=5) for _ in range(4)]
     try:
-        deadline = time.monotonic() + 60
+        return {_healthz_pid(conn) for conn in conns}
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_a_worker_that_dies_is_replaced_and_nothing_is_refused_meanwhile(tmp_path):
+    port = free_port()
+    proc, _, workers = _serve_http(tmp_path / "ix", port)
+    try:
+        victim, survivor = sorted(workers)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not _gone(victim):  # connections dealt before its exit die with it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         while True:
-            try:
-                conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                         for _ in range(2)]
-                workers = {_healthz_pid(conn) for conn in conns}
+            answering = _workers_answering(port)  # every connection is answered
+            assert victim not in answering
+            if len(answering) == 2:
                 break
-            except OSError:
-                assert time.monotonic() < deadline, "sarp serve --http never answered"
-                time.sleep(0.1)
+            assert time.monotonic() < deadline, f"only {answering} answer after a kill"
+            time.sleep(0.2)
+        assert survivor in answering
+        assert match(port, {"block_hashes": [1, 2]}) == (200, {"matched_blocks": 0,
+                                                               "instances": []})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_workers_leave_with_a_killed_serve_and_a_taken_port_changes_nothing(tmp_path):
+    port = free_port()
+    proc, cmd, workers = _serve_http(tmp_path / "ix", port)
+    try:
         assert len(workers) == 2 and proc.pid not in workers
         # a second serve on the same port is refused before it opens its index
         other = subprocess.run([*cmd[:5], str(tmp_path / "other"), *cmd[6:]],

@@ -126,6 +126,7 @@ class ConnectionDealer:
         self.worker_ends = [b for _, b in pairs]  # one per worker process, passed at spawn
         self._live = list(range(workers))
         self._next = 0
+        self._lock = threading.Lock()  # the dealing thread against renew()
         self.dealt = [0] * workers
         self._thread = threading.Thread(target=self._deal, name="sarp-http-dealer",
                                         daemon=True)
@@ -144,7 +145,7 @@ class ConnectionDealer:
                 conn, _ = self.listener.accept()
             except OSError:
                 return  # closed: serve is stopping
-            with conn:
+            with conn, self._lock:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while self._live:
                     k = self._live[self._next % len(self._live)]
@@ -160,6 +161,18 @@ class ConnectionDealer:
                 else:
                     log.error("sarp: no HTTP worker is left; connection refused")
 
+    def renew(self, k: int) -> socket.socket:
+        """A new socket pair for worker slot ``k``, whose process is gone; returns the
+        end for its replacement (spawn it with that, then close it here)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with self._lock:
+            self._ours[k].close()
+            self._ours[k] = ours
+            if k not in self._live:
+                self._live.append(k)
+                self._live.sort()
+        return theirs
+
     def close(self) -> None:
         """Stop accepting, and tell the workers (their socket pairs close)."""
         with contextlib.suppress(OSError):  # closed already
@@ -169,6 +182,63 @@ class ConnectionDealer:
             self._thread.join(timeout=5)
         for end in self._ours + self.worker_ends:
             end.close()
+
+
+class HttpService:
+    """serve's HTTP side: the :class:`ConnectionDealer` and the worker processes.
+
+    :meth:`check`, called from serve's loop, replaces a worker that died (killed,
+    out of memory, a bug) with a new one in its slot, at most once per
+    ``RESTART_EVERY_S`` per slot, so one that cannot start does not spin.
+
+    Cost: a worker is a process with its own readonly open of the index.
+    """
+
+    RESTART_EVERY_S = 5.0
+
+    def __init__(self, dealer: ConnectionDealer, config: HttpConfig) -> None:
+        import multiprocessing
+
+        self.dealer, self.config = dealer, config
+        self._ctx = multiprocessing.get_context("spawn")
+        self.procs = [self._spawn(k, end) for k, end in enumerate(dealer.worker_ends)]
+        self._last_start = [time.monotonic()] * len(self.procs)
+        self.restarts = 0
+        dealer.start()
+
+    def _spawn(self, k: int, end: socket.socket):
+        proc = self._ctx.Process(target=worker_main, args=(self.config, end),
+                                 name=f"sarp-http-{k}", daemon=True)
+        proc.start()
+        return proc
+
+    def check(self) -> None:
+        """Restart the workers that died since the last call."""
+        now = time.monotonic()
+        for k, proc in enumerate(self.procs):
+            if proc.is_alive() or now - self._last_start[k] < self.RESTART_EVERY_S:
+                continue
+            log.error("sarp: HTTP worker %d (pid %s) died with exit code %s; starting another",
+                      k, proc.pid, proc.exitcode)
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(proc.pid, self.config.metrics_dir)
+            end = self.dealer.renew(k)
+            self.procs[k] = self._spawn(k, end)
+            end.close()
+            self._last_start[k] = now
+            self.restarts += 1
+
+    def close(self) -> None:
+        """Stop dealing, stop the workers (SIGTERM, then SIGKILL after 5 s)."""
+        self.dealer.close()  # no new connections for workers on their way out
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
 
 
 # -- the status file the writer keeps --------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
 import shutil
 import signal
 import tempfile
@@ -68,21 +67,23 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
                                 replay_idle_timeout_s=args.replay_idle_timeout_s,
                                 probe_after_s=args.probe_after_s or None,
                                 dead_after_s=args.dead_after_s)
-        workers = _start_http(args, dealer, status_dir) if http else None
+        service = _start_http(args, dealer, status_dir) if http else None
         try:
-            _follow(args, index, subscriber, stop, Path(status_dir) if http else None)
+            _follow(args, index, subscriber, stop, Path(status_dir) if http else None,
+                    service)
         finally:
             subscriber.close()
-            if workers:
-                dealer.close()  # no new connections for workers on their way out
-                _stop_http(*workers)
+            if service is not None:
+                service.close()
+                shutil.rmtree(service.config.metrics_dir, ignore_errors=True)
             if on_valkey:
                 shutil.rmtree(status_dir, ignore_errors=True)
         log.info("stopped; writing the snapshot")
     return 0
 
 
-def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None) -> None:
+def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
+            service=None) -> None:
     from .http import write_status
 
     started = time.time()
@@ -101,6 +102,8 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None) 
             if with_status and now - last_status >= STATUS_EVERY_S:
                 write_status(path, subscriber, caught_up=True, started=started)
                 last_status = now
+                if service is not None:
+                    service.check()  # a worker that died is replaced
             if now - last_report >= args.report_every_s:
                 _report(subscriber)
                 last_report = now
@@ -117,29 +120,13 @@ def _report(subscriber: Subscriber) -> None:
                  dict(s["applied"]["bad_events"]) or "none")
 
 
-def _start_http(args, dealer, status_dir: str) -> tuple[list, str]:
-    from .http import HttpConfig, worker_main
+def _start_http(args, dealer, status_dir: str):
+    from .http import HttpConfig, HttpService
 
     host, port = dealer.listener.getsockname()[:2]
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
     config = HttpConfig(str(args.index), host, port, metrics_dir, scheme=args.hash_scheme,
                         seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(config, end), name=f"sarp-http-{i}",
-                         daemon=True)
-             for i, end in enumerate(dealer.worker_ends)]
-    for proc in procs:
-        proc.start()
-    dealer.start()
-    log.info("HTTP on %s:%d with %d worker processes", host, port, len(procs))
-    return procs, metrics_dir
-
-
-def _stop_http(procs: list, metrics_dir: str) -> None:
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-    shutil.rmtree(metrics_dir, ignore_errors=True)
+    service = HttpService(dealer, config)
+    log.info("HTTP on %s:%d with %d worker processes", host, port, len(service.procs))
+    return service
