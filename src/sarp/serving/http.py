@@ -244,7 +244,8 @@ class HttpService:
 # -- the status file the writer keeps --------------------------------------------------------
 
 
-def write_status(index_path: Path, subscriber, *, caught_up: bool, started: float) -> None:
+def write_status(index_path: Path, subscriber, *, caught_up: bool, started: float,
+                 worker_restarts: int = 0) -> None:
     """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``."""
     now = time.time()
     sources = {}
@@ -256,7 +257,8 @@ def write_status(index_path: Path, subscriber, *, caught_up: bool, started: floa
                         "skipped_orphans": applied["skipped_orphans"],
                         "seconds_since_last_applied": None if last is None else now - last}
     status = {"pid": os.getpid(), "started": started, "heartbeat": now,
-              "caught_up": caught_up, "sources": sources}
+              "caught_up": caught_up, "sources": sources,
+              "http_worker_restarts": worker_restarts}
     tmp = index_path / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps(status))
     os.replace(tmp, index_path / STATUS_FILE)
@@ -572,6 +574,9 @@ class _StatusCollector:
         yield since
         yield GaugeMetricFamily("sarp_ready", "every source caught up since start",
                                 value=1.0 if status.get("caught_up") else 0.0)
+        yield CounterMetricFamily("sarp_http_worker_restarts",
+                                  "HTTP workers that died and were replaced",
+                                  value=status.get("http_worker_restarts", 0))
         stats = self.index.stats()
         for name in ("segments", "blocks", "directory_entries", "memory_bytes", "disk_bytes"):
             yield GaugeMetricFamily(f"sarp_index_{name}", f"index {name.replace('_', ' ')}",

@@ -100,10 +100,11 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 index.snapshot()
                 last_snapshot = now
             if with_status and now - last_status >= STATUS_EVERY_S:
-                write_status(path, subscriber, caught_up=True, started=started)
-                last_status = now
                 if service is not None:
                     service.check()  # a worker that died is replaced
+                write_status(path, subscriber, caught_up=True, started=started,
+                             worker_restarts=service.restarts if service else 0)
+                last_status = now
             if now - last_report >= args.report_every_s:
                 _report(subscriber)
                 last_report = now
