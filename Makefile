@@ -7,7 +7,7 @@ BENCH_ARGS ?=
 
 .PHONY: bench test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/sarp/_native.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[bench,test]'

@@ -6,6 +6,7 @@ equal the query's at the same positions, held by the holders it names.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ _FEW_HOLDERS = 8  # up to this many rows, a record's runs are found row by row i
 _HASHES_AT = HASHES_AT
 
 
-def examine(
+def examine_py(
     seg_id: int, record: bytes, query_bytes: bytes, start: int, parent: int | None
 ) -> tuple[int, int, list[int], list[int]] | None:
     """Everything one match step needs from a fetched record.
@@ -36,14 +37,19 @@ def examine(
     for a record with one holder (the common case); numpy only when the hashes
     differ in a long record or several holders share it.  No object is built.
 
+    :func:`examine` is this function in C when the extension was built
+    (``sarp._native``), with this one as the reference and for damaged records.
+
     >>> rec = Segment(1, 0, None, np.array([5, 6, 7], np.uint64), np.array([4], np.uint16),
     ...               np.array([[1, 1, 0]], np.uint8)).encode()
-    >>> examine(1, rec, np.array([5, 6, 7], "<u8").tobytes(), 0, None)
+    >>> examine_py(1, rec, np.array([5, 6, 7], "<u8").tobytes(), 0, None)
     (3, 2, [4], [2])
-    >>> examine(1, rec, np.array([5, 9], "<u8").tobytes(), 0, None)
+    >>> examine_py(1, rec, np.array([5, 9], "<u8").tobytes(), 0, None)
     (1, 1, [4], [1])
-    >>> examine(1, rec, np.array([5], "<u8").tobytes(), 0, 77) is None  # another parent
+    >>> examine_py(1, rec, np.array([5], "<u8").tobytes(), 0, 77) is None  # another parent
     True
+    >>> examine(1, rec, np.array([5, 6, 7], "<u8").tobytes(), 0, None)  # C or Python alike
+    (3, 2, [4], [2])
     """
     _, n, nh, start_pos, rec_parent, holders_at, presence_at, _ = layout(seg_id, record)
     if start_pos != start or rec_parent != parent:
@@ -69,6 +75,39 @@ def examine(
     presence = np.frombuffer(record, np.uint8, nh * n, presence_at).reshape(nh, n)
     any_run, runs = leading_runs(presence, same)
     return same, any_run, holder_ids, runs
+
+
+def _native_module():
+    """``sarp._native`` if it was built, speaks this ABI, and ``SARP_PURE_PYTHON`` is
+    not set; else ``None`` (the Python path)."""
+    if os.environ.get("SARP_PURE_PYTHON"):
+        return None
+    try:
+        from . import _native
+    except ImportError:  # no C compiler at install: the Python path
+        return None
+    return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
+
+
+_NATIVE_ABI = 1
+_native = _native_module()
+NATIVE = _native is not None  # is the match step in C?
+
+
+def _examine_c(
+    seg_id: int, record: bytes, query_bytes: bytes, start: int, parent: int | None
+) -> tuple[int, int, list[int], list[int]] | None:
+    found = _native_examine(record, query_bytes, start, parent or 0, parent is not None)
+    if found.__class__ is int:  # damaged: the Python check names what is wrong
+        return examine_py(seg_id, record, query_bytes, start, parent)
+    return found
+
+
+if NATIVE:
+    _native_examine = _native.examine
+    examine = _examine_c
+else:
+    examine = examine_py
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:

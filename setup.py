@@ -1,0 +1,17 @@
+"""The C extension of the match step (``sarp._native``); everything else is in
+pyproject.toml.  The extension is optional: without a C compiler the build skips it
+and sarp runs its Python path (``sarp.verify.NATIVE`` says which)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "sarp._native",
+            sources=["src/sarp/_native.c"],
+            depends=["src/sarp/vendor/xxhash.h"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ]
+)

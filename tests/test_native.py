@@ -1,0 +1,84 @@
+"""The match step in C (`sarp._native`) against its Python reference, record by record."""
+
+import numpy as np
+import pytest
+
+from sarp import verify
+from sarp.errors import CorruptRecordError
+from sarp.segment import Segment
+
+pytestmark = pytest.mark.skipif(
+    not verify.NATIVE, reason="sarp._native was not built (no C compiler at install, or "
+    "SARP_PURE_PYTHON is set); the Python path is what every other test runs then")
+
+
+def _random_record(rng) -> tuple[Segment, bytes]:
+    n = int(rng.choice([1, 2, 7, 16, 33, 300, 1024]))
+    nh = int(rng.integers(1, 11))
+    presence = (rng.random((nh, n)) < rng.choice([0.5, 0.9, 1.0])).astype(np.uint8)
+    if rng.random() < 0.5:  # as engines store them: each row a leading run
+        for row, run in zip(presence, rng.integers(0, n + 1, nh), strict=True):
+            row[:] = 0
+            row[:run] = 1
+    root = rng.random() < 0.3
+    seg = Segment(
+        int(rng.integers(1, 1 << 31)), 0 if root else int(rng.integers(1, 50)),
+        None if root else int(rng.integers(0, 1 << 64, dtype=np.uint64)),
+        rng.integers(0, 1 << 64, n, dtype=np.uint64),
+        rng.choice(np.arange(1, 4000, dtype=np.uint16), nh, replace=False),
+        presence,
+        rng.integers(-1, 1000, (nh, n)).astype(np.int64) if rng.random() < 0.3 else None,
+    )
+    return seg, seg.encode()
+
+
+def _query_for(rng, seg: Segment) -> tuple[bytes, int, int | None]:
+    """A query that reaches the segment at its place (mostly), then agrees for a while."""
+    start = seg.start_pos if rng.random() < 0.9 else seg.start_pos + 1
+    parent = seg.parent if rng.random() < 0.9 else int(rng.integers(0, 1 << 64, dtype=np.uint64))
+    if seg.parent is None and rng.random() < 0.1:
+        parent = 5
+    before = rng.integers(0, 1 << 64, start, dtype=np.uint64)
+    agree = int(rng.integers(0, seg.hashes.size + 1))
+    after = np.concatenate([seg.hashes[:agree],
+                            rng.integers(0, 1 << 64, int(rng.integers(0, 40)), dtype=np.uint64)])
+    query = np.concatenate([before, after]).astype("<u8")
+    return query.tobytes(), start, parent
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_step_answers_what_the_python_step_answers(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(1500):
+        seg, record = _random_record(rng)
+        query, start, parent = _query_for(rng, seg)
+        if len(query) // 8 <= start:
+            continue
+        expected = verify.examine_py(seg.seg_id, record, query, start, parent)
+        assert verify.examine(seg.seg_id, record, query, start, parent) == expected
+        assert verify._native.examine(record, query, start, parent or 0,
+                                      parent is not None) == expected
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_damaged_record_raises_what_the_python_step_raises(seed):
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(500):
+        seg, record = _random_record(rng)
+        query = seg.hashes.astype("<u8").tobytes()
+        damaged = bytearray(record)
+        cut = rng.random()
+        if cut < 0.2:
+            damaged = damaged[: int(rng.integers(0, len(damaged)))]
+        elif cut < 0.3:
+            damaged += b"\0" * 8
+        else:
+            damaged[int(rng.integers(0, len(damaged)))] ^= 1 << int(rng.integers(0, 8))
+        damaged = bytes(damaged)
+        assert verify._native.examine(damaged, query, seg.start_pos, seg.parent or 0,
+                                      seg.parent is not None) < 0
+        with pytest.raises(CorruptRecordError) as python_error:
+            verify.examine_py(seg.seg_id, damaged, query, seg.start_pos, seg.parent)
+        with pytest.raises(CorruptRecordError) as c_error:
+            verify.examine(seg.seg_id, damaged, query, seg.start_pos, seg.parent)
+        assert str(c_error.value) == str(python_error.value)
