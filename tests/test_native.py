@@ -82,3 +82,33 @@ def test_a_damaged_record_raises_what_the_python_step_raises(seed):
         with pytest.raises(CorruptRecordError) as c_error:
             verify.examine(seg.seg_id, damaged, query, seg.start_pos, seg.parent)
         assert str(c_error.value) == str(python_error.value)
+
+
+@pytest.mark.parametrize("segment_blocks", [1, 4, 64])
+def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, monkeypatch, segment_blocks):
+    import sarp
+    import sarp.index
+
+    rng = np.random.default_rng(segment_blocks)
+    chains = [rng.integers(0, 1 << 64, 40, dtype=np.uint64) for _ in range(6)]
+    for c in chains[1:4]:  # branches off the first chain
+        c[:10] = chains[0][:10]
+    with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=segment_blocks) as ix:
+        for _ in range(120):
+            chain = chains[rng.integers(len(chains))]
+            holder = f"e{rng.integers(5)}"
+            lo, hi = sorted(rng.integers(0, 41, 2).tolist())
+            if rng.random() < 0.7 and hi:
+                ix.insert(chain[:hi], holder=holder)
+            elif hi > lo:
+                ix.remove(chain[lo:hi], holder=holder)
+            queries = [chain[: rng.integers(1, 41)] for chain in chains]
+            queries.append(np.concatenate([chains[0][:12], chains[1][12:20]]))
+            for query in queries:
+                got = ix.match(query)
+                monkeypatch.setattr(sarp.index, "native_walk", None)
+                expected = ix.match(query)
+                monkeypatch.undo()
+                assert (got.num_blocks, got.by_holder, got.by_medium, got.storage_reads) == (
+                    expected.num_blocks, expected.by_holder, expected.by_medium,
+                    expected.storage_reads)

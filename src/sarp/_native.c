@@ -21,7 +21,7 @@
 #define XXH_INLINE_ALL
 #include "vendor/xxhash.h"
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 #define RECORD_VERSION 1
 #define HEADER_BYTES 24
 #define HAS_META 0x01
@@ -32,6 +32,70 @@ enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4 };
 static uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
+/* What one step learns from a record (see examine_py). */
+typedef struct {
+    Py_ssize_t n, nh, holders_at, presence_at, same, any_run;
+} Step;
+
+/* Check the record and compare it with the query at `start`.  Returns 1 with `st`
+ * filled, 0 when the record does not sit at this place, or a negative BAD_* code. */
+static int check_record(const uint8_t *r, Py_ssize_t size, const uint8_t *query,
+                        Py_ssize_t query_blocks, Py_ssize_t start, uint64_t parent,
+                        int has_parent, Step *st) {
+    if (size < HEADER_BYTES + 8) return BAD_SHORT;
+    if (XXH3_64bits(r, (size_t)(size - 8)) != u64_at(r + size - 8)) return BAD_CHECKSUM;
+    if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) return BAD_MAGIC;
+    uint8_t flags = r[3];
+    Py_ssize_t n = u16_at(r + 4), nh = u16_at(r + 6);
+    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
+    Py_ssize_t presence_at = holders_at + ((2 * nh + 7) & ~(Py_ssize_t)7);
+    Py_ssize_t meta_at = presence_at + ((nh * n + 7) & ~(Py_ssize_t)7);
+    if (meta_at + ((flags & HAS_META) ? 8 * nh * n : 0) + 8 != size) return BAD_SIZE;
+    /* at this place: the query's position and the block before it */
+    int is_root = flags & IS_ROOT;
+    if ((Py_ssize_t)u64_at(r + 8) != start
+        || (is_root ? has_parent : (!has_parent || u64_at(r + 16) != parent))) {
+        return 0;
+    }
+    Py_ssize_t m = query_blocks - start;
+    if (m > n) m = n;
+    Py_ssize_t same = 0;
+    if (m > 0) {
+        const uint8_t *ours = r + HEADER_BYTES, *theirs = query + 8 * start;
+        if (memcmp(ours, theirs, (size_t)(8 * m)) == 0) {
+            same = m;
+        } else {
+            while (memcmp(ours + 8 * same, theirs + 8 * same, 8) == 0) same++;
+        }
+    }
+    st->n = n;
+    st->nh = nh;
+    st->holders_at = holders_at;
+    st->presence_at = presence_at;
+    st->same = same;
+    return 1;
+}
+
+static Py_ssize_t row_run(const uint8_t *r, const Step *st, Py_ssize_t h) {
+    const uint8_t *row = r + st->presence_at + h * st->n;
+    const uint8_t *gap = memchr(row, 0, (size_t)st->same);
+    return gap == NULL ? st->same : gap - row;
+}
+
+/* Blocks some holder holds, from the longest row run (rows may take turns). */
+static Py_ssize_t any_run_from(const uint8_t *r, const Step *st, Py_ssize_t longest) {
+    Py_ssize_t any_run = longest;
+    while (any_run < st->same) {
+        int held = 0;
+        for (Py_ssize_t h = 0; h < st->nh && !held; h++) {
+            held = r[st->presence_at + h * st->n + any_run];
+        }
+        if (!held) break;
+        any_run++;
+    }
+    return any_run;
+}
+
 /* examine(record, query_bytes, start, parent, has_parent)
  *   -> (same, any_run, holder_ids, runs) | None (not at this place) | negative int */
 static PyObject *examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -40,7 +104,7 @@ static PyObject *examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                         "examine(record, query_bytes, start, parent, has_parent)");
         return NULL;
     }
-    long long start = PyLong_AsLongLong(args[2]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
     unsigned long long parent = PyLong_AsUnsignedLongLongMask(args[3]);
     int has_parent = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred() || has_parent < 0) return NULL;
@@ -56,55 +120,27 @@ static PyObject *examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *out = NULL;
     const uint8_t *r = rec.buf;
-    Py_ssize_t size = rec.len;
-    if (size < HEADER_BYTES + 8) { out = PyLong_FromLong(BAD_SHORT); goto done; }
-    if (XXH3_64bits(r, (size_t)(size - 8)) != u64_at(r + size - 8)) {
-        out = PyLong_FromLong(BAD_CHECKSUM);
+    Step st;
+    int found = check_record(r, rec.len, q.buf, q.len / 8, start, parent, has_parent, &st);
+    if (found < 0) {
+        out = PyLong_FromLong(found);
         goto done;
     }
-    if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) {
-        out = PyLong_FromLong(BAD_MAGIC);
-        goto done;
-    }
-    uint8_t flags = r[3];
-    Py_ssize_t n = u16_at(r + 4), nh = u16_at(r + 6);
-    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
-    Py_ssize_t presence_at = holders_at + ((2 * nh + 7) & ~(Py_ssize_t)7);
-    Py_ssize_t meta_at = presence_at + ((nh * n + 7) & ~(Py_ssize_t)7);
-    if (meta_at + ((flags & HAS_META) ? 8 * nh * n : 0) + 8 != size) {
-        out = PyLong_FromLong(BAD_SIZE);
-        goto done;
-    }
-    /* at this place: the query's position and the block before it */
-    int is_root = flags & IS_ROOT;
-    if ((long long)u64_at(r + 8) != start
-        || (is_root ? has_parent : (!has_parent || u64_at(r + 16) != parent))) {
+    if (found == 0) {
         out = Py_NewRef(Py_None);
         goto done;
     }
-    Py_ssize_t m = q.len / 8 - (Py_ssize_t)start;
-    if (m > n) m = n;
-    if (m < 0) m = 0;
-    const uint8_t *ours = r + HEADER_BYTES, *theirs = (const uint8_t *)q.buf + 8 * start;
-    Py_ssize_t same = 0;
-    if (memcmp(ours, theirs, (size_t)(8 * m)) == 0) {
-        same = m;
-    } else {
-        while (memcmp(ours + 8 * same, theirs + 8 * same, 8) == 0) same++;
-    }
-    PyObject *ids = PyList_New(nh), *runs = PyList_New(nh);
+    PyObject *ids = PyList_New(st.nh), *runs = PyList_New(st.nh);
     if (ids == NULL || runs == NULL) {
         Py_XDECREF(ids);
         Py_XDECREF(runs);
         goto done;
     }
     Py_ssize_t longest = 0;
-    for (Py_ssize_t h = 0; h < nh; h++) {
-        const uint8_t *row = r + presence_at + h * n;
-        const uint8_t *gap = memchr(row, 0, (size_t)same);
-        Py_ssize_t run = gap == NULL ? same : gap - row;
+    for (Py_ssize_t h = 0; h < st.nh; h++) {
+        Py_ssize_t run = row_run(r, &st, h);
         if (run > longest) longest = run;
-        PyObject *id = PyLong_FromLong(u16_at(r + holders_at + 2 * h));
+        PyObject *id = PyLong_FromLong(u16_at(r + st.holders_at + 2 * h));
         PyObject *length = PyLong_FromSsize_t(run);
         if (id == NULL || length == NULL) {
             Py_XDECREF(id);
@@ -116,18 +152,140 @@ static PyObject *examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyList_SET_ITEM(ids, h, id);
         PyList_SET_ITEM(runs, h, length);
     }
-    /* blocks some holder holds: the longest row run, unless rows take turns */
-    Py_ssize_t any_run = longest;
-    if (longest < same) {
-        for (;;) {
-            int held = 0;
-            for (Py_ssize_t h = 0; h < nh && !held; h++) held = r[presence_at + h * n + any_run];
-            if (!held || ++any_run == same) break;
-        }
-    }
-    out = Py_BuildValue("nnNN", same, any_run, ids, runs);
+    out = Py_BuildValue("nnNN", st.same, any_run_from(r, &st, longest), ids, runs);
 done:
     PyBuffer_Release(&rec);
+    PyBuffer_Release(&q);
+    return out;
+}
+
+/* The holders of a walk: those of its first step, each with its prefix so far and
+ * whether it still holds every block (then it may extend). */
+typedef struct {
+    uint16_t id;
+    int extending;
+    Py_ssize_t blocks;
+} Holder;
+
+#define MAX_WALK_HOLDERS 64
+
+/* walk(get, lookup, query_bytes)
+ *   -> (total, reads, {holder_id: blocks}, stopped_at)
+ * `match`'s walk for the common case: `lookup(first_hash)` is the directory's
+ * (segment id or None), `get(key)` the read transaction's (record bytes or None;
+ * keys big-endian u64).  stopped_at: -1, or the id of a damaged segment at which the
+ * walk stopped (the caller logs it), or -2: a step with more than MAX_WALK_HOLDERS
+ * holders, which the caller walks in Python instead. */
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "walk(get, lookup, query_bytes)");
+        return NULL;
+    }
+    PyObject *get = args[0], *lookup = args[1];
+    Py_buffer q;
+    if (PyObject_GetBuffer(args[2], &q, PyBUF_SIMPLE) < 0) return NULL;
+    const uint8_t *query = q.buf;
+    Py_ssize_t size = q.len / 8, pos = 0, total = 0, reads = 0, stopped_at = -1;
+    Holder holders[MAX_WALK_HOLDERS];
+    Py_ssize_t nholders = 0;
+    int first = 1;
+    PyObject *out = NULL;
+    while (pos < size) {
+        PyObject *key = PyLong_FromUnsignedLongLong(u64_at(query + 8 * pos));
+        if (key == NULL) goto done;
+        PyObject *seg = PyObject_CallOneArg(lookup, key);
+        Py_DECREF(key);
+        if (seg == NULL) goto done;
+        if (seg == Py_None) {
+            Py_DECREF(seg);
+            break;
+        }
+        unsigned long long seg_id = PyLong_AsUnsignedLongLong(seg);
+        Py_DECREF(seg);
+        if (PyErr_Occurred()) goto done;
+        uint8_t be[8];
+        for (int i = 0; i < 8; i++) be[i] = (uint8_t)(seg_id >> (56 - 8 * i));
+        PyObject *seg_key = PyBytes_FromStringAndSize((const char *)be, 8);
+        if (seg_key == NULL) goto done;
+        PyObject *record = PyObject_CallOneArg(get, seg_key);
+        Py_DECREF(seg_key);
+        if (record == NULL) goto done;
+        reads++;
+        if (record == Py_None) {
+            Py_DECREF(record);
+            break;
+        }
+        Py_buffer rec;
+        if (PyObject_GetBuffer(record, &rec, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(record);
+            goto done;
+        }
+        const uint8_t *r = rec.buf;
+        Step st;
+        int found = check_record(r, rec.len, query, size, pos,
+                                 pos ? u64_at(query + 8 * (pos - 1)) : 0, pos > 0, &st);
+        Py_ssize_t step = 0;
+        int going = 0;
+        if (found < 0) {
+            stopped_at = (Py_ssize_t)seg_id;
+        } else if (found > 0 && st.nh > MAX_WALK_HOLDERS) {
+            stopped_at = -2;
+        } else if (found > 0) {
+            Py_ssize_t runs[MAX_WALK_HOLDERS], longest = 0;
+            for (Py_ssize_t h = 0; h < st.nh; h++) {
+                runs[h] = row_run(r, &st, h);
+                if (runs[h] > longest) longest = runs[h];
+            }
+            Py_ssize_t any_run = any_run_from(r, &st, longest);
+            going = any_run == st.same && any_run > 0;
+            if (any_run > 0) {
+                if (first) {
+                    for (Py_ssize_t h = 0; h < st.nh; h++) {
+                        holders[nholders].id = u16_at(r + st.holders_at + 2 * h);
+                        holders[nholders].blocks = runs[h];
+                        holders[nholders].extending = runs[h] == any_run;
+                        nholders++;
+                    }
+                    first = 0;
+                } else {
+                    for (Py_ssize_t k = 0; k < nholders; k++) {
+                        if (!holders[k].extending) continue;
+                        Py_ssize_t run = 0;
+                        for (Py_ssize_t h = 0; h < st.nh; h++) {
+                            if (u16_at(r + st.holders_at + 2 * h) == holders[k].id) {
+                                run = runs[h];
+                                break;
+                            }
+                        }
+                        holders[k].blocks += run;
+                        holders[k].extending = run == any_run;
+                    }
+                }
+                total += any_run;
+                step = any_run;
+            }
+        }
+        PyBuffer_Release(&rec);
+        Py_DECREF(record);
+        if (stopped_at != -1 || step == 0 || !going) break;
+        pos += step;
+    }
+    PyObject *runs = PyDict_New();
+    if (runs == NULL) goto done;
+    for (Py_ssize_t k = 0; k < nholders; k++) {
+        PyObject *id = PyLong_FromLong(holders[k].id);
+        PyObject *blocks = PyLong_FromSsize_t(holders[k].blocks);
+        if (id == NULL || blocks == NULL || PyDict_SetItem(runs, id, blocks) < 0) {
+            Py_XDECREF(id);
+            Py_XDECREF(blocks);
+            Py_DECREF(runs);
+            goto done;
+        }
+        Py_DECREF(id);
+        Py_DECREF(blocks);
+    }
+    out = Py_BuildValue("nnNn", total, reads, runs, stopped_at);
+done:
     PyBuffer_Release(&q);
     return out;
 }
@@ -135,6 +293,8 @@ done:
 static PyMethodDef methods[] = {
     {"examine", (PyCFunction)(void (*)(void))examine, METH_FASTCALL,
      "examine(record, query_bytes, start, parent, has_parent): see sarp.verify.examine"},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
+     "walk(get, lookup, query_bytes): Index.match's walk for one-medium instances"},
     {NULL, NULL, 0, NULL},
 };
 

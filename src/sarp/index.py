@@ -47,7 +47,7 @@ from .packing import Packer, Plan
 from .segment import decode
 from .segment import head as segment_head
 from .store import DEFAULT_MAX_READERS, ReadTxn, Store
-from .verify import Match, PrefixWalk, examine
+from .verify import Match, PrefixWalk, examine, examine_py, native_walk
 
 
 def is_url(path: object) -> bool:
@@ -754,12 +754,16 @@ class Index:
                 # a remote store's writer: one round trip for every chain's records
                 ids = self.directory.lookup_many(everything)
                 r.prefetch(ids[ids >= 0])
+            # each chain's whole walk in one C call: no steps left to share
+            one_call = native_walk is not None and r.native_get is not None and walks[0].plain
             for i in range(n):
-                if sizes[i] > _LONG_CHAIN:
+                if sizes[i] > _LONG_CHAIN or (one_call and sizes[i]):
                     before = r.reads
                     self._walk(r, walks[i], queries[i],
                                queries[i].astype("<u8", copy=False).tobytes(), prefetched=True)
                     reads[i] = r.reads - before
+            if one_call:
+                active = []
             while active:
                 firsts = np.fromiter((unpack(query_bytes[i], 8 * pos[i])[0] for i in active),
                                      np.uint64, len(active))
@@ -792,6 +796,19 @@ class Index:
         """One directory probe and one record read per segment step, verified.
 
         ``prefetched``: the caller fetched this query's predicted records already."""
+        if native_walk is not None and walk.plain and r.native_get is not None:
+            # the whole walk in one C call (sarp._native), on this transaction's reads
+            total, reads, runs, stopped_at = native_walk(r.native_get, self.directory.lookup,
+                                                         query_bytes)
+            if stopped_at != -2:  # -2: a segment with many holders; walk it in Python
+                r.reads += reads
+                walk.take(total, runs)
+                if stopped_at >= 0:
+                    try:
+                        examine_py(stopped_at, r.raw_records([stopped_at])[0], b"", 0, None)
+                    except CorruptRecordError as exc:
+                        self._stop_at_damage(exc)
+                return
         if r.prefetch is not None and not prefetched:  # remote: one round trip for them all
             ids = self.directory.lookup_many(query)
             r.prefetch(ids[ids >= 0])
@@ -819,14 +836,17 @@ class Index:
         try:
             found = examine(seg_id, record, query_bytes, pos, parent)
         except CorruptRecordError as exc:
-            # The prefix verified so far is still exact; stop there rather than
-            # fail the caller's request. `sarp verify` names the damage.
-            self._counters.corrupt_records += 1
-            log.error("sarp: match stops at %s", exc)
+            self._stop_at_damage(exc)
             return 0
         if found is None:
             return 0
         return walk.step(seg_id, record, *found)
+
+    def _stop_at_damage(self, exc: CorruptRecordError) -> None:
+        # The prefix verified so far is still exact; stop there rather than fail the
+        # caller's request. `sarp verify` names the damage.
+        self._counters.corrupt_records += 1
+        log.error("sarp: match stops at %s", exc)
 
     # -- snapshots, stats, checks ------------------------------------------------------------
 

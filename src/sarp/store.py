@@ -352,6 +352,12 @@ class ReadTxn:
     __slots__ = ("_store", "_txn", "reads")
     prefetch = None  # records are local: nothing to fetch ahead (a remote store has it)
 
+    @property
+    def native_get(self):
+        """The LMDB transaction's own ``get`` (key: big-endian u64 segment id), for a
+        walk in C; reads through it are counted by the caller."""
+        return self._txn.get
+
     def forget_prefetched(self) -> None:
         """Nothing is fetched ahead (see ``prefetch``)."""
 

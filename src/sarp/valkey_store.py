@@ -419,6 +419,7 @@ class ValkeyReadTxn:
     returned before it; the verifier checks every record on its own."""
 
     __slots__ = ("_store", "_c", "_meta", "_fetched", "reads")
+    native_get = None  # records come over the network: the walk stays in Python
 
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store

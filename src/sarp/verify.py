@@ -89,7 +89,7 @@ def _native_module():
     return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
 
 
-_NATIVE_ABI = 1
+_NATIVE_ABI = 2
 _native = _native_module()
 NATIVE = _native is not None  # is the match step in C?
 
@@ -106,8 +106,12 @@ def _examine_c(
 if NATIVE:
     _native_examine = _native.examine
     examine = _examine_c
+    # match's whole walk for one-medium instances: (total, reads, {holder id: blocks},
+    # stopped_at); see _native.c
+    native_walk = _native.walk
 else:
     examine = examine_py
+    native_walk = None
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:
@@ -205,6 +209,18 @@ class PrefixWalk:
         self._first = True
         # per-holder runs only: no instance grouping, meta or presence to collect
         self._plain = instance_of is None and not with_meta and not with_presence
+
+    @property
+    def plain(self) -> bool:
+        """Per-holder runs only (no instance grouping, meta or presence to collect)."""
+        return self._plain
+
+    def take(self, total: int, runs: dict[int, int]) -> None:
+        """Adopt a whole walk done elsewhere (:data:`native_walk`): the verified prefix
+        and each holder's part of it."""
+        self.total = total
+        self._holders = {holder_id: [blocks, False] for holder_id, blocks in runs.items()}
+        self.going = False
 
     def step(
         self, seg_id: int, record: bytes, same: int, any_run: int, holder_ids: list[int],
