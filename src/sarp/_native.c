@@ -21,7 +21,7 @@
 #define XXH_INLINE_ALL
 #include "vendor/xxhash.h"
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 #define RECORD_VERSION 1
 #define HEADER_BYTES 24
 #define HAS_META 0x01
@@ -169,21 +169,24 @@ typedef struct {
 
 #define MAX_WALK_HOLDERS 64
 
-/* walk(get, lookup, query_bytes)
+/* walk(get, lookup, recent, remembered, query_bytes)
  *   -> (total, reads, {holder_id: blocks}, stopped_at)
- * `match`'s walk for the common case: `lookup(first_hash)` is the directory's
- * (segment id or None), `get(key)` the read transaction's (record bytes or None;
- * keys big-endian u64).  stopped_at: -1, or the id of a damaged segment at which the
- * walk stopped (the caller logs it), or -2: a step with more than MAX_WALK_HOLDERS
- * holders, which the caller walks in Python instead. */
+ * `match`'s walk for the common case.  The directory probe is Directory.lookup's:
+ * its two dicts first (`recent`: changes since the arrays were merged; `remembered`:
+ * array entries looked up before), then `lookup(first_hash)` itself (segment id or
+ * None).  `get(key)` is the read transaction's (record bytes or None; keys big-endian
+ * u64).  stopped_at: -1, or the id of a damaged segment at which the walk stopped
+ * (the caller logs it), or -2: a step with more than MAX_WALK_HOLDERS holders, which
+ * the caller walks in Python instead. */
 static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "walk(get, lookup, query_bytes)");
+    if (nargs != 5 || !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "walk(get, lookup, recent: dict, remembered: dict, query_bytes)");
         return NULL;
     }
-    PyObject *get = args[0], *lookup = args[1];
+    PyObject *get = args[0], *lookup = args[1], *recent = args[2], *remembered = args[3];
     Py_buffer q;
-    if (PyObject_GetBuffer(args[2], &q, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[4], &q, PyBUF_SIMPLE) < 0) return NULL;
     const uint8_t *query = q.buf;
     Py_ssize_t size = q.len / 8, pos = 0, total = 0, reads = 0, stopped_at = -1;
     Holder holders[MAX_WALK_HOLDERS];
@@ -193,7 +196,13 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     while (pos < size) {
         PyObject *key = PyLong_FromUnsignedLongLong(u64_at(query + 8 * pos));
         if (key == NULL) goto done;
-        PyObject *seg = PyObject_CallOneArg(lookup, key);
+        PyObject *seg = PyDict_GetItemWithError(recent, key);
+        if (seg == NULL && !PyErr_Occurred()) seg = PyDict_GetItemWithError(remembered, key);
+        if (seg != NULL) {
+            Py_INCREF(seg);
+        } else if (!PyErr_Occurred()) {
+            seg = PyObject_CallOneArg(lookup, key);
+        }
         Py_DECREF(key);
         if (seg == NULL) goto done;
         if (seg == Py_None) {
@@ -294,7 +303,8 @@ static PyMethodDef methods[] = {
     {"examine", (PyCFunction)(void (*)(void))examine, METH_FASTCALL,
      "examine(record, query_bytes, start, parent, has_parent): see sarp.verify.examine"},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
-     "walk(get, lookup, query_bytes): Index.match's walk for one-medium instances"},
+     "walk(get, lookup, recent, remembered, query_bytes): Index.match's walk for "
+     "one-medium instances"},
     {NULL, NULL, 0, NULL},
 };
 

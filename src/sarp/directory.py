@@ -55,7 +55,9 @@ class Directory:
     def lookup(self, first_hash: int) -> int | None:
         """Segment whose first block is ``first_hash``, or ``None``.
 
-        Cost: O(1) for recent entries, O(log n) binary search otherwise.
+        Cost: O(1) for recent entries, O(log n) binary search otherwise.  The walk in
+        C (``sarp._native.walk``) probes :meth:`probe_dicts` first, in this order, and
+        calls this for the rest.
         """
         seg = self._added.get(first_hash)
         if seg is None:
@@ -71,6 +73,11 @@ class Directory:
                 self._hot[first_hash] = seg
             return seg
         return None
+
+    def probe_dicts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The two dicts :meth:`lookup` probes before the arrays: changes since the
+        last merge, then array entries looked up before (never a removed one)."""
+        return self._added, self._hot
 
     def lookup_many(self, first_hashes: np.ndarray) -> np.ndarray:
         """:meth:`lookup` for many hashes at once: segment ids as int64, -1 where none.

@@ -742,7 +742,6 @@ class Index:
         # Long chains take match's walk one at a time: their steps are long compares,
         # and the bytes of many of them at once only crowd the cache.
         active = [i for i in range(n) if 0 < sizes[i] <= _LONG_CHAIN]
-        query_bytes = {i: queries[i].astype("<u8", copy=False).tobytes() for i in active}
         unpack = _U64_LE.unpack_from
         everything = np.concatenate(queries)
         with self._lock, self._read(everything) as r:
@@ -764,6 +763,7 @@ class Index:
                     reads[i] = r.reads - before
             if one_call:
                 active = []
+            query_bytes = {i: queries[i].astype("<u8", copy=False).tobytes() for i in active}
             while active:
                 firsts = np.fromiter((unpack(query_bytes[i], 8 * pos[i])[0] for i in active),
                                      np.uint64, len(active))
@@ -798,8 +798,9 @@ class Index:
         ``prefetched``: the caller fetched this query's predicted records already."""
         if native_walk is not None and walk.plain and r.native_get is not None:
             # the whole walk in one C call (sarp._native), on this transaction's reads
-            total, reads, runs, stopped_at = native_walk(r.native_get, self.directory.lookup,
-                                                         query_bytes)
+            total, reads, runs, stopped_at = native_walk(
+                r.native_get, self.directory.lookup, *self.directory.probe_dicts(),
+                query_bytes)
             if stopped_at != -2:  # -2: a segment with many holders; walk it in Python
                 r.reads += reads
                 walk.take(total, runs)
