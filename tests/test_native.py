@@ -112,3 +112,20 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, monkeypatch, 
                 assert (got.num_blocks, got.by_holder, got.by_medium, got.storage_reads) == (
                     expected.num_blocks, expected.by_holder, expected.by_medium,
                     expected.storage_reads)
+
+
+def test_the_python_path_alone_passes_the_model_test():
+    """Where the extension is not built, the Python path runs everything: the
+    model-based test (match, match_many, inserts, removes, clears) holds on it too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sarp.verify as v; assert not v.NATIVE and v.native_walk is None; "
+            "import pytest, sys; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', "
+            "'tests/test_model.py']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "SARP_PURE_PYTHON": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -15,7 +15,7 @@ import numpy as np
 from .segment import HASHES_AT, Segment, checked_presence, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
-_FEW_HOLDERS = 8  # up to this many rows, a record's runs are found row by row in C
+_FEW_HOLDERS = 8  # up to this many rows, examine_py finds runs row by row (bytes.find)
 _HASHES_AT = HASHES_AT
 
 
