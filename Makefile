@@ -7,10 +7,22 @@ BENCH_ARGS ?=
 
 .PHONY: bench test lint clean
 
+# sarp._native (the match walk in C) builds with the system's C compiler; without one
+# (or with SARP_USE_ZIG=1) with zig's, from the ziglang wheel. If neither can build it,
+# the install goes on and sarp runs its Python path (sarp.verify.NATIVE says which).
 $(STAMP): pyproject.toml setup.py src/sarp/_native.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	if [ -n "$$SARP_USE_ZIG" ] || ! command -v cc >/dev/null 2>&1; then \
+	  if $(BIN)/python -m pip install --quiet ziglang; then \
+	    echo "building sarp._native with zig cc (the ziglang wheel)"; \
+	    zig=$$($(BIN)/python -c 'import os, ziglang; print(os.path.dirname(ziglang.__file__))')/zig; \
+	    printf '#!/bin/sh\nexec "%s" cc "$$@"\n' "$$zig" > $(VENV)/zig-cc && chmod +x $(VENV)/zig-cc; \
+	    export CC="$(CURDIR)/$(VENV)/zig-cc" LDSHARED="$(CURDIR)/$(VENV)/zig-cc -shared"; \
+	  fi; \
+	fi; \
 	$(BIN)/python -m pip install --quiet -e '.[bench,test]'
+	$(BIN)/python -c "import sarp.verify as v; print('sarp: match walk in', 'C' if v.NATIVE else 'Python (no C build)')"
 	touch $(STAMP)
 
 bench: $(STAMP)
