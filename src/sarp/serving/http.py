@@ -68,11 +68,10 @@ _I64_MIN = -(1 << 63)
 
 @dataclass(frozen=True, slots=True)
 class HttpConfig:
-    """What a worker needs: where, and how to hash token ids."""
+    """What a worker needs: the index, where the metrics go, how to hash token ids
+    (serve listens; the workers are dealt accepted connections)."""
 
     index_path: str
-    host: str
-    port: int
     metrics_dir: str
     scheme: str = "vllm-sha256-cbor"
     seed: str | None = None
@@ -83,8 +82,8 @@ class HttpConfig:
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port).
 
-    >>> parse_address("127.0.0.1:8080")
-    ('127.0.0.1', 8080)
+    >>> parse_address("127.0.0.1:8080"), parse_address("[::1]:8080")
+    (('127.0.0.1', 8080), ('::1', 8080))
     """
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -127,7 +126,6 @@ class ConnectionDealer:
         self._live = list(range(workers))
         self._next = 0
         self._lock = threading.Lock()  # the dealing thread against renew()
-        self.dealt = [0] * workers
         self._thread = threading.Thread(target=self._deal, name="sarp-http-dealer",
                                         daemon=True)
         self._started = False
@@ -152,7 +150,6 @@ class ConnectionDealer:
                     self._next += 1
                     try:
                         socket.send_fds(self._ours[k], [b"c"], [conn.fileno()])
-                        self.dealt[k] += 1
                         break
                     except OSError as exc:  # that worker is gone
                         log.error("sarp: HTTP worker %d is gone (%s); dealing to the others",
@@ -285,7 +282,7 @@ class BadRequest(ValueError):
 def parse_match(body: bytes, config: HttpConfig) -> dict:
     """Check a ``/v1/match`` body; return the keyword arguments for ``score_match``.
 
-    >>> cfg = HttpConfig("ix", "127.0.0.1", 1, "m")
+    >>> cfg = HttpConfig("ix", "m")
     >>> parse_match(b'{"block_hashes": [1, -1], "block_size": 16}', cfg)["hashes"].tolist()
     [1, 18446744073709551615]
     """

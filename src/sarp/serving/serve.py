@@ -126,7 +126,7 @@ def _start_http(args, dealer, status_dir: str):
 
     host, port = dealer.listener.getsockname()[:2]
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
-    config = HttpConfig(str(args.index), host, port, metrics_dir, scheme=args.hash_scheme,
+    config = HttpConfig(str(args.index), metrics_dir, scheme=args.hash_scheme,
                         seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir)
     service = HttpService(dealer, config)
     log.info("HTTP on %s:%d with %d worker processes", host, port, len(service.procs))
