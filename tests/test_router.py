@@ -93,10 +93,12 @@ def test_token_ids_are_hashed_in_the_engines_scheme(index):
     assert score(index, token_ids=tokens, block_size=16) == []  # xxh3 names other blocks
 
 
+@pytest.mark.parametrize("multi", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_scores_equal_the_per_block_definition(tmp_path, seed):
+def test_scores_equal_the_per_block_definition(tmp_path, seed, multi):
     """Each block of an instance's prefix counts the best medium holding it; instances in
-    one medium take the shortcut (no per-block work), the others the per-block path."""
+    one medium take the shortcut (no per-block work), the others the per-block path. An
+    index where no instance holds two media is matched without presence at all."""
     rng = np.random.default_rng(seed)
     weights = {"GPU": 1.0, "CPU": 0.7, "DISK": 0.4}
     chains = [[1000 * c + k for k in range(12)] for c in range(3)]
@@ -104,7 +106,7 @@ def test_scores_equal_the_per_block_definition(tmp_path, seed):
         for _ in range(30):
             chain = chains[rng.integers(3)]
             holder = f"w{rng.integers(4)}"
-            medium = ["GPU", "CPU", "DISK"][rng.integers(3 if holder == "w0" else 1)]
+            medium = ["GPU", "CPU", "DISK"][rng.integers(3 if holder == "w0" and multi else 1)]
             lo, hi = sorted(rng.integers(0, 13, 2).tolist())
             if rng.random() < 0.7 and hi:
                 index.insert(chain[:hi], holder=holder, medium=medium)
@@ -113,6 +115,7 @@ def test_scores_equal_the_per_block_definition(tmp_path, seed):
         for chain in chains:
             query = chain + [7]
             m, scores = score_match(index, query, weights=weights)
+            assert bool(m.presence) == (index.multi_medium and m.num_blocks > 0)
             full = index.match(query, with_presence=True)
             expected = {}
             for instance, blocks in full.by_holder.items():

@@ -239,6 +239,12 @@ class Index:
     def closed(self) -> bool:
         return self._store is None
 
+    @property
+    def multi_medium(self) -> bool:
+        """Does some instance hold blocks in two media (as of this process's last look
+        at the store)?  ``Match.multi_medium`` says it for one answer."""
+        return self._multi_medium
+
     def _live_store(self) -> Store:
         if self._store is None:
             raise IndexClosedError(f"{self.path}: the index is closed; open it again")

@@ -70,7 +70,7 @@ def examine_py(
         for at in range(presence_at, presence_at + nh * n, n):
             gap = record.find(b"\0", at, at + same)
             runs.append(same if gap < 0 else gap - at)
-        if max(runs) == same:
+        if runs and max(runs) == same:
             return same, same, holder_ids, runs
     presence = np.frombuffer(record, np.uint8, nh * n, presence_at).reshape(nh, n)
     any_run, runs = leading_runs(presence, same)
@@ -178,6 +178,9 @@ class Match:
     ``presence``: (instance, medium) -> bool array over the ``num_blocks`` verified
     blocks, True where that holder has the block; filled only by
     ``match(..., with_presence=True)`` (the router's per-block tier view).
+    ``multi_medium``: some instance held blocks in two media when this was answered
+    (then ``by_holder`` is per instance over its media); when False, every instance
+    is one holder, and ``by_medium[instance]`` has its one medium.
     """
 
     num_blocks: int
@@ -186,6 +189,7 @@ class Match:
     meta: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     storage_reads: int = 0
     presence: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    multi_medium: bool = False
 
 
 class PrefixWalk:
@@ -322,4 +326,5 @@ class PrefixWalk:
                         table[i, at : at + width] = rows[k]
                 at += width
             presence = {holder_names[h]: table[i] for h, i in row_of.items()}
-        return Match(self.total, by_holder, by_medium, meta, reads, presence)
+        return Match(self.total, by_holder, by_medium, meta, reads, presence,
+                     self._instance_of is not None)

@@ -105,7 +105,13 @@ def score_match(
             raise ValueError("pass hashes, or token_ids together with block_size")
         hashes = hash_blocks(token_ids, block_size, scheme=scheme, seed=seed)
     scorer = _scorer(weights, unknown_weight, block_size)
-    m = index.match(hashes, with_presence=True)
+    # Per-block presence matters only for an instance in two media; without it the
+    # match takes the index's fastest walk. An index that became multi-medium during
+    # this match says so in the answer, and gets asked again.
+    presence = getattr(index, "multi_medium", True)
+    m = index.match(hashes, with_presence=presence)
+    if not presence and m.multi_medium:
+        m = index.match(hashes, with_presence=True)
     return m, scorer.scores(m)
 
 
@@ -131,7 +137,11 @@ def score_many(
     [['w0'], []]
     """
     scorer = _scorer(weights, unknown_weight, block_size)
-    return [(m, scorer.scores(m)) for m in index.match_many(chains, with_presence=True)]
+    presence = getattr(index, "multi_medium", True)  # as score_match
+    answers = index.match_many(chains, with_presence=presence)
+    if not presence and any(m.multi_medium for m in answers):
+        answers = index.match_many(chains, with_presence=True)
+    return [(m, scorer.scores(m)) for m in answers]
 
 
 def _scorer(weights: Mapping[str, float], unknown_weight: float,
@@ -176,8 +186,11 @@ class _Scorer:
     def scores(self, m: Match) -> list[InstanceScore]:
         out = []
         media_of: dict[str, list[str]] = {}
-        for inst, medium in m.presence:
-            media_of.setdefault(inst, []).append(medium)
+        if m.presence or m.multi_medium:
+            for inst, medium in m.presence:
+                media_of.setdefault(inst, []).append(medium)
+        else:  # asked without presence: every instance is one holder, in one medium
+            media_of = {inst: list(media) for inst, media in m.by_medium.items()}
         for instance, blocks in m.by_holder.items():
             media = media_of.get(instance, [])
             if len(media) == 1:
