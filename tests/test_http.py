@@ -336,3 +336,51 @@ def test_workers_leave_with_a_killed_serve_and_a_taken_port_changes_nothing(tmp_
         time.sleep(0.1)
     with pytest.raises(OSError):
         call(port, "GET", "/healthz", timeout_s=2)
+
+
+def _parse_outcome(body: bytes):
+    from sarp.serving.http import BadRequest, HttpConfig, parse_match
+
+    try:
+        out = parse_match(body, HttpConfig("ix", "m", block_size=16))
+    except BadRequest as exc:
+        return ("400", exc.field, str(exc))
+    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
+
+
+def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
+    """Bodies that begin with block_hashes skip Python ints (sarp._native.u64_array); on
+    any body, valid or not, the outcome is the general parse's, 400 messages included."""
+    import random
+
+    import sarp.serving.http as http_mod
+
+    if http_mod._u64_array is None:
+        pytest.skip("sarp._native was not built: only the general parse runs")
+    rng = random.Random(7)
+    ints = [0, 1, -1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 10**30]
+    pieces = ["1.0", "1e5", "true", "null", '"7"', "01", "-0", "+1", "-", "[1]", "", " "]
+    bodies = []
+    for _ in range(3000):
+        items = [str(rng.choice(ints) if rng.random() < 0.3 else rng.getrandbits(64)
+                     * rng.choice([1, 1, -1]) // rng.choice([1, 1, 2**rng.randint(0, 63)]))
+                 for _ in range(rng.randint(0, 12))]
+        if rng.random() < 0.2 and items:
+            items[rng.randrange(len(items))] = rng.choice(pieces)
+        sep = rng.choice([",", ", ", " ,", ",\n", "\t,\r"])
+        array = "[" + rng.choice(["", " ", "\n"]) + sep.join(items) + rng.choice(["", " "]) + "]"
+        tail = rng.choice(["", ', "block_size": 32', ', "weights": {"GPU": 1.0}',
+                           ', "block_hashes": [5]', ', "block_hashes": []', ', "x": 1',
+                           ', "block\\u005fhashes": []', ', "token_ids": [1]', ',', ' "a"'])
+        head = rng.choice(['{"block_hashes":', ' { "block_hashes" : ', '{"block_size": 16, '
+                           '"block_hashes": '])
+        bodies.append((head + array + tail + rng.choice(["}", " }", "}x", ""])).encode())
+    fast_taken = 0
+    for body in bodies:
+        expected = None
+        with monkeypatch.context() as m:
+            m.setattr(http_mod, "_u64_array", None)
+            expected = _parse_outcome(body)
+        fast_taken += http_mod._with_fast_block_hashes(body) is not None
+        assert _parse_outcome(body) == expected, body
+    assert fast_taken > 100  # the fast path was exercised, not only refused

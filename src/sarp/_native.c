@@ -21,7 +21,7 @@
 #define XXH_INLINE_ALL
 #include "vendor/xxhash.h"
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 #define RECORD_VERSION 1
 #define HEADER_BYTES 24
 #define HAS_META 0x01
@@ -299,7 +299,80 @@ done:
     return out;
 }
 
+/* u64_array(body, start, end) -> bytes | None
+ * The JSON integers between body[start:end] (the inside of an array: integers,
+ * commas, JSON whitespace), as little-endian uint64 (negative ones as their int64
+ * two's complement), or None for anything else JSON might hold there or that is out
+ * of the uint64/int64 range: the caller then parses the body the general way, which
+ * names what is wrong.  Strict JSON number grammar: no leading zeros, no '+'. */
+static int is_ws(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+static PyObject *u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "u64_array(body, start, end)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out = NULL;
+    if (start < 0 || end > b.len || start > end) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "start and end must bound a slice of body");
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)b.buf + start, *stop = (const uint8_t *)b.buf + end;
+    /* at most one number per two bytes ("1," ...), plus one */
+    Py_ssize_t cap = (end - start) / 2 + 1, n = 0;
+    uint64_t *vals = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
+    if (vals == NULL) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    while (p < stop && is_ws(*p)) p++;
+    int ok = 1;
+    if (p < stop) {
+        for (;;) {
+            int negative = 0;
+            if (p < stop && *p == '-') { negative = 1; p++; }
+            if (p >= stop || *p < '0' || *p > '9') { ok = 0; break; }
+            const uint8_t *digits = p;
+            uint64_t v = 0;
+            int overflow = 0;
+            while (p < stop && *p >= '0' && *p <= '9') {
+                uint64_t d = (uint64_t)(*p - '0');
+                if (v > (UINT64_MAX - d) / 10) overflow = 1;
+                v = v * 10 + d;
+                p++;
+            }
+            if (overflow || (p - digits > 1 && digits[0] == '0')) { ok = 0; break; }
+            if (negative) {
+                if (v > (uint64_t)1 << 63) { ok = 0; break; }
+                v = (uint64_t)0 - v;
+            }
+            if (n == cap) { ok = 0; break; }
+            vals[n++] = v;
+            while (p < stop && is_ws(*p)) p++;
+            if (p == stop) break;
+            if (*p != ',') { ok = 0; break; }
+            p++;
+            while (p < stop && is_ws(*p)) p++;
+        }
+    }
+    if (ok) {
+        out = PyBytes_FromStringAndSize((const char *)vals, (Py_ssize_t)(n * sizeof(uint64_t)));
+    } else {
+        out = Py_NewRef(Py_None);
+    }
+    PyMem_Free(vals);
+    PyBuffer_Release(&b);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"u64_array", (PyCFunction)(void (*)(void))u64_array, METH_FASTCALL,
+     "u64_array(body, start, end): the JSON integers inside an array, as uint64 bytes"},
     {"examine", (PyCFunction)(void (*)(void))examine, METH_FASTCALL,
      "examine(record, query_bytes, start, parent, has_parent): see sarp.verify.examine"},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,

@@ -89,7 +89,7 @@ def _native_module():
     return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
 
 
-_NATIVE_ABI = 3
+_NATIVE_ABI = 4
 _native = _native_module()
 NATIVE = _native is not None  # is the match step in C?
 
@@ -109,9 +109,12 @@ if NATIVE:
     # match's whole walk for one-medium instances: (total, reads, {holder id: blocks},
     # stopped_at); see _native.c
     native_walk = _native.walk
+    # JSON integers inside an array, as uint64 bytes, or None (the HTTP service's parse)
+    native_u64_array = _native.u64_array
 else:
     examine = examine_py
     native_walk = None
+    native_u64_array = None
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:
