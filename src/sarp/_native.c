@@ -1,13 +1,17 @@
 /*
- * sarp._native: the match step's record check in C (see sarp/verify.py, `examine`).
+ * sarp._native: the hot loops of sarp in C, each with a Python reference that tests
+ * hold it equal to.
  *
- * One call per segment step replaces some twenty Python operations: the record's
- * checksum (xxh3-64, from the vendored xxhash.h), its header and sizes, where it sits
- * (position and parent), how many leading hashes equal the query's, and each holder
- * row's leading run.  It builds nothing but the answer.  Anything it cannot vouch for
- * (a short record, a bad checksum, magic or size) comes back as a negative code, and
- * the Python caller re-examines the record to raise the error that names the damage.
- * The pure-Python `examine` is the reference: tests hold the two equal.
+ * - examine (sarp/verify.py, `examine_py`): one segment step's record check in one
+ *   call: the checksum (xxh3-64, from the vendored xxhash.h), header and sizes, where
+ *   the record sits (position and parent), how many leading hashes equal the query's,
+ *   and each holder row's leading run.  Anything it cannot vouch for (a short record,
+ *   a bad checksum, magic or size) comes back as a negative code, and the Python
+ *   caller re-examines the record to raise the error that names the damage.
+ * - walk (sarp/index.py, `Index._walk`): match's whole loop for one-medium instances
+ *   on LMDB, calling the directory's lookup and the transaction's get from here.
+ * - u64_array (sarp/serving/http.py): the JSON integers of a `block_hashes` array
+ *   as uint64, or None on any doubt (the general parse then runs).
  *
  * Layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16, nh u16,
  * start_pos u64, parent u64), hashes 8n, holder ids 2nh padded to 8, presence nh*n
@@ -383,7 +387,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
-    "The match step's record check in C (sarp.verify.examine is the reference).", -1,
+    "sarp's hot loops in C (examine, walk, u64_array); each has a Python reference.", -1,
     methods,
 };
 
