@@ -760,7 +760,7 @@ class Index:
                 ids = self.directory.lookup_many(everything)
                 r.prefetch(ids[ids >= 0])
             # each chain's whole walk in one C call: no steps left to share
-            one_call = native_walk is not None and r.native_get is not None and walks[0].plain
+            one_call = _walks_in_c(r, walks[0])
             for i in range(n):
                 if sizes[i] > _LONG_CHAIN or (one_call and sizes[i]):
                     before = r.reads
@@ -802,7 +802,7 @@ class Index:
         """One directory probe and one record read per segment step, verified.
 
         ``prefetched``: the caller fetched this query's predicted records already."""
-        if native_walk is not None and walk.plain and r.native_get is not None:
+        if _walks_in_c(r, walk):
             # the whole walk in one C call (sarp._native), on this transaction's reads
             total, reads, runs, stopped_at = native_walk(
                 r.native_get, self.directory.lookup, *self.directory.probe_dicts(),
@@ -1052,6 +1052,12 @@ def _chain_after(hashes: HashesLike, parent: object) -> tuple[np.ndarray, int | 
         raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
                          "blocks after it")
     return chain, parent_hash
+
+
+def _walks_in_c(r: ReadTxn, walk: PrefixWalk) -> bool:
+    """Can ``walk`` be done by ``sarp._native.walk`` on ``r``: the extension is built,
+    the store's records are local, and only per-holder runs are wanted."""
+    return native_walk is not None and walk.plain and r.native_get is not None
 
 
 def _holders_version(r: ReadTxn) -> tuple[int, int]:

@@ -28,8 +28,7 @@ RECORD_VERSION = 1
 HAS_META = 0x01
 IS_ROOT = 0x02
 _HEADER = struct.Struct("<2sBBHHQQ")
-_CHECKSUM = struct.Struct("<Q")
-_FIRST_HASH = struct.Struct("<Q")
+_U64 = struct.Struct("<Q")  # a checksum, or a hash
 
 
 def _pad8(nbytes: int) -> int:
@@ -132,7 +131,7 @@ class Segment:
             if (hashes is self.hashes and holder_ids is self.holder_ids
                     and presence is self.presence and meta is self.meta):
                 body = memoryview(buf)[: len(buf) - 8]
-                _CHECKSUM.pack_into(buf, len(buf) - 8, xxhash.xxh3_64_intdigest(body))
+                _U64.pack_into(buf, len(buf) - 8, xxhash.xxh3_64_intdigest(body))
                 return bytes(buf)
         n, nh = self.num_blocks, int(self.holder_ids.size)
         flags = (HAS_META if self.meta is not None else 0) | (IS_ROOT if self.parent is None else 0)
@@ -145,7 +144,7 @@ class Segment:
         if self.meta is not None:
             parts.append(self.meta.astype("<i8", copy=False).tobytes())
         body = b"".join(parts)
-        return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+        return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def _padded(raw: bytes) -> bytes:
@@ -155,6 +154,14 @@ def _padded(raw: bytes) -> bytes:
 HASHES_AT = _HEADER.size  # where a record's hashes start
 
 
+def _sections(n: int, nh: int) -> tuple[int, int, int]:
+    """Where a record of ``n`` blocks and ``nh`` holders keeps its holder ids, its
+    presence rows and its meta (the module docstring's layout)."""
+    holders_at = HASHES_AT + 8 * n
+    presence_at = holders_at + _pad8(2 * nh)
+    return holders_at, presence_at, presence_at + _pad8(nh * n)
+
+
 def layout(seg_id: int, record: bytes) -> tuple[int, int, int, int, int | None, int, int, int]:
     """Check a record (checksum, magic, sizes) and locate its sections: ``(flags,
     num_blocks, num_holders, start_pos, parent, holders_at, presence_at, meta_at)``.
@@ -162,18 +169,16 @@ def layout(seg_id: int, record: bytes) -> tuple[int, int, int, int, int | None, 
     Cost: one xxh3 pass over the record; no per-block work, no object built.
     """
     size = len(record)
-    if size < _HEADER.size + _CHECKSUM.size:
+    if size < _HEADER.size + _U64.size:
         raise CorruptRecordError(f"segment {seg_id}: record of {size} bytes is too short")
-    (checksum,) = _CHECKSUM.unpack_from(record, size - 8)
+    (checksum,) = _U64.unpack_from(record, size - 8)
     body = record[: size - 8] if size <= 4096 else memoryview(record)[: size - 8]
     if xxhash.xxh3_64_intdigest(body) != checksum:
         raise CorruptRecordError(f"segment {seg_id}: checksum mismatch")
     magic, version, flags, n, nh, start_pos, parent = _HEADER.unpack_from(record, 0)
     if magic != MAGIC or version != RECORD_VERSION:
         raise CorruptRecordError(f"segment {seg_id}: bad magic {magic!r} or version {version}")
-    hid_off = _HEADER.size + 8 * n
-    pres_off = hid_off + ((2 * nh + 7) & ~7)
-    meta_off = pres_off + ((nh * n + 7) & ~7)
+    hid_off, pres_off, meta_off = _sections(n, nh)
     expected = meta_off + (8 * nh * n if flags & HAS_META else 0) + 8
     if expected != size:
         raise CorruptRecordError(f"segment {seg_id}: {size} bytes, layout says {expected}")
@@ -193,7 +198,7 @@ def head(seg_id: int, record: bytes) -> tuple[int, list[int]]:
     (5, [4, 9])
     """
     _, n, nh, _, _, holders_at, _, _ = layout(seg_id, record)
-    first = _FIRST_HASH.unpack_from(record, HASHES_AT)[0] if n else 0
+    first = _U64.unpack_from(record, HASHES_AT)[0] if n else 0
     return first, np.frombuffer(record, "<u2", nh, holders_at).tolist()
 
 
@@ -209,8 +214,7 @@ def checked_presence(record: bytes) -> np.ndarray:
     [[1, 0]]
     """
     _, _, _, n, nh, _, _ = _HEADER.unpack_from(record, 0)
-    presence_at = _HEADER.size + 8 * n + ((2 * nh + 7) & ~7)
-    return np.frombuffer(record, np.uint8, nh * n, presence_at).reshape(nh, n)
+    return np.frombuffer(record, np.uint8, nh * n, _sections(n, nh)[1]).reshape(nh, n)
 
 
 def decode(seg_id: int, record: bytes) -> Segment:
