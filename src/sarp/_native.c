@@ -12,6 +12,8 @@
  *   on LMDB, calling the directory's lookup and the transaction's get from here.
  * - u64_array (sarp/serving/http.py): the JSON integers of a `block_hashes` array
  *   as uint64, or None on any doubt (the general parse then runs).
+ * - pack_batch (native_pack.c; sarp/packing.py, `Packer.batch`): a batch's inserts
+ *   and removes, and the flush of the segments they touch.
  *
  * Layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16, nh u16,
  * start_pos u64, parent u64), hashes 8n, holder ids 2nh padded to 8, presence nh*n
@@ -25,7 +27,9 @@
 #define XXH_INLINE_ALL
 #include "vendor/xxhash.h"
 
-#define ABI_VERSION 4
+#include "native.h"
+
+#define ABI_VERSION 5
 #define RECORD_VERSION 1
 #define HEADER_BYTES 24
 #define HAS_META 0x01
@@ -382,12 +386,15 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(get, lookup, recent, remembered, query_bytes): Index.match's walk for "
      "one-medium instances"},
+    {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
+     "pack_batch(ctx, ops, segment_blocks, split_tail): Packer.batch's inserts and removes"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
-    "sarp's hot loops in C (examine, walk, u64_array); each has a Python reference.", -1,
+    "sarp's hot loops in C (examine, walk, u64_array, pack_batch); each has a Python "
+    "reference.", -1,
     methods,
 };
 

@@ -171,7 +171,9 @@ class Index:
         started = time.perf_counter()
         self.path = path if is_url(path) else Path(path)
         self._packer = Packer(segment_blocks, self.path, reclaim=self._reclaim_holder_id,
-                              heads=lambda first_hash: self.directory.lookup(first_hash))
+                              heads=lambda first_hash: self.directory.lookup(first_hash),
+                              probe=lambda: (self.directory.lookup,
+                                             *self.directory.probe_dicts()))
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
         self._lock = threading.RLock()

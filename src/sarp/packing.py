@@ -30,8 +30,9 @@ import numpy as np
 
 from .errors import ChainConflictError, ParentNotFoundError
 from .filters import HolderSegments
-from .segment import Segment
+from .segment import Segment, writable
 from .store import WriteTxn
+from .verify import native_pack_batch
 
 SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
 
@@ -39,7 +40,8 @@ SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
 class Packer:
     """Write transactions for one index: where blocks go, and what changed."""
 
-    def __init__(self, segment_blocks: int, path: Path, reclaim=None, heads=None) -> None:
+    def __init__(self, segment_blocks: int, path: Path, reclaim=None, heads=None,
+                 probe=None) -> None:
         self.segment_blocks = segment_blocks
         self.path = path
         # reclaim(avoid) -> a holder id that holds nothing and is not in ``avoid``
@@ -47,6 +49,9 @@ class Packer:
         # heads(hash) -> the committed segment whose first block is ``hash``, or None
         # (the routing directory); without it every insert takes the general path.
         self.heads = heads
+        # probe() -> (heads, *the directory's probe dicts): with it, a batch on LMDB
+        # runs in C (sarp._native.pack_batch) as far as it can.
+        self.probe = probe
 
     def insert(
         self,
@@ -80,7 +85,14 @@ class Packer:
         """
         plan, touched = Plan(), Touched(w)
         failed: list[tuple[int, Exception]] = []
-        for i, op in enumerate(ops):
+        start = 0
+        if (native_pack_batch is not None and self.probe is not None and self.heads is not None
+                and isinstance(w, WriteTxn) and w.LOCAL_LOOKUPS):
+            start = self._native_batch(w, ops, plan, touched, failed)
+            if start == len(ops):
+                return plan, failed  # flushed in C
+        for i in range(start, len(ops)):
+            op = ops[i]
             before = plan.removed_blocks
             try:
                 if op[0] == "insert":
@@ -97,6 +109,35 @@ class Packer:
             plan.removed_per_op.append(plan.removed_blocks - before)
         touched.flush(plan)
         return plan, failed
+
+    def _native_batch(self, w: WriteTxn, ops: list[tuple], plan: Plan, touched: Touched,
+                      failed: list[tuple[int, Exception]]) -> int:
+        """Run ``ops`` in C from the first on, as :meth:`batch` would, until one that
+        C leaves to Python (a clear, meta, a conflict, a claim that finds a stored
+        block, a new holder when every id is taken); return how many ran there.  When all did, the
+        touched segments are flushed too; otherwise they are handed to ``touched``
+        and :meth:`batch` carries on.
+
+        Cost: about one LMDB call per lookup, claim and touched segment, each through
+        py-lmdb; no Python per operation.
+        """
+        done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = (
+            native_pack_batch((*w.native_calls(), *self.probe()), ops, self.segment_blocks,
+                              SPLIT_TAIL_BLOCKS))
+        plan.holder_names.extend(created)
+        plan.new_blocks += new_blocks
+        plan.removed_blocks += removed_blocks
+        plan.removed_per_op.extend(per_op)
+        failed.extend((i, self._no_parent(parent)) for i, parent in no_parent)
+        if done == len(ops):
+            segments, dropped, entries = rest
+            plan.segments.extend(segments)
+            plan.dropped.update(dropped)
+            if entries:
+                w.log(entries)
+        else:
+            touched.take_over(rest, names)
+        return done
 
     def add_insert(
         self,
@@ -281,7 +322,10 @@ class Packer:
             seg = touched.get(seg_id)
             if np.count_nonzero(seg.presence[:, offset]):
                 return seg_id, offset
-        raise ParentNotFoundError(
+        raise self._no_parent(parent)
+
+    def _no_parent(self, parent: int) -> ParentNotFoundError:
+        return ParentNotFoundError(
             f"parent={parent} is not held by any holder in {self.path}; insert the chain "
             "from its first block (parent=None) or from a block that is still stored"
         )
@@ -555,6 +599,20 @@ class Touched:
     def holding(self, holder_id: int) -> set[int]:
         """Touched segments with a row for ``holder_id``."""
         return {sid for sid, seg in self._segs.items() if holder_id in seg.holder_ids}
+
+    def take_over(self, segments: list[tuple[int, bytes, bool, bool]],
+                  names: dict[str, int | None]) -> None:
+        """Carry on from a batch begun in C: its touched segments as ``(id, record,
+        is_new, cleared)``, in the order first touched, and the holder ids it looked up.
+        """
+        for seg_id, record, is_new, cleared in segments:
+            seg = self._segs[seg_id] = writable(seg_id, record)
+            if is_new:
+                self._new.add(seg_id)
+                self._heads[int(seg.hashes[0])] = seg_id
+            if cleared:
+                self._cleared.add(seg_id)
+        self._names.update(names)
 
     def add_new(self, seg: Segment) -> None:
         self._segs[seg.seg_id] = seg

@@ -550,16 +550,55 @@ class WriteTxn(WriteLogic):
         Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the same descent
         that would insert it); a refusal also reads back and deletes what was added.
         """
-        items = _block_items(hashes, seg_id, first_offset)
-        _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
-        if added == hashes.size:
-            return True
+        return self._claim_items(list(_block_items(hashes, seg_id, first_offset)))
+
+    def _claim_items(self, items: list[tuple[bytes, bytes]]) -> bool:
+        """:meth:`claim_blocks` of ``blocks`` entries already made."""
         cur = self.txn.cursor(db=self._store.blocks_db)
-        ours = dict(_block_items(hashes, seg_id, first_offset))
+        _, added = cur.putmulti(items, overwrite=False)
+        if added == len(items):
+            return True
+        ours = dict(items)
         for key, value in cur.getmulti(list(ours)):
             if value == ours[key]:  # no stored entry can name this new place
                 self.txn.delete(key, db=self._store.blocks_db)
         return False
+
+    def native_calls(self) -> tuple:
+        """What ``sarp._native.pack_batch`` calls of this transaction, in its order:
+        a ``blocks`` get and a ``segments`` get (big-endian keys), the checked read of
+        a segment (to name damage), a claim and an overwriting put of ``blocks``
+        entries, a release of ``blocks`` keys, a new segment id, the return of ids
+        from one on (taken by an insert that then fell to Python), a holder's id (None
+        if it has none), a new holder's id (None when every id is taken and one must
+        be reclaimed), a record write, and a segment's deletion with its entries."""
+        blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
+        txn = self.txn
+        put_blocks = txn.cursor(db=blocks_db).putmulti
+        delete_block = partial(txn.delete, db=blocks_db)
+        return (
+            txn.cursor(db=blocks_db).get,
+            txn.cursor(db=segments_db).get,
+            self.segment,
+            self._claim_items,
+            put_blocks,
+            lambda keys: deque(map(delete_block, keys), maxlen=0),
+            self.new_segment_id,
+            lambda first: self.set_counter("next_seg_id", first - 1),
+            lambda name: self.holder_id(name, create=False),
+            self._new_holder,
+            lambda seg_id, record: txn.put(_U64.pack(seg_id), record, db=segments_db),
+            lambda seg_id, hashes: self._drop_record(seg_id, hashes),
+        )
+
+    def _new_holder(self, name: str) -> int | None:
+        if self.counter("next_holder_id") >= MAX_HOLDERS:
+            return None
+        return self.holder_id(name, create=True)
+
+    def _drop_record(self, seg_id: int, hashes: bytes) -> None:
+        self.txn.delete(_U64.pack(seg_id), db=self._store.segments_db)
+        self.release_blocks(np.frombuffer(hashes, np.uint64))
 
     def release_blocks(self, hashes: np.ndarray) -> None:
         """Delete the ``blocks`` entries of ``hashes`` (a dead segment's, or a claim undone).

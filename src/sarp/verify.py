@@ -89,7 +89,7 @@ def _native_module():
     return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
 
 
-_NATIVE_ABI = 4
+_NATIVE_ABI = 5
 _native = _native_module()
 NATIVE = _native is not None  # is the match step in C?
 
@@ -111,10 +111,14 @@ if NATIVE:
     native_walk = _native.walk
     # JSON integers inside an array, as uint64 bytes, or None (the HTTP service's parse)
     native_u64_array = _native.u64_array
+    # a batch's inserts and removes, and its flush, as Packer.batch does them; see
+    # native_pack.c
+    native_pack_batch = _native.pack_batch
 else:
     examine = examine_py
     native_walk = None
     native_u64_array = None
+    native_pack_batch = None
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:

@@ -1,0 +1,1058 @@
+/*
+ * sarp._native's write path: Packer.batch's common operations in C (sarp/packing.py
+ * is the reference, and tests hold the two to the same bytes on disk).
+ *
+ * pack_batch applies a batch's operations in order, as Packer.add_insert (its walk,
+ * _walk_insert and _place) and Packer.add_remove (_remove_runs) do, on segments held
+ * here in C, and at the end writes each touched segment once (Touched.flush).  The
+ * LMDB transaction is py-lmdb's, reached through the callables in `ctx`.  An operation
+ * it does not take (a clear, an insert with meta, a walk that meets a conflict, a claim
+ * that finds a stored block, a new holder when every id is taken) stops it before that operation
+ * changes anything: it then hands back every touched segment as a record, and
+ * Python's Packer carries on from that operation with them.
+ *
+ * Record layout: see _native.c and segment.py.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "vendor/xxhash.h"
+
+#include "native.h"
+
+#define RECORD_VERSION 1
+#define HEADER_BYTES 24
+#define HAS_META 0x01
+#define IS_ROOT 0x02
+
+static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static Py_ssize_t pad8(Py_ssize_t n) { return (n + 7) & ~(Py_ssize_t)7; }
+
+/* -- a segment being written ------------------------------------------------------ */
+
+typedef struct {
+    uint64_t id, start_pos, parent;
+    int is_root, is_new, cleared;
+    Py_ssize_t n, cap;   /* blocks, and room per row */
+    Py_ssize_t nh, hcap; /* holder rows, and room for them */
+    uint64_t *hashes;    /* cap */
+    uint16_t *holders;   /* hcap */
+    uint8_t *presence;   /* hcap rows of cap */
+    int64_t *meta;       /* NULL, or hcap rows of cap */
+} Seg;
+
+static void seg_free(Seg *s) {
+    if (s == NULL) return;
+    PyMem_Free(s->hashes);
+    PyMem_Free(s->holders);
+    PyMem_Free(s->presence);
+    PyMem_Free(s->meta);
+    PyMem_Free(s);
+}
+
+static Seg *seg_new(Py_ssize_t n, Py_ssize_t nh, int with_meta) {
+    Seg *s = PyMem_Calloc(1, sizeof(Seg));
+    if (s == NULL) return NULL;
+    s->n = n;
+    s->nh = nh;
+    s->cap = n < 16 ? 16 : n;
+    s->hcap = nh < 2 ? 2 : nh;
+    s->hashes = PyMem_Malloc((size_t)s->cap * 8);
+    s->holders = PyMem_Malloc((size_t)s->hcap * 2);
+    s->presence = PyMem_Calloc((size_t)(s->hcap * s->cap), 1);
+    if (with_meta) s->meta = PyMem_Malloc((size_t)(s->hcap * s->cap) * 8);
+    if (s->hashes == NULL || s->holders == NULL || s->presence == NULL
+        || (with_meta && s->meta == NULL)) {
+        seg_free(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* Room for `n` blocks per row. */
+static int seg_grow_blocks(Seg *s, Py_ssize_t n) {
+    if (n <= s->cap) return 0;
+    Py_ssize_t cap = s->cap * 2 > n ? s->cap * 2 : n;
+    uint64_t *hashes = PyMem_Realloc(s->hashes, (size_t)cap * 8);
+    if (hashes == NULL) return -1;
+    s->hashes = hashes;
+    uint8_t *presence = PyMem_Calloc((size_t)(s->hcap * cap), 1);
+    int64_t *meta = s->meta ? PyMem_Malloc((size_t)(s->hcap * cap) * 8) : NULL;
+    if (presence == NULL || (s->meta && meta == NULL)) {
+        PyMem_Free(presence);
+        PyMem_Free(meta);
+        return -1;
+    }
+    for (Py_ssize_t r = 0; r < s->nh; r++) {
+        memcpy(presence + r * cap, s->presence + r * s->cap, (size_t)s->n);
+        if (meta) memcpy(meta + r * cap, s->meta + r * s->cap, (size_t)s->n * 8);
+    }
+    PyMem_Free(s->presence);
+    PyMem_Free(s->meta);
+    s->presence = presence;
+    s->meta = meta;
+    s->cap = cap;
+    return 0;
+}
+
+/* Room for `nh` rows. */
+static int seg_grow_rows(Seg *s, Py_ssize_t nh) {
+    if (nh <= s->hcap) return 0;
+    Py_ssize_t hcap = s->hcap * 2 > nh ? s->hcap * 2 : nh;
+    uint16_t *holders = PyMem_Realloc(s->holders, (size_t)hcap * 2);
+    if (holders == NULL) return -1;
+    s->holders = holders;
+    uint8_t *presence = PyMem_Realloc(s->presence, (size_t)(hcap * s->cap));
+    if (presence == NULL) return -1;
+    s->presence = presence;
+    if (s->meta) {
+        int64_t *meta = PyMem_Realloc(s->meta, (size_t)(hcap * s->cap) * 8);
+        if (meta == NULL) return -1;
+        s->meta = meta;
+    }
+    s->hcap = hcap;
+    return 0;
+}
+
+/* Segment.row_of: the row of `holder`, adding an empty one if it has none. */
+static Py_ssize_t seg_row_of(Seg *s, uint16_t holder) {
+    for (Py_ssize_t r = 0; r < s->nh; r++) {
+        if (s->holders[r] == holder) return r;
+    }
+    if (seg_grow_rows(s, s->nh + 1) < 0) return -1;
+    Py_ssize_t r = s->nh++;
+    s->holders[r] = holder;
+    memset(s->presence + r * s->cap, 0, (size_t)s->cap);
+    if (s->meta) {
+        for (Py_ssize_t i = 0; i < s->cap; i++) s->meta[r * s->cap + i] = -1;
+    }
+    return r;
+}
+
+static Py_ssize_t seg_find_row(const Seg *s, uint16_t holder) {
+    for (Py_ssize_t r = 0; r < s->nh; r++) {
+        if (s->holders[r] == holder) return r;
+    }
+    return -1;
+}
+
+/* Segment.append: blocks held by `holder` at the tail. */
+static int seg_append(Seg *s, const uint64_t *hashes, Py_ssize_t k, uint16_t holder) {
+    Py_ssize_t row = seg_row_of(s, holder);
+    if (row < 0 || seg_grow_blocks(s, s->n + k) < 0) return -1;
+    memcpy(s->hashes + s->n, hashes, (size_t)k * 8);
+    for (Py_ssize_t r = 0; r < s->nh; r++) {
+        memset(s->presence + r * s->cap + s->n, r == row, (size_t)k);
+        if (s->meta) {
+            for (Py_ssize_t i = 0; i < k; i++) s->meta[r * s->cap + s->n + i] = -1;
+        }
+    }
+    s->n += k;
+    return 0;
+}
+
+/* Segment.drop_empty_rows; the holder ids dropped go to `gone` (a list). */
+static int seg_drop_empty_rows(Seg *s, PyObject *gone) {
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t r = 0; r < s->nh; r++) {
+        const uint8_t *row = s->presence + r * s->cap;
+        int held = 0;
+        for (Py_ssize_t i = 0; i < s->n && !held; i++) held = row[i] != 0;
+        if (!held) {
+            PyObject *id = PyLong_FromLong(s->holders[r]);
+            if (id == NULL || PyList_Append(gone, id) < 0) {
+                Py_XDECREF(id);
+                return -1;
+            }
+            Py_DECREF(id);
+            continue;
+        }
+        if (kept != r) {
+            s->holders[kept] = s->holders[r];
+            memcpy(s->presence + kept * s->cap, row, (size_t)s->n);
+            if (s->meta) memcpy(s->meta + kept * s->cap, s->meta + r * s->cap, (size_t)s->n * 8);
+        }
+        kept++;
+    }
+    s->nh = kept;
+    return 0;
+}
+
+/* Segment.encode: the record, checksum included. */
+static PyObject *seg_encode(const Seg *s) {
+    Py_ssize_t n = s->n, nh = s->nh;
+    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
+    Py_ssize_t presence_at = holders_at + pad8(2 * nh);
+    Py_ssize_t meta_at = presence_at + pad8(nh * n);
+    Py_ssize_t size = meta_at + (s->meta ? 8 * nh * n : 0) + 8;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) return NULL;
+    uint8_t *r = (uint8_t *)PyBytes_AS_STRING(out);
+    memset(r, 0, (size_t)size);
+    uint16_t n16 = (uint16_t)n, nh16 = (uint16_t)nh;
+    uint64_t parent = s->is_root ? 0 : s->parent;
+    r[0] = 'S';
+    r[1] = 'G';
+    r[2] = RECORD_VERSION;
+    r[3] = (uint8_t)((s->meta ? HAS_META : 0) | (s->is_root ? IS_ROOT : 0));
+    memcpy(r + 4, &n16, 2);
+    memcpy(r + 6, &nh16, 2);
+    memcpy(r + 8, &s->start_pos, 8);
+    memcpy(r + 16, &parent, 8);
+    memcpy(r + HEADER_BYTES, s->hashes, (size_t)n * 8);
+    memcpy(r + holders_at, s->holders, (size_t)nh * 2);
+    for (Py_ssize_t row = 0; row < nh; row++) {
+        memcpy(r + presence_at + row * n, s->presence + row * s->cap, (size_t)n);
+        if (s->meta) memcpy(r + meta_at + 8 * row * n, s->meta + row * s->cap, (size_t)n * 8);
+    }
+    uint64_t sum = XXH3_64bits(r, (size_t)(size - 8));
+    memcpy(r + size - 8, &sum, 8);
+    return out;
+}
+
+/* A record as segment.writable reads it, or NULL without an exception when the record
+ * is not one (the caller lets Python name the damage). */
+static Seg *seg_parse(uint64_t id, const uint8_t *r, Py_ssize_t size, int *bad) {
+    *bad = 1;
+    if (size < HEADER_BYTES + 8) return NULL;
+    if (XXH3_64bits(r, (size_t)(size - 8)) != rd64(r + size - 8)) return NULL;
+    if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) return NULL;
+    uint8_t flags = r[3];
+    Py_ssize_t n = rd16(r + 4), nh = rd16(r + 6);
+    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
+    Py_ssize_t presence_at = holders_at + pad8(2 * nh);
+    Py_ssize_t meta_at = presence_at + pad8(nh * n);
+    if (meta_at + ((flags & HAS_META) ? 8 * nh * n : 0) + 8 != size) return NULL;
+    *bad = 0;
+    Seg *s = seg_new(n, nh, flags & HAS_META);
+    if (s == NULL) return NULL;
+    s->id = id;
+    s->start_pos = rd64(r + 8);
+    s->is_root = (flags & IS_ROOT) != 0;
+    s->parent = s->is_root ? 0 : rd64(r + 16);
+    memcpy(s->hashes, r + HEADER_BYTES, (size_t)n * 8);
+    memcpy(s->holders, r + holders_at, (size_t)nh * 2);
+    for (Py_ssize_t row = 0; row < nh; row++) {
+        memcpy(s->presence + row * s->cap, r + presence_at + row * n, (size_t)n);
+        if (s->meta) memcpy(s->meta + row * s->cap, r + meta_at + 8 * row * n, (size_t)n * 8);
+    }
+    return s;
+}
+
+/* -- u64 -> u64 map (open addressing) -------------------------------------------- */
+
+typedef struct {
+    uint64_t *keys, *vals;
+    uint8_t *used;
+    size_t mask, count;
+} Map;
+
+static uint64_t mix(uint64_t x) { /* splitmix64's finaliser: ids and hashes alike */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static void map_free(Map *m) {
+    PyMem_Free(m->keys);
+    PyMem_Free(m->vals);
+    PyMem_Free(m->used);
+    memset(m, 0, sizeof(*m));
+}
+
+static int map_init(Map *m, size_t slots) {
+    m->keys = PyMem_Malloc(slots * 8);
+    m->vals = PyMem_Malloc(slots * 8);
+    m->used = PyMem_Calloc(slots, 1);
+    m->mask = slots - 1;
+    m->count = 0;
+    if (m->keys == NULL || m->vals == NULL || m->used == NULL) {
+        map_free(m);
+        return -1;
+    }
+    return 0;
+}
+
+static int map_get(const Map *m, uint64_t key, uint64_t *val) {
+    for (size_t i = mix(key) & m->mask;; i = (i + 1) & m->mask) {
+        if (!m->used[i]) return 0;
+        if (m->keys[i] == key) {
+            *val = m->vals[i];
+            return 1;
+        }
+    }
+}
+
+static int map_put(Map *m, uint64_t key, uint64_t val) {
+    if (2 * (m->count + 1) > m->mask + 1) {
+        Map bigger;
+        if (map_init(&bigger, 2 * (m->mask + 1)) < 0) return -1;
+        for (size_t i = 0; i <= m->mask; i++) {
+            if (m->used[i]) map_put(&bigger, m->keys[i], m->vals[i]);
+        }
+        map_free(m);
+        *m = bigger;
+    }
+    size_t i = mix(key) & m->mask;
+    while (m->used[i] && m->keys[i] != key) i = (i + 1) & m->mask;
+    if (!m->used[i]) m->count++;
+    m->used[i] = 1;
+    m->keys[i] = key;
+    m->vals[i] = val;
+    return 0;
+}
+
+/* -- the batch -------------------------------------------------------------------- */
+
+/* ctx's callables, in order: the write transaction's (WriteTxn.native_calls), then the
+ * directory's lookup and its two dicts (as walk in _native.c probes them). */
+enum { CB_BLOCK_GET, CB_SEG_GET, CB_SEGMENT_PY, CB_CLAIM, CB_PUT_BLOCKS, CB_RELEASE,
+       CB_NEW_SEG_ID, CB_UNTAKE_SEG_IDS, CB_HOLDER_ID, CB_NEW_HOLDER, CB_PUT_RECORD, CB_DROP_RECORD, CB_LOOKUP, CB_RECENT,
+       CB_REMEMBERED, NUM_CB };
+
+typedef struct {
+    PyObject *cb[NUM_CB];
+    PyObject *names;   /* holder name -> id or None, as looked up in this batch */
+    PyObject *created; /* [(id, name)] of holders named by this batch */
+    Py_ssize_t cap_blocks, split_tail;
+    Seg **segs;      /* touched, in the order first touched */
+    Py_ssize_t nsegs, segs_cap;
+    Map index;       /* segment id -> position in segs */
+    Map heads;       /* first hash of a segment created here -> its id */
+    Py_ssize_t new_blocks, removed_blocks;
+} Batch;
+
+enum { OP_DONE = 0, OP_NO_PARENT = 1, OP_TO_PYTHON = 2, OP_ERROR = -1 };
+
+static PyObject *be_key(uint64_t v) {
+    uint8_t be[8];
+    for (int i = 0; i < 8; i++) be[i] = (uint8_t)(v >> (56 - 8 * i));
+    return PyBytes_FromStringAndSize((const char *)be, 8);
+}
+
+static PyObject *call1(PyObject *fn, PyObject *arg) {
+    PyObject *out = PyObject_CallOneArg(fn, arg);
+    Py_DECREF(arg);
+    return out;
+}
+
+static int touched_add(Batch *b, Seg *s) {
+    if (b->nsegs == b->segs_cap) {
+        Py_ssize_t cap = b->segs_cap ? 2 * b->segs_cap : 64;
+        Seg **segs = PyMem_Realloc(b->segs, (size_t)cap * sizeof(Seg *));
+        if (segs == NULL) return -1;
+        b->segs = segs;
+        b->segs_cap = cap;
+    }
+    if (map_put(&b->index, s->id, (uint64_t)b->nsegs) < 0) return -1;
+    b->segs[b->nsegs++] = s;
+    return 0;
+}
+
+/* Touched.add_new */
+static int touched_add_new(Batch *b, Seg *s) {
+    s->is_new = 1;
+    if (touched_add(b, s) < 0) return -1;
+    return map_put(&b->heads, s->hashes[0], s->id);
+}
+
+/* Touched.get: the segment, read (and checked) on first touch.  NULL with an
+ * exception set: Python's reader names a damaged record. */
+static Seg *touched_get(Batch *b, uint64_t id) {
+    uint64_t at;
+    if (map_get(&b->index, id, &at)) return b->segs[at];
+    PyObject *key = be_key(id);
+    if (key == NULL) return NULL;
+    PyObject *rec = call1(b->cb[CB_SEG_GET], key);
+    if (rec == NULL) return NULL;
+    Seg *s = NULL;
+    int bad = 1;
+    if (rec != Py_None) {
+        Py_buffer buf;
+        if (PyObject_GetBuffer(rec, &buf, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(rec);
+            return NULL;
+        }
+        s = seg_parse(id, buf.buf, buf.len, &bad);
+        PyBuffer_Release(&buf);
+    }
+    Py_DECREF(rec);
+    if (bad) { /* missing or damaged: WriteTxn.segment raises the error that says so */
+        PyObject *idobj = PyLong_FromUnsignedLongLong(id);
+        if (idobj == NULL) return NULL;
+        PyObject *out = call1(b->cb[CB_SEGMENT_PY], idobj);
+        if (out != NULL) {
+            Py_DECREF(out);
+            PyErr_Format(PyExc_RuntimeError,
+                         "sarp._native: segment %llu reads in Python but not in C",
+                         (unsigned long long)id);
+        }
+        return NULL;
+    }
+    if (s == NULL) return (Seg *)PyErr_NoMemory();
+    if (touched_add(b, s) < 0) {
+        seg_free(s);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    return s;
+}
+
+/* WriteTxn.locate_one: 1 with (segment id, offset), 0 if absent, -1 on error. */
+static int locate_one(Batch *b, uint64_t hash, uint64_t *seg_id, Py_ssize_t *off) {
+    PyObject *key = be_key(hash);
+    if (key == NULL) return -1;
+    PyObject *value = call1(b->cb[CB_BLOCK_GET], key);
+    if (value == NULL) return -1;
+    int found = 0;
+    if (value != Py_None) {
+        char *p;
+        Py_ssize_t len;
+        if (PyBytes_AsStringAndSize(value, &p, &len) < 0) {
+            Py_DECREF(value);
+            return -1;
+        }
+        if (len != 6) {
+            Py_DECREF(value);
+            PyErr_Format(PyExc_ValueError, "blocks table entry of %zd bytes", len);
+            return -1;
+        }
+        *seg_id = rd32((const uint8_t *)p);
+        *off = rd16((const uint8_t *)p + 4);
+        found = *seg_id != 0;
+    }
+    Py_DECREF(value);
+    return found;
+}
+
+/* The directory's lookup, as Packer.heads does it after Touched.head: 1 with the id,
+ * 0 if none, -1 on error. */
+static int head_of(Batch *b, uint64_t hash, uint64_t *seg_id) {
+    if (map_get(&b->heads, hash, seg_id)) return 1;
+    PyObject *key = PyLong_FromUnsignedLongLong(hash);
+    if (key == NULL) return -1;
+    PyObject *seg = PyDict_GetItemWithError(b->cb[CB_RECENT], key);
+    if (seg == NULL && !PyErr_Occurred()) seg = PyDict_GetItemWithError(b->cb[CB_REMEMBERED], key);
+    if (seg != NULL) {
+        Py_INCREF(seg);
+    } else if (!PyErr_Occurred()) {
+        seg = PyObject_CallOneArg(b->cb[CB_LOOKUP], key);
+    }
+    Py_DECREF(key);
+    if (seg == NULL) return -1;
+    if (seg == Py_None) {
+        Py_DECREF(seg);
+        return 0;
+    }
+    *seg_id = PyLong_AsUnsignedLongLong(seg);
+    Py_DECREF(seg);
+    return PyErr_Occurred() ? -1 : 1;
+}
+
+static int new_segment_id(Batch *b, uint64_t *id) {
+    PyObject *out = PyObject_CallNoArgs(b->cb[CB_NEW_SEG_ID]);
+    if (out == NULL) return -1;
+    *id = PyLong_AsUnsignedLongLong(out);
+    Py_DECREF(out);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Give back segment ids from `first` on (an insert that took them and then found one
+ * of its blocks stored, so that Python's rerun takes the same ids). */
+static int untake_seg_ids(Batch *b, uint64_t first) {
+    PyObject *arg = PyLong_FromUnsignedLongLong(first);
+    if (arg == NULL) return -1;
+    PyObject *out = call1(b->cb[CB_UNTAKE_SEG_IDS], arg);
+    if (out == NULL) return -1;
+    Py_DECREF(out);
+    return 0;
+}
+
+/* `blocks` entries placing hashes at (seg_id, first_offset + i), as _block_items. */
+static PyObject *block_items(const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
+                             Py_ssize_t first_offset) {
+    PyObject *items = PyList_New(k);
+    if (items == NULL) return NULL;
+    uint32_t sid = (uint32_t)seg_id;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t v[6];
+        uint16_t off = (uint16_t)(first_offset + i);
+        memcpy(v, &sid, 4);
+        memcpy(v + 4, &off, 2);
+        PyObject *key = be_key(hashes[i]);
+        PyObject *value = PyBytes_FromStringAndSize((const char *)v, 6);
+        PyObject *item = (key && value) ? PyTuple_Pack(2, key, value) : NULL;
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        if (item == NULL) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        PyList_SET_ITEM(items, i, item);
+    }
+    return items;
+}
+
+static PyObject *keys_of(const uint64_t *hashes, Py_ssize_t k) {
+    PyObject *keys = PyList_New(k);
+    if (keys == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *key = be_key(hashes[i]);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, i, key);
+    }
+    return keys;
+}
+
+/* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left), -1 error. */
+static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
+                 Py_ssize_t first_offset) {
+    PyObject *items = block_items(hashes, k, seg_id, first_offset);
+    if (items == NULL) return -1;
+    PyObject *ok = call1(b->cb[CB_CLAIM], items);
+    if (ok == NULL) return -1;
+    int claimed = PyObject_IsTrue(ok);
+    Py_DECREF(ok);
+    return claimed;
+}
+
+static int call_items(Batch *b, int cb, PyObject *items) {
+    if (items == NULL) return -1;
+    PyObject *out = call1(b->cb[cb], items);
+    if (out == NULL) return -1;
+    Py_DECREF(out);
+    return 0;
+}
+
+/* Packer._split: move `s`'s blocks from `at` on into a new segment. */
+static int split(Batch *b, Seg *s, Py_ssize_t at) {
+    uint64_t id;
+    if (new_segment_id(b, &id) < 0) return -1;
+    Py_ssize_t k = s->n - at;
+    Seg *t = seg_new(k, s->nh, s->meta != NULL);
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->id = id;
+    t->start_pos = s->start_pos + (uint64_t)at;
+    t->parent = s->hashes[at - 1];
+    t->is_root = 0;
+    memcpy(t->hashes, s->hashes + at, (size_t)k * 8);
+    memcpy(t->holders, s->holders, (size_t)s->nh * 2);
+    for (Py_ssize_t r = 0; r < s->nh; r++) {
+        memcpy(t->presence + r * t->cap, s->presence + r * s->cap + at, (size_t)k);
+        if (s->meta) memcpy(t->meta + r * t->cap, s->meta + r * s->cap + at, (size_t)k * 8);
+    }
+    s->n = at;
+    if (touched_add_new(b, t) < 0) {
+        seg_free(t);
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->cleared = 1;
+    t->cleared = 1;
+    return call_items(b, CB_PUT_BLOCKS, block_items(t->hashes, k, id, 0));
+}
+
+/* The holder id of `name` (cached per batch): 1 with it, 0 if it has none, -1 error. */
+static int holder_of(Batch *b, PyObject *name, uint16_t *id) {
+    PyObject *known = PyDict_GetItemWithError(b->names, name);
+    if (known == NULL) {
+        if (PyErr_Occurred()) return -1;
+        known = PyObject_CallOneArg(b->cb[CB_HOLDER_ID], name);
+        if (known == NULL) return -1;
+        int bad = PyDict_SetItem(b->names, name, known);
+        Py_DECREF(known);
+        if (bad < 0) return -1;
+    }
+    if (known == Py_None) return 0;
+    long v = PyLong_AsLong(known);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *id = (uint16_t)v;
+    return 1;
+}
+
+/* A new id for holder `name` (Packer._holder_for_insert): 1 with it, 0 when only
+ * Python can give one (every id taken: one must be reclaimed), -1 on error. */
+static int new_holder(Batch *b, PyObject *name, uint16_t *id) {
+    PyObject *got = PyObject_CallOneArg(b->cb[CB_NEW_HOLDER], name);
+    if (got == NULL) return -1;
+    if (got == Py_None) {
+        Py_DECREF(got);
+        return 0;
+    }
+    long v = PyLong_AsLong(got);
+    PyObject *item = Py_BuildValue("(OO)", got, name);
+    int bad = (v == -1 && PyErr_Occurred()) || item == NULL
+              || PyDict_SetItem(b->names, name, got) < 0 || PyList_Append(b->created, item) < 0;
+    Py_DECREF(got);
+    Py_XDECREF(item);
+    if (bad) return -1;
+    *id = (uint16_t)v;
+    return 1;
+}
+
+static Py_ssize_t common_prefix(const uint64_t *a, const uint64_t *b, Py_ssize_t m) {
+    Py_ssize_t k = 0;
+    while (k < m && a[k] == b[k]) k++;
+    return k;
+}
+
+/* Undo an insert's claims: (chain index, count) pairs. */
+static int release_claims(Batch *b, const uint64_t *chain, const Py_ssize_t *claims,
+                          Py_ssize_t nclaims) {
+    for (Py_ssize_t c = 0; c < nclaims; c++) {
+        if (call_items(b, CB_RELEASE, keys_of(chain + claims[2 * c], claims[2 * c + 1])) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+typedef struct { Seg *seg; Py_ssize_t at, j, k; } Run;
+typedef struct { Seg *seg; uint64_t new_id; Py_ssize_t split_at, j, k; } Placement;
+
+/* Packer._walk_insert, with _held_parent and _place. */
+static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *parent_obj,
+                  PyObject *name) {
+    uint16_t holder;
+    int known = holder_of(b, name, &holder);
+    if (known < 0) return OP_ERROR;
+    int has_parent = parent_obj != Py_None;
+    uint64_t parent = 0;
+    Seg *seg = NULL;
+    Py_ssize_t off = -1;
+    uint64_t start_pos = 0;
+    if (has_parent) {
+        parent = PyLong_AsUnsignedLongLong(parent_obj);
+        if (PyErr_Occurred()) return OP_ERROR;
+        uint64_t sid;
+        Py_ssize_t o;
+        int found = locate_one(b, parent, &sid, &o);
+        if (found < 0) return OP_ERROR;
+        if (!found) return OP_NO_PARENT;
+        seg = touched_get(b, sid);
+        if (seg == NULL) return OP_ERROR;
+        if (o >= seg->n) {
+            PyErr_Format(PyExc_ValueError, "blocks table places a block at offset %zd of "
+                         "segment %llu, which has %zd", o, (unsigned long long)sid, seg->n);
+            return OP_ERROR;
+        }
+        int held = 0;
+        for (Py_ssize_t r = 0; r < seg->nh && !held; r++) held = seg->presence[r * seg->cap + o];
+        if (!held) return OP_NO_PARENT;
+        off = o;
+        start_pos = seg->start_pos + (uint64_t)o + 1;
+    }
+    Seg *parent_seg = seg;
+    Py_ssize_t parent_off = off;
+    Run *runs = PyMem_Malloc(sizeof(Run) * (size_t)(n + 1));
+    Placement *places = PyMem_Malloc(sizeof(Placement) * (size_t)(n / b->cap_blocks + 2));
+    Py_ssize_t nruns = 0, nplaces = 0, nclaims = 0;
+    Py_ssize_t *claims = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)(n / b->cap_blocks + 2));
+    int result = OP_ERROR;
+    if (runs == NULL || places == NULL || claims == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t nxt = off + 1;
+        if (seg != NULL && nxt < seg->n) {
+            Py_ssize_t m = seg->n - nxt < n - i ? seg->n - nxt : n - i;
+            Py_ssize_t k = common_prefix(seg->hashes + nxt, chain + i, m);
+            if (k) {
+                runs[nruns++] = (Run){seg, nxt, i, k};
+                i += k;
+                off = nxt + k - 1;
+                continue;
+            }
+        }
+        uint64_t sid;
+        int found = head_of(b, chain[i], &sid);
+        if (found < 0) goto out;
+        if (!found) break;
+        seg = touched_get(b, sid);
+        if (seg == NULL) goto out;
+        int want_root = i == 0 && !has_parent;
+        uint64_t want_parent = i ? chain[i - 1] : parent;
+        if ((want_root ? !seg->is_root : (seg->is_root || seg->parent != want_parent))
+            || seg->start_pos != start_pos + (uint64_t)i) {
+            result = OP_TO_PYTHON; /* a conflict: the general path names it */
+            goto out;
+        }
+        off = -1;
+    }
+    /* _place: where the new blocks go, each placement's blocks claimed */
+    Py_ssize_t first_new = i;
+    if (i < n) {
+        Seg *prev = NULL;
+        Py_ssize_t o = 0;
+        if (nruns) {
+            prev = runs[nruns - 1].seg;
+            o = runs[nruns - 1].at + runs[nruns - 1].k - 1;
+        } else if (parent_seg != NULL) {
+            prev = parent_seg;
+            o = parent_off;
+        }
+        int refused = 0;
+        uint64_t first_id = 0; /* the first segment id taken here, given back on refusal */
+        if (prev != NULL) {
+            Py_ssize_t blocks = prev->n, split_at = -1;
+            if (0 < blocks - 1 - o && blocks - 1 - o <= b->split_tail) split_at = blocks = o + 1;
+            if (o == blocks - 1 && blocks < b->cap_blocks) {
+                Py_ssize_t k = b->cap_blocks - blocks < n - i ? b->cap_blocks - blocks : n - i;
+                int got = claim(b, chain + i, k, prev->id, blocks);
+                if (got < 0) goto out;
+                if (!got) {
+                    refused = 1;
+                } else {
+                    claims[2 * nclaims] = i;
+                    claims[2 * nclaims + 1] = k;
+                    nclaims++;
+                    places[nplaces++] = (Placement){prev, 0, split_at, i, k};
+                    i += k;
+                }
+            }
+        }
+        while (!refused && i < n) {
+            Py_ssize_t k = b->cap_blocks < n - i ? b->cap_blocks : n - i;
+            uint64_t id;
+            if (new_segment_id(b, &id) < 0) goto out;
+            if (!first_id) first_id = id;
+            int got = claim(b, chain + i, k, id, 0);
+            if (got < 0) goto out;
+            if (!got) {
+                refused = 1;
+                break;
+            }
+            claims[2 * nclaims] = i;
+            claims[2 * nclaims + 1] = k;
+            nclaims++;
+            places[nplaces++] = (Placement){NULL, id, -1, i, k};
+            i += k;
+        }
+        if (refused) { /* a new block is stored somewhere: undo, and Python decides */
+            if (release_claims(b, chain, claims, nclaims) < 0) goto out;
+            if (first_id && untake_seg_ids(b, first_id) < 0) goto out;
+            result = OP_TO_PYTHON;
+            goto out;
+        }
+    }
+    if (!known) { /* named now, as Python names it: after the claims */
+        known = new_holder(b, name, &holder);
+        if (known < 0) goto out;
+        if (!known) {
+            if (release_claims(b, chain, claims, nclaims) < 0) goto out;
+            result = OP_TO_PYTHON;
+            goto out;
+        }
+    }
+    /* nothing can refuse from here on */
+    for (Py_ssize_t r = 0; r < nruns; r++) {
+        Py_ssize_t row = seg_row_of(runs[r].seg, holder);
+        if (row < 0) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        memset(runs[r].seg->presence + row * runs[r].seg->cap + runs[r].at, 1,
+               (size_t)runs[r].k);
+    }
+    for (Py_ssize_t p = 0; p < nplaces; p++) {
+        Placement *pl = &places[p];
+        if (pl->seg != NULL) {
+            if (pl->split_at >= 0 && split(b, pl->seg, pl->split_at) < 0) goto out;
+            if (seg_append(pl->seg, chain + pl->j, pl->k, holder) < 0) {
+                PyErr_NoMemory();
+                goto out;
+            }
+        } else {
+            Seg *s = seg_new(pl->k, 1, 0);
+            if (s == NULL) {
+                PyErr_NoMemory();
+                goto out;
+            }
+            s->id = pl->new_id;
+            s->start_pos = start_pos + (uint64_t)pl->j;
+            s->is_root = pl->j == 0 && !has_parent;
+            s->parent = pl->j == 0 ? parent : chain[pl->j - 1];
+            memcpy(s->hashes, chain + pl->j, (size_t)pl->k * 8);
+            s->holders[0] = holder;
+            memset(s->presence, 1, (size_t)pl->k);
+            if (touched_add_new(b, s) < 0) {
+                seg_free(s);
+                PyErr_NoMemory();
+                goto out;
+            }
+        }
+    }
+    b->new_blocks += n - first_new;
+    result = OP_DONE;
+out:
+    PyMem_Free(runs);
+    PyMem_Free(places);
+    PyMem_Free(claims);
+    return result;
+}
+
+/* Packer.add_remove with local lookups (_remove_runs). */
+static int remove_op(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *name) {
+    uint16_t holder;
+    int known = holder_of(b, name, &holder);
+    if (known <= 0) return known < 0 ? OP_ERROR : OP_DONE; /* it holds nothing */
+    Py_ssize_t i = 0;
+    while (i < n) {
+        uint64_t sid;
+        Py_ssize_t off;
+        int found = locate_one(b, chain[i], &sid, &off);
+        if (found < 0) return OP_ERROR;
+        if (!found) {
+            i++;
+            continue;
+        }
+        Seg *s = touched_get(b, sid);
+        if (s == NULL) return OP_ERROR;
+        if (off >= s->n) {
+            PyErr_Format(PyExc_ValueError, "blocks table places a block at offset %zd of "
+                         "segment %llu, which has %zd", off, (unsigned long long)sid, s->n);
+            return OP_ERROR;
+        }
+        const uint64_t *rest = chain + i + 1;
+        Py_ssize_t left = n - i - 1, k = 0, lo, hi;
+        if (off) { /* backwards: the blocks before `off`, last first */
+            Py_ssize_t m = off < left ? off : left;
+            while (k < m && s->hashes[off - 1 - k] == rest[k]) k++;
+        }
+        if (k) {
+            lo = off - k;
+            hi = off + 1;
+        } else {
+            Py_ssize_t m = s->n - off - 1 < left ? s->n - off - 1 : left;
+            k = common_prefix(s->hashes + off + 1, rest, m);
+            lo = off;
+            hi = off + k + 1;
+        }
+        i += k + 1;
+        Py_ssize_t row = seg_find_row(s, holder);
+        if (row < 0) continue;
+        uint8_t *p = s->presence + row * s->cap;
+        for (Py_ssize_t x = lo; x < hi; x++) {
+            b->removed_blocks += p[x] != 0;
+            p[x] = 0;
+        }
+        int held = 0;
+        for (Py_ssize_t x = 0; x < s->n && !held; x++) held = p[x] != 0;
+        if (!held) s->cleared = 1;
+        if (s->meta) {
+            for (Py_ssize_t x = lo; x < hi; x++) s->meta[row * s->cap + x] = -1;
+        }
+    }
+    return OP_DONE;
+}
+
+/* Touched.flush: each touched segment written once (or deleted with its `blocks`
+ * entries when nobody holds it).  Returns (segments, dropped, log entries) for
+ * Plan.segments, Plan.dropped and WriteTxn.log. */
+static PyObject *flush(Batch *b) {
+    PyObject *segments = PyList_New(0), *dropped = PyDict_New(), *entries = PyList_New(0);
+    if (segments == NULL || dropped == NULL || entries == NULL) goto fail;
+    for (Py_ssize_t x = 0; x < b->nsegs; x++) {
+        Seg *s = b->segs[x];
+        if (s->cleared) {
+            PyObject *gone = PyList_New(0);
+            if (gone == NULL || seg_drop_empty_rows(s, gone) < 0) {
+                Py_XDECREF(gone);
+                goto fail;
+            }
+            if (PyList_GET_SIZE(gone)) {
+                PyObject *id = PyLong_FromUnsignedLongLong(s->id);
+                if (id == NULL || PyDict_SetItem(dropped, id, gone) < 0) {
+                    Py_XDECREF(id);
+                    Py_DECREF(gone);
+                    goto fail;
+                }
+                Py_DECREF(id);
+            }
+            Py_DECREF(gone);
+        }
+        PyObject *entry;
+        if (!s->nh) {
+            PyObject *hashes = PyBytes_FromStringAndSize((const char *)s->hashes,
+                                                         (Py_ssize_t)s->n * 8);
+            if (hashes == NULL) goto fail;
+            PyObject *out = PyObject_CallFunction(b->cb[CB_DROP_RECORD], "KN",
+                                                  (unsigned long long)s->id, hashes);
+            if (out == NULL) goto fail;
+            Py_DECREF(out);
+            entry = Py_BuildValue("(KKOO)", (unsigned long long)s->id,
+                                  (unsigned long long)s->hashes[0], Py_None, Py_False);
+        } else {
+            PyObject *rec = seg_encode(s);
+            if (rec == NULL) goto fail;
+            PyObject *out = PyObject_CallFunction(b->cb[CB_PUT_RECORD], "KN",
+                                                  (unsigned long long)s->id, rec);
+            if (out == NULL) goto fail;
+            Py_DECREF(out);
+            PyObject *ids = PyList_New(s->nh);
+            if (ids == NULL) goto fail;
+            for (Py_ssize_t r = 0; r < s->nh; r++) {
+                PyObject *id = PyLong_FromLong(s->holders[r]);
+                if (id == NULL) {
+                    Py_DECREF(ids);
+                    goto fail;
+                }
+                PyList_SET_ITEM(ids, r, id);
+            }
+            entry = Py_BuildValue("(KKNO)", (unsigned long long)s->id,
+                                  (unsigned long long)s->hashes[0], ids,
+                                  s->is_new ? Py_True : Py_False);
+        }
+        if (entry == NULL || PyList_Append(segments, entry) < 0) {
+            Py_XDECREF(entry);
+            goto fail;
+        }
+        Py_DECREF(entry);
+        PyObject *logged = Py_BuildValue("(KK)", (unsigned long long)s->id,
+                                         (unsigned long long)s->hashes[0]);
+        if (logged == NULL || PyList_Append(entries, logged) < 0) {
+            Py_XDECREF(logged);
+            goto fail;
+        }
+        Py_DECREF(logged);
+    }
+    return Py_BuildValue("(NNN)", segments, dropped, entries);
+fail:
+    Py_XDECREF(segments);
+    Py_XDECREF(dropped);
+    Py_XDECREF(entries);
+    return NULL;
+}
+
+/* The touched segments for Python to carry on with: [(id, record, is_new, cleared)]. */
+static PyObject *hand_over(Batch *b) {
+    PyObject *out = PyList_New(b->nsegs);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t x = 0; x < b->nsegs; x++) {
+        Seg *s = b->segs[x];
+        PyObject *rec = seg_encode(s);
+        PyObject *item = rec ? Py_BuildValue("(KNOO)", (unsigned long long)s->id, rec,
+                                             s->is_new ? Py_True : Py_False,
+                                             s->cleared ? Py_True : Py_False)
+                             : NULL;
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, x, item);
+    }
+    return out;
+}
+
+static int is_kind(PyObject *op, const char *kind) {
+    PyObject *k = PyTuple_GET_ITEM(op, 0);
+    return PyUnicode_Check(k) && PyUnicode_CompareWithASCIIString(k, kind) == 0;
+}
+
+/* pack_batch(ctx, ops, segment_blocks, split_tail)
+ *   -> (done, new_blocks, removed_blocks, removed_per_op, no_parent, names, created, rest)
+ * ctx: the callables and dicts named by the CB_* order (see Packer._native_batch).
+ * done: how many operations were applied here.  no_parent: [(op index, parent)]
+ * refused for a parent nobody holds.  names: holder name -> id or None, as looked up;
+ * created: [(id, name)] of the holders it named.
+ * rest: when done == len(ops), (segments, dropped, log entries) of the flush done
+ * here; otherwise the touched segments for Python, [(id, record, is_new, cleared)]. */
+PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
+        || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "pack_batch(ctx: tuple, ops: list, segment_blocks, split_tail)");
+        return NULL;
+    }
+    Batch b;
+    memset(&b, 0, sizeof(b));
+    for (int c = 0; c < NUM_CB; c++) b.cb[c] = PyTuple_GET_ITEM(args[0], c);
+    if (!PyDict_CheckExact(b.cb[CB_RECENT]) || !PyDict_CheckExact(b.cb[CB_REMEMBERED])) {
+        PyErr_SetString(PyExc_TypeError, "pack_batch: the directory's probe dicts are dicts");
+        return NULL;
+    }
+    b.cap_blocks = PyLong_AsSsize_t(args[2]);
+    b.split_tail = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (b.cap_blocks < 1) {
+        PyErr_SetString(PyExc_ValueError, "segment_blocks must be >= 1");
+        return NULL;
+    }
+    PyObject *ops = args[1], *out = NULL;
+    PyObject *per_op = PyList_New(0), *no_parent = PyList_New(0);
+    b.names = PyDict_New();
+    b.created = PyList_New(0);
+    if (per_op == NULL || no_parent == NULL || b.names == NULL || b.created == NULL
+        || map_init(&b.index, 256) < 0 || map_init(&b.heads, 256) < 0) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t nops = PyList_GET_SIZE(ops), i;
+    for (i = 0; i < nops; i++) {
+        PyObject *op = PyList_GET_ITEM(ops, i);
+        if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 3) break;
+        int ins = is_kind(op, "insert");
+        if (!(ins ? PyTuple_GET_SIZE(op) == 5 && PyTuple_GET_ITEM(op, 4) == Py_None
+                  : is_kind(op, "remove") && PyTuple_GET_SIZE(op) == 3)) {
+            break; /* a clear, or meta: Python's */
+        }
+        Py_buffer chain;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(op, 1), &chain, PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        if (chain.itemsize != 8) {
+            PyBuffer_Release(&chain);
+            break;
+        }
+        Py_ssize_t before = b.removed_blocks;
+        int r = ins ? insert(&b, chain.buf, chain.len / 8, PyTuple_GET_ITEM(op, 2),
+                             PyTuple_GET_ITEM(op, 3))
+                    : remove_op(&b, chain.buf, chain.len / 8, PyTuple_GET_ITEM(op, 2));
+        PyBuffer_Release(&chain);
+        if (r == OP_ERROR) goto done;
+        if (r == OP_TO_PYTHON) break;
+        if (r == OP_NO_PARENT) {
+            PyObject *item = Py_BuildValue("(nO)", i, PyTuple_GET_ITEM(op, 2));
+            if (item == NULL || PyList_Append(no_parent, item) < 0) {
+                Py_XDECREF(item);
+                goto done;
+            }
+            Py_DECREF(item);
+        }
+        PyObject *count = PyLong_FromSsize_t(b.removed_blocks - before);
+        if (count == NULL || PyList_Append(per_op, count) < 0) {
+            Py_XDECREF(count);
+            goto done;
+        }
+        Py_DECREF(count);
+    }
+    PyObject *rest = i == nops ? flush(&b) : hand_over(&b);
+    if (rest == NULL) goto done;
+    out = Py_BuildValue("(nnnOOOON)", i, b.new_blocks, b.removed_blocks, per_op, no_parent,
+                        b.names, b.created, rest);
+done:
+    Py_XDECREF(per_op);
+    Py_XDECREF(no_parent);
+    Py_XDECREF(b.names);
+    Py_XDECREF(b.created);
+    for (Py_ssize_t x = 0; x < b.nsegs; x++) seg_free(b.segs[x]);
+    PyMem_Free(b.segs);
+    map_free(&b.index);
+    map_free(&b.heads);
+    return out;
+}

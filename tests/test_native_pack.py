@@ -1,0 +1,132 @@
+"""The batch write in C (`sarp._native.pack_batch`) against Packer's Python, byte for byte:
+the same tables on disk, the same answers, the same refusals and errors."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from test_batch import engine_like_ops, random_ops
+
+import sarp
+from sarp import packing, verify
+from sarp.errors import CorruptRecordError
+
+pytestmark = pytest.mark.skipif(
+    not verify.NATIVE, reason="sarp._native was not built (no C compiler at install, or "
+    "SARP_PURE_PYTHON is set); the Python path is what every other test runs then")
+
+TABLES = ("segments_db", "blocks_db", "log_db", "holders_db")
+
+
+def _state(index) -> dict:
+    """Every table but the index's own id, the directory and the holder filters."""
+    store = index._store
+    with store.env.begin() as txn:
+        tables = {name: list(txn.cursor(db=getattr(store, name))) for name in TABLES}
+        tables["meta"] = [kv for kv in txn.cursor(db=store.meta_db) if kv[0] != b"index_id"]
+    tables["directory"] = index.directory.entries()
+    tables["filters"] = {h: sorted(index.holders.segments(h)) for h in index._holder_names}
+    return tables
+
+
+def _run(path, chunks, native: bool, segment_blocks: int, before=None):
+    calls = []  # (operations done in C, operations) per batch
+    with sarp.open(path, durability="nosync", segment_blocks=segment_blocks) as index:
+        if before is not None:
+            before(index)
+        if not native:
+            index._packer.probe = None
+        elif verify.native_pack_batch is not None:
+            real = packing.native_pack_batch
+
+            def spy(ctx, ops, *args):
+                out = real(ctx, ops, *args)
+                calls.append((out[0], len(ops)))
+                return out
+
+            packing.native_pack_batch = spy
+        try:
+            answers = []
+            for chunk in chunks:
+                result = index.apply_batch(chunk)
+                answers.append((result.new_blocks, result.removed_per_op,
+                                [(i, type(e).__name__, str(e).replace(str(path), "IX"))
+                                 for i, e in result.failed]))
+        finally:
+            packing.native_pack_batch = verify.native_pack_batch
+        assert index.check() == []
+        return answers, _state(index), calls
+
+
+def _chunks(ops, seed):
+    rng = random.Random(seed)
+    chunks, at = [], 0
+    while at < len(ops):
+        size = rng.choice([1, 5, 20, 60])
+        chunks.append(ops[at : at + size])
+        at += size
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_c_batches_write_what_python_batches_write(tmp_path, seed):
+    """Engine-like streams (re-stores, branches, evictions last block first, strays,
+    clears, conflicts) at several segment sizes: every table equal, byte for byte."""
+    ops = engine_like_ops(seed, 600) if seed % 2 else random_ops(seed, 600)
+    chunks = _chunks(ops, seed)
+    blocks = [1, 3, 8, 64][seed % 4]
+    c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, blocks)
+    py_answers, py_state, _ = _run(tmp_path / "py", chunks, False, blocks)
+    assert c_answers == py_answers
+    assert c_state == py_state
+    assert sum(done for done, _ in calls) > len(ops) // 5  # C did a good part
+    assert any(done == size > 1 for done, size in calls)  # whole batches
+    assert any(0 < done < size for done, size in calls)  # and handed some over midway
+    assert any(refused for _, _, refused in c_answers)
+
+
+def test_segments_with_meta_keep_it_through_c_batches(tmp_path):
+    """Records written with meta (Index.insert's) are carried through: appends, splits,
+    removes and dropped rows keep each holder's values where Python keeps them."""
+    rng = np.random.default_rng(3)
+    chain = rng.integers(1, 1 << 62, 40, dtype=np.uint64)
+
+    def before(index):
+        index.insert(chain[:20], holder="a", meta=np.arange(20))
+        index.insert(chain[:12], holder="b", meta=np.arange(100, 112))
+
+    ops = [("insert", chain[20:30], int(chain[19]), "b", "GPU"),
+           ("remove", chain[8:12][::-1], "b", "GPU"),
+           ("insert", rng.integers(1, 1 << 62, 3, dtype=np.uint64), int(chain[15]), "c", "GPU"),
+           ("remove", chain[:20][::-1], "a", "GPU"),
+           ("insert", chain[30:40], int(chain[29]), "a", "CPU")]
+    c = _run(tmp_path / "c", [ops], True, 64, before)
+    py = _run(tmp_path / "py", [ops], False, 64, before)
+    assert c[:2] == py[:2]
+    assert c[2] == [(len(ops), len(ops))]
+
+
+def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path):
+    chain = np.arange(1, 9, dtype=np.uint64)
+    errors = []
+    for native in (True, False):
+        with sarp.open(tmp_path / str(native), durability="nosync") as index:
+            index.insert(chain, holder="a")
+            seg_id = index.directory.lookup(1)
+            store = index._store
+            with store.env.begin(write=True) as txn:
+                key = seg_id.to_bytes(8, "big")
+                record = bytearray(txn.get(key, db=store.segments_db))
+                record[30] ^= 1
+                txn.put(key, bytes(record), db=store.segments_db)
+            if not native:
+                index._packer.probe = None
+            before = _state(index)
+            with pytest.raises(CorruptRecordError) as caught:
+                index.apply_batch([("insert", [20, 21], None, "b", "GPU"),
+                                   ("remove", chain[4:], "a", "GPU")])
+            errors.append(str(caught.value).replace(str(tmp_path / str(native)), "IX"))
+            assert _state(index) == before  # nothing of the batch applied
+    assert errors[0] == errors[1]
