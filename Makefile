@@ -10,7 +10,7 @@ BENCH_ARGS ?=
 # sarp._native (the match walk and the batch write in C) builds with the system's C compiler; without one
 # (or with SARP_USE_ZIG=1) with zig's, from the ziglang wheel. If neither can build it,
 # the install goes on and sarp runs its Python path (sarp.verify.NATIVE says which).
-$(STAMP): pyproject.toml setup.py src/sarp/_native.c src/sarp/native_pack.c src/sarp/native.h
+$(STAMP): pyproject.toml setup.py src/sarp/_native.c src/sarp/native_pack.c src/sarp/native_events.c src/sarp/native.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	if [ -n "$$SARP_USE_ZIG" ] || ! command -v cc >/dev/null 2>&1; then \

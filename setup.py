@@ -9,7 +9,8 @@ setup(
     ext_modules=[
         Extension(
             "sarp._native",
-            sources=["src/sarp/_native.c", "src/sarp/native_pack.c"],
+            sources=["src/sarp/_native.c", "src/sarp/native_pack.c",
+                     "src/sarp/native_events.c"],
             depends=["src/sarp/native.h", "src/sarp/vendor/xxhash.h"],
             extra_compile_args=["-O2"],
             optional=True,

@@ -14,6 +14,8 @@
  *   as uint64, or None on any doubt (the general parse then runs).
  * - pack_batch (native_pack.c; sarp/packing.py, `Packer.batch`): a batch's inserts
  *   and removes, and the flush of the segments they touch.
+ * - decode_batch (native_events.c; sarp/serving/events.py, `decode`): an engine's
+ *   msgpack event batch, in the shape engines send it.
  *
  * Layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16, nh u16,
  * start_pos u64, parent u64), hashes 8n, holder ids 2nh padded to 8, presence nh*n
@@ -29,7 +31,7 @@
 
 #include "native.h"
 
-#define ABI_VERSION 5
+#define ABI_VERSION 6
 #define RECORD_VERSION 1
 #define HEADER_BYTES 24
 #define HAS_META 0x01
@@ -386,6 +388,8 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(get, lookup, recent, remembered, query_bytes): Index.match's walk for "
      "one-medium instances"},
+    {"decode_batch", (PyCFunction)sarp_decode_batch, METH_O,
+     "decode_batch(payload): an engine's event batch, or None for the Python decoder"},
     {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
      "pack_batch(ctx, ops, segment_blocks, split_tail): Packer.batch's inserts and removes"},
     {NULL, NULL, 0, NULL},
@@ -393,8 +397,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
-    "sarp's hot loops in C (examine, walk, u64_array, pack_batch); each has a Python "
-    "reference.", -1,
+    "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch); each "
+    "has a Python reference.", -1,
     methods,
 };
 

@@ -630,6 +630,31 @@ class Index:
                 failed.append((i, exc))
         return self._apply_prepared(prepared, positions, failed, len(ops))
 
+    def _apply_decoded(self, ops: Sequence[tuple]) -> BatchResult:
+        """:meth:`apply_batch` of operations whose hashes the event decoder has already
+        checked (``sarp.serving.events``: uint64 arrays, no hash twice, a parent not
+        among them), so they are not checked again; holder names are, once per name.
+
+        Cost: as :meth:`apply_batch`, less a few µs per operation.
+        """
+        prepared, failed, positions, names = [], [], [], {}
+        for i, op in enumerate(ops):
+            try:
+                kind = op[0]
+                if kind == "clear":
+                    prepared.append(_prepare(op))
+                else:
+                    key = (op[3], op[4]) if kind == "insert" else (op[2], op[3])
+                    name = names.get(key)
+                    if name is None:
+                        name = names[key] = _holder_name(*key)
+                    prepared.append(("insert", op[1], op[2], name, None) if kind == "insert"
+                                    else ("remove", op[1], name))
+                positions.append(i)
+            except (ValueError, TypeError) as exc:
+                failed.append((i, exc))
+        return self._apply_prepared(prepared, positions, failed, len(ops))
+
     def _apply_prepared(self, prepared: list[tuple], positions: list[int],
                         failed: list[tuple[int, Exception]], num_ops: int) -> BatchResult:
         with self._lock:

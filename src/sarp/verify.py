@@ -89,7 +89,7 @@ def _native_module():
     return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
 
 
-_NATIVE_ABI = 5
+_NATIVE_ABI = 6
 _native = _native_module()
 NATIVE = _native is not None  # is the match step in C?
 
@@ -114,11 +114,14 @@ if NATIVE:
     # a batch's inserts and removes, and its flush, as Packer.batch does them; see
     # native_pack.c
     native_pack_batch = _native.pack_batch
+    # an engine's msgpack event batch as tuples, or None; see native_events.c
+    native_decode_batch = _native.decode_batch
 else:
     examine = examine_py
     native_walk = None
     native_u64_array = None
     native_pack_batch = None
+    native_decode_batch = None
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:

@@ -46,6 +46,7 @@ from ..errors import (
     StoreError,
 )
 from ..hashing import as_hash, as_hashes, repeats
+from ..verify import native_decode_batch
 from .media import canonical_medium, is_valid_medium
 
 log = logging.getLogger("sarp.events")
@@ -118,8 +119,50 @@ def decode(payload: bytes) -> Batch:
     ...     "parent_block_hash": None}]])).events[0].kind
     'repeated_hash'
     """
+    if native_decode_batch is not None:
+        batch = _from_native(native_decode_batch(payload))
+        if batch is not None:
+            return batch
     batch = _decode_common(payload)
     return batch if batch is not None else _decode_full(payload)
+
+
+_MEDIA: dict[str, str | None] = {}  # a medium as sent -> canonical, or None if invalid
+_MEDIA_CACHED = 1024  # engines send a handful; a stream of odd names is not cached
+
+
+def _canonical(medium: str | None) -> str | None:
+    if medium is None:
+        return DEFAULT_MEDIUM
+    known = _MEDIA.get(medium, False)
+    if known is False:
+        known = canonical_medium(medium) if is_valid_medium(medium) else None
+        if len(_MEDIA) < _MEDIA_CACHED:
+            _MEDIA[medium] = known
+    return known
+
+
+def _from_native(got: tuple | None) -> Batch | None:
+    """The batch ``sarp._native.decode_batch`` read (the shape engines send, every
+    field valid but the medium's name, checked here), or None: decode in Python."""
+    if got is None:
+        return None
+    ts, dp_rank, raw = got
+    events: list[Event] = []
+    for e in raw:
+        if e[0] == "BlockStored":
+            medium = _canonical(e[3])
+            if medium is None:
+                return None
+            events.append(Stored(np.frombuffer(e[1], np.uint64), e[2], medium, e[4], e[5]))
+        elif e[0] == "BlockRemoved":
+            medium = _canonical(e[2])
+            if medium is None:
+                return None
+            events.append(Removed(np.frombuffer(e[1], np.uint64), medium, e[3]))
+        else:
+            events.append(Cleared())
+    return Batch(ts, events, dp_rank)
 
 
 def _decode_full(payload: bytes) -> Batch:
@@ -472,7 +515,7 @@ class Applier:
         ops, meta, batches = self._ops, self._meta, self._batches
         self._ops, self._meta, self._batches = [], [], []
         try:
-            result = self.index.apply_batch(ops)
+            result = self.index._apply_decoded(ops)  # decode checked the hashes
         except (StoreError, IndexClosedError):
             raise  # the store itself failed: not the events' fault, nothing to skip
         except Exception as exc:  # a bug of ours must not stop the stream either

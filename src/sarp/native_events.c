@@ -1,0 +1,444 @@
+/*
+ * sarp._native's event decoder: the shape engines send, read straight from msgpack
+ * (sarp/serving/events.py is the reference: `_decode_common`, then `_event`).
+ *
+ * decode_batch takes a payload `[ts, [event, ...](, dp_rank)]` whose events are
+ * tagged arrays (vLLM up to 0.11) or maps (vLLM 0.12 on, SGLang), and returns what
+ * the Python decoder would build, as plain tuples; anything else, or anything the
+ * Python decoder would turn into an error or a Malformed event (bytes hashes, a
+ * repeated hash, a bad field, text that is not UTF-8, ...), returns None, and Python
+ * decodes the payload itself.  So the answer is always the Python decoder's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+#define MAX_DP_RANK 4095
+#define MAX_DEPTH 64
+
+typedef struct {
+    const uint8_t *p, *end;
+} Reader;
+
+static int need(Reader *r, size_t n) { return (size_t)(r->end - r->p) >= n; }
+
+static int is_container(uint8_t t) {
+    return (t >= 0x80 && t <= 0x9F) || (t >= 0xDC && t <= 0xDF);
+}
+
+static uint64_t be(const uint8_t *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* Strict UTF-8, as Python's decoder: no overlongs, no surrogates, at most U+10FFFF. */
+static int utf8_ok(const uint8_t *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        uint8_t c = s[i];
+        if (c < 0x80) { i++; continue; }
+        int len;
+        uint32_t cp, min;
+        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
+        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
+        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
+        else return 0;
+        if (i + (size_t)len > n) return 0;
+        for (int k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+        i += (size_t)len;
+    }
+    return 1;
+}
+
+/* A str header: 1 with its bytes, 0 if the next value is not a str, -1 if cut short. */
+static int read_str(Reader *r, const uint8_t **s, size_t *n) {
+    if (!need(r, 1)) return -1;
+    uint8_t t = *r->p;
+    size_t len, head;
+    if (t >= 0xA0 && t <= 0xBF) { len = t & 0x1F; head = 1; }
+    else if (t == 0xD9 && need(r, 2)) { len = r->p[1]; head = 2; }
+    else if (t == 0xDA && need(r, 3)) { len = (size_t)be(r->p + 1, 2); head = 3; }
+    else if (t == 0xDB && need(r, 5)) { len = (size_t)be(r->p + 1, 4); head = 5; }
+    else return 0;
+    if (!need(r, head + len)) return -1;
+    *s = r->p + head;
+    *n = len;
+    r->p += head + len;
+    return 1;
+}
+
+/* An array or map header: 1 with its count, 0 if not one, -1 if cut short. */
+static int read_container(Reader *r, int map, size_t *count) {
+    if (!need(r, 1)) return -1;
+    uint8_t t = *r->p;
+    uint8_t fix = map ? 0x80 : 0x90, t16 = map ? 0xDE : 0xDC, t32 = map ? 0xDF : 0xDD;
+    if (t >= fix && t <= fix + 15) { *count = t & 0x0F; r->p += 1; return 1; }
+    if (t == t16) {
+        if (!need(r, 3)) return -1;
+        *count = (size_t)be(r->p + 1, 2);
+        r->p += 3;
+        return 1;
+    }
+    if (t == t32) {
+        if (!need(r, 5)) return -1;
+        *count = (size_t)be(r->p + 1, 4);
+        r->p += 5;
+        return 1;
+    }
+    return 0;
+}
+
+/* An int: 1 with its value (as uint64, and whether it was negative), 0 if not an
+ * int, -1 if cut short. */
+static int read_int(Reader *r, uint64_t *v, int *negative) {
+    if (!need(r, 1)) return -1;
+    uint8_t t = *r->p;
+    *negative = 0;
+    if (t <= 0x7F) { *v = t; r->p += 1; return 1; }
+    if (t >= 0xE0) { *v = (uint64_t)(int64_t)(int8_t)t; *negative = 1; r->p += 1; return 1; }
+    int n;
+    int is_signed;
+    switch (t) {
+        case 0xCC: n = 1; is_signed = 0; break;
+        case 0xCD: n = 2; is_signed = 0; break;
+        case 0xCE: n = 4; is_signed = 0; break;
+        case 0xCF: n = 8; is_signed = 0; break;
+        case 0xD0: n = 1; is_signed = 1; break;
+        case 0xD1: n = 2; is_signed = 1; break;
+        case 0xD2: n = 4; is_signed = 1; break;
+        case 0xD3: n = 8; is_signed = 1; break;
+        default: return 0;
+    }
+    if (!need(r, 1 + (size_t)n)) return -1;
+    uint64_t raw = be(r->p + 1, n);
+    if (is_signed && n < 8 && (raw >> (8 * n - 1)) & 1) raw |= ~(uint64_t)0 << (8 * n);
+    *v = raw;
+    *negative = is_signed && (int64_t)raw < 0;
+    r->p += 1 + n;
+    return 1;
+}
+
+/* Bytes of a value whose size its first byte tells (ints, floats, nil, bools,
+ * fixext): 0 for everything else. */
+static uint8_t fixed_size[256];
+
+static void init_sizes(void) {
+    for (int t = 0; t < 256; t++) {
+        int n = 0;
+        if (t <= 0x7F || t >= 0xE0 || t == 0xC0 || t == 0xC2 || t == 0xC3) n = 1;
+        else if (t == 0xCC || t == 0xD0) n = 2;
+        else if (t == 0xCD || t == 0xD1) n = 3;
+        else if (t == 0xCE || t == 0xD2 || t == 0xCA) n = 5;
+        else if (t == 0xCF || t == 0xD3 || t == 0xCB) n = 9;
+        else if (t == 0xD4) n = 3;
+        else if (t == 0xD5) n = 4;
+        else if (t == 0xD6) n = 6;
+        else if (t == 0xD7) n = 10;
+        else if (t == 0xD8) n = 18;
+        fixed_size[t] = (uint8_t)n;
+    }
+}
+
+static int is_ext(uint8_t t) { return (t >= 0xD4 && t <= 0xD8) || (t >= 0xC7 && t <= 0xC9); }
+
+/* Past the next value.  With `check`, every str in it must be UTF-8 (as msgpack's
+ * unpack, which builds them, requires), and an ext or a container as a map key is
+ * left to Python (unpack judges them); without, nothing is checked (as its skip).
+ * 1 done, 0 not a value Python would read this way, -1 cut short. */
+static int skip(Reader *r, int check, int depth) {
+    if (depth > MAX_DEPTH || !need(r, 1)) return -1;
+    uint8_t t = *r->p;
+    size_t size = fixed_size[t];
+    if (size) {
+        if (check && is_ext(t)) return 0;
+        if (!need(r, size)) return -1;
+        r->p += size;
+        return 1;
+    }
+    const uint8_t *s;
+    size_t n;
+    int got = read_str(r, &s, &n);
+    if (got) return got < 0 ? -1 : (!check || utf8_ok(s, n));
+    if (is_container(t)) {
+        int map = (t >= 0x80 && t <= 0x8F) || t == 0xDE || t == 0xDF;
+        if (read_container(r, map, &n) < 0) return -1;
+        size_t items = map ? 2 * n : n;
+        for (size_t i = 0; i < items; i++) {
+            if (r->p < r->end) { /* the common item, inline: an int (a token id) */
+                size_t fixed = fixed_size[*r->p];
+                if (fixed && !is_ext(*r->p) && need(r, fixed)) {
+                    r->p += fixed;
+                    continue;
+                }
+                if (check && map && i % 2 == 0 && is_container(*r->p)) {
+                    return 0; /* a list as a key: unhashable where Python builds it */
+                }
+            }
+            int ok = skip(r, check, depth + 1);
+            if (ok <= 0) return ok;
+        }
+        return 1;
+    }
+    if (check && is_ext(t)) return 0;
+    if (t == 0xC4 && need(r, 2)) size = 2 + r->p[1];
+    else if (t == 0xC5 && need(r, 3)) size = 3 + (size_t)be(r->p + 1, 2);
+    else if (t == 0xC6 && need(r, 5)) size = 5 + (size_t)be(r->p + 1, 4);
+    else if (t == 0xC7 && need(r, 2)) size = 3 + r->p[1];
+    else if (t == 0xC8 && need(r, 3)) size = 4 + (size_t)be(r->p + 1, 2);
+    else if (t == 0xC9 && need(r, 5)) size = 6 + (size_t)be(r->p + 1, 4);
+    else return t == 0xC1 ? 0 : -1;
+    if (!need(r, size)) return -1;
+    r->p += size;
+    return 1;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The hashes of a `block_hashes` array of ints, as a uint64 bytearray; NULL with no
+ * exception when it is anything else (bytes hashes, empty, ...), or with one. */
+static PyObject *read_hashes(Reader *r) {
+    size_t n;
+    if (read_container(r, 0, &n) != 1 || n == 0 || !need(r, n)) return NULL;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * 8));
+    if (out == NULL) return NULL;
+    uint64_t *h = (uint64_t *)PyByteArray_AS_STRING(out);
+    for (size_t i = 0; i < n; i++) {
+        int negative;
+        if (read_int(r, &h[i], &negative) != 1) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* Whether `hashes` repeat a value, or hold `parent` (hashing.repeats). */
+static int chain_fault(const uint64_t *hashes, size_t n, int has_parent, uint64_t parent) {
+    uint64_t small[64], *sorted = n <= 64 ? small : PyMem_Malloc(n * 8);
+    if (sorted == NULL) return 1; /* let Python decide */
+    memcpy(sorted, hashes, n * 8);
+    qsort(sorted, n, 8, cmp_u64);
+    int fault = 0;
+    for (size_t i = 1; i < n && !fault; i++) fault = sorted[i] == sorted[i - 1];
+    if (!fault && has_parent) {
+        fault = bsearch(&parent, sorted, n, 8, cmp_u64) != NULL;
+    }
+    if (sorted != small) PyMem_Free(sorted);
+    return fault;
+}
+
+enum { F_HASHES, F_PARENT, F_MEDIUM, F_LORA, F_GROUP, F_SKIP, F_READ };
+
+/* Which field a name is, for an event of `kind` (0 stored, 1 removed, 2 other). */
+static int field_of(const uint8_t *s, size_t n, int kind) {
+#define IS(lit) (n == sizeof(lit) - 1 && memcmp(s, lit, n) == 0)
+    if (IS("token_ids") || IS("extra_keys")) return F_SKIP;
+    if (kind == 2) return F_READ;
+    if (IS("block_hashes")) return F_HASHES;
+    if (IS("medium")) return F_MEDIUM;
+    if (IS("group_idx")) return F_GROUP;
+    if (kind == 0 && IS("parent_block_hash")) return F_PARENT;
+    if (kind == 0 && IS("lora_name")) return F_LORA;
+    return F_READ;
+#undef IS
+}
+
+static const int STORED_ARRAY[] = {F_HASHES, F_PARENT, F_SKIP, F_READ, F_READ, F_MEDIUM,
+                                   F_LORA, F_SKIP, F_GROUP};
+static const int REMOVED_ARRAY[] = {F_HASHES, F_MEDIUM, F_GROUP};
+
+/* One event, or NULL (no exception: Python decides; or with one). */
+static PyObject *read_event(Reader *r) {
+    const uint8_t *where[F_SKIP] = {NULL};
+    int kind = -1; /* 0 stored, 1 removed, 2 cleared */
+    size_t count;
+    const uint8_t *s;
+    size_t n;
+    int got = read_container(r, 0, &count);
+    if (got < 0) return NULL;
+    if (got == 1) {
+        if (count == 0 || read_str(r, &s, &n) != 1) return NULL;
+        if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
+        else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
+        else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) kind = 2;
+        else return NULL;
+        const int *names = kind == 0 ? STORED_ARRAY : REMOVED_ARRAY;
+        size_t known = kind == 0 ? 9 : kind == 1 ? 3 : 0;
+        for (size_t i = 0; i + 1 < count; i++) {
+            int f = i < known ? names[i] : F_SKIP;
+            if (f < F_SKIP) where[f] = r->p;
+            if (skip(r, f != F_SKIP, 0) != 1) return NULL;
+        }
+    } else {
+        if (read_container(r, 1, &count) != 1) return NULL;
+        const uint8_t *type_at = NULL;
+        /* which names count depends on the type, which may come last: note every
+         * field of either kind, keyed by name, then read the ones the type wants */
+        const uint8_t *stored[F_SKIP] = {NULL}, *removed[F_SKIP] = {NULL};
+        for (size_t i = 0; i < count; i++) {
+            int f0 = F_READ, f1 = F_READ;
+            const uint8_t *key = r->p;
+            got = read_str(r, &s, &n);
+            if (got < 0) return NULL;
+            if (got == 1) {
+                if (!utf8_ok(s, n)) return NULL;
+                if (n == 4 && memcmp(s, "type", 4) == 0) type_at = r->p;
+                f0 = field_of(s, n, 0);
+                f1 = field_of(s, n, 1);
+            } else {
+                r->p = key;
+                if (is_container(*key) || skip(r, 1, 0) != 1) return NULL; /* an odd key */
+            }
+            if (f0 < F_SKIP) stored[f0] = r->p;
+            if (f1 < F_SKIP) removed[f1] = r->p;
+            if (skip(r, f0 != F_SKIP, 0) != 1) return NULL;
+        }
+        if (type_at == NULL) return NULL;
+        Reader t = {type_at, r->end};
+        if (read_str(&t, &s, &n) != 1) return NULL;
+        if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
+        else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
+        else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) kind = 2;
+        else return NULL;
+        memcpy(where, kind == 0 ? stored : removed, sizeof(where));
+    }
+    if (kind == 2) return Py_BuildValue("(s)", "AllBlocksCleared");
+    if (where[F_HASHES] == NULL) return NULL;
+    Reader h = {where[F_HASHES], r->end};
+    PyObject *hashes = read_hashes(&h);
+    if (hashes == NULL) return NULL;
+    PyObject *medium = Py_None, *lora = Py_None, *group = Py_None, *parent = Py_None;
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    PyObject *out = NULL;
+    uint64_t v;
+    int negative;
+    if (where[F_MEDIUM] && *where[F_MEDIUM] != 0xC0) {
+        Reader m = {where[F_MEDIUM], r->end};
+        if (read_str(&m, &s, &n) != 1) goto done;
+        Py_SETREF(medium, PyUnicode_DecodeUTF8((const char *)s, (Py_ssize_t)n, "strict"));
+        if (medium == NULL) goto done;
+    }
+    if (where[F_GROUP] && *where[F_GROUP] != 0xC0) {
+        Reader g = {where[F_GROUP], r->end};
+        if (read_int(&g, &v, &negative) != 1) goto done;
+        Py_SETREF(group, negative ? PyLong_FromLongLong((long long)(int64_t)v)
+                                  : PyLong_FromUnsignedLongLong(v));
+        if (group == NULL) goto done;
+    }
+    if (kind == 1) {
+        out = Py_BuildValue("(sNNN)", "BlockRemoved", hashes, medium, group);
+        hashes = medium = group = NULL;
+        goto done;
+    }
+    int has_parent = 0;
+    uint64_t parent_hash = 0;
+    if (where[F_PARENT] && *where[F_PARENT] != 0xC0) {
+        Reader pr = {where[F_PARENT], r->end};
+        if (read_int(&pr, &parent_hash, &negative) != 1) goto done;
+        has_parent = 1;
+        Py_SETREF(parent, PyLong_FromUnsignedLongLong(parent_hash));
+        if (parent == NULL) goto done;
+    }
+    if (chain_fault((const uint64_t *)PyByteArray_AS_STRING(hashes),
+                    (size_t)PyByteArray_GET_SIZE(hashes) / 8, has_parent, parent_hash)) {
+        goto done;
+    }
+    if (where[F_LORA] && *where[F_LORA] != 0xC0) {
+        Reader l = {where[F_LORA], r->end};
+        if (read_str(&l, &s, &n) != 1) goto done;
+        Py_SETREF(lora, PyUnicode_DecodeUTF8((const char *)s, (Py_ssize_t)n, "strict"));
+        if (lora == NULL) goto done;
+    }
+    out = Py_BuildValue("(sNNNNN)", "BlockStored", hashes, parent, medium, lora, group);
+    hashes = parent = medium = lora = group = NULL;
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(parent);
+    Py_XDECREF(medium);
+    Py_XDECREF(lora);
+    Py_XDECREF(group);
+    return out;
+}
+
+/* decode_batch(payload) -> (ts, dp_rank | None, [event, ...]) | None
+ * event: ("BlockStored", hashes, parent | None, medium | None, lora_name | None,
+ * group_idx | None), ("BlockRemoved", hashes, medium | None, group_idx | None) or
+ * ("AllBlocksCleared",); hashes are a bytearray of uint64s in the machine's order.  None: let
+ * the Python decoder read this payload. */
+PyObject *sarp_decode_batch(PyObject *self, PyObject *arg) {
+    if (!fixed_size[0]) init_sizes();
+    Py_buffer buf;
+    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
+    Reader r = {buf.buf, (const uint8_t *)buf.buf + buf.len};
+    PyObject *events = NULL, *out = NULL;
+    size_t size, count;
+    if (read_container(&r, 0, &size) != 1 || size < 2 || size > 3) goto none;
+    double ts;
+    uint64_t v;
+    int negative;
+    if (!need(&r, 1)) goto none;
+    if (*r.p == 0xCB && need(&r, 9)) {
+        uint64_t bits = be(r.p + 1, 8);
+        memcpy(&ts, &bits, 8);
+        r.p += 9;
+    } else if (*r.p == 0xCA && need(&r, 5)) {
+        uint32_t bits = (uint32_t)be(r.p + 1, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        ts = f;
+        r.p += 5;
+    } else if (read_int(&r, &v, &negative) == 1) {
+        ts = negative ? (double)(int64_t)v : (double)v;
+    } else {
+        goto none;
+    }
+    if (!isfinite(ts) || read_container(&r, 0, &count) != 1) goto none;
+    events = PyList_New(0);
+    if (events == NULL) goto fail;
+    for (size_t i = 0; i < count; i++) {
+        PyObject *e = read_event(&r);
+        if (e == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            goto none;
+        }
+        int bad = PyList_Append(events, e);
+        Py_DECREF(e);
+        if (bad < 0) goto fail;
+    }
+    PyObject *rank = Py_None;
+    if (size == 3) {
+        if (need(&r, 1) && *r.p == 0xC0) {
+            r.p++;
+        } else if (read_int(&r, &v, &negative) == 1 && !negative && v <= MAX_DP_RANK) {
+            rank = NULL;
+        } else {
+            goto none;
+        }
+    }
+    if (r.p != r.end) goto none;
+    out = rank == NULL ? Py_BuildValue("(dKO)", ts, (unsigned long long)v, events)
+                       : Py_BuildValue("(dOO)", ts, Py_None, events);
+    goto fail; /* release and return out */
+none:
+    out = Py_NewRef(Py_None);
+fail:
+    Py_XDECREF(events);
+    PyBuffer_Release(&buf);
+    return out;
+}
