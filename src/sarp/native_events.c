@@ -13,7 +13,6 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
@@ -131,6 +130,7 @@ static int read_int(Reader *r, uint64_t *v, int *negative) {
 /* Bytes of a value whose size its first byte tells (ints, floats, nil, bools,
  * fixext): 0 for everything else. */
 static uint8_t fixed_size[256];
+static uint8_t plain_size[256]; /* the same for ints, floats, nil and bools only */
 
 static void init_sizes(void) {
     for (int t = 0; t < 256; t++) {
@@ -146,6 +146,7 @@ static void init_sizes(void) {
         else if (t == 0xD7) n = 10;
         else if (t == 0xD8) n = 18;
         fixed_size[t] = (uint8_t)n;
+        plain_size[t] = (t >= 0xD4 && t <= 0xD8) ? 0 : (uint8_t)n;
     }
 }
 
@@ -174,15 +175,18 @@ static int skip(Reader *r, int check, int depth) {
         if (read_container(r, map, &n) < 0) return -1;
         size_t items = map ? 2 * n : n;
         for (size_t i = 0; i < items; i++) {
-            if (r->p < r->end) { /* the common item, inline: an int (a token id) */
-                size_t fixed = fixed_size[*r->p];
-                if (fixed && !is_ext(*r->p) && need(r, fixed)) {
-                    r->p += fixed;
-                    continue;
-                }
-                if (check && map && i % 2 == 0 && is_container(*r->p)) {
-                    return 0; /* a list as a key: unhashable where Python builds it */
-                }
+            /* the common items first, in a tight loop: ints, nil, bools (token ids) */
+            const uint8_t *p = r->p, *end = r->end;
+            while (i < items && p < end) {
+                size_t plain = plain_size[*p];
+                if (!plain || (size_t)(end - p) < plain) break;
+                p += plain;
+                i++;
+            }
+            r->p = p;
+            if (i == items) break;
+            if (check && map && i % 2 == 0 && need(r, 1) && is_container(*r->p)) {
+                return 0; /* a list as a key: unhashable where Python builds it */
             }
             int ok = skip(r, check, depth + 1);
             if (ok <= 0) return ok;
@@ -200,11 +204,6 @@ static int skip(Reader *r, int check, int depth) {
     if (!need(r, size)) return -1;
     r->p += size;
     return 1;
-}
-
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
 }
 
 /* The hashes of a `block_hashes` array of ints, as a uint64 bytearray; NULL with no
@@ -225,18 +224,34 @@ static PyObject *read_hashes(Reader *r) {
     return out;
 }
 
-/* Whether `hashes` repeat a value, or hold `parent` (hashing.repeats). */
+/* Whether `hashes` repeat a value, or hold `parent` (hashing.repeats): one pass
+ * through an open-addressing set. */
 static int chain_fault(const uint64_t *hashes, size_t n, int has_parent, uint64_t parent) {
-    uint64_t small[64], *sorted = n <= 64 ? small : PyMem_Malloc(n * 8);
-    if (sorted == NULL) return 1; /* let Python decide */
-    memcpy(sorted, hashes, n * 8);
-    qsort(sorted, n, 8, cmp_u64);
-    int fault = 0;
-    for (size_t i = 1; i < n && !fault; i++) fault = sorted[i] == sorted[i - 1];
-    if (!fault && has_parent) {
-        fault = bsearch(&parent, sorted, n, 8, cmp_u64) != NULL;
+    size_t slots = 16;
+    while (slots < 2 * (n + 1)) slots *= 2;
+    uint64_t small_keys[256];
+    uint8_t small_used[256];
+    uint64_t *keys = slots <= 256 ? small_keys : PyMem_Malloc(slots * 8);
+    uint8_t *used = slots <= 256 ? small_used : PyMem_Malloc(slots);
+    if (keys == NULL || used == NULL) {
+        if (keys != small_keys) PyMem_Free(keys);
+        if (used != small_used) PyMem_Free(used);
+        return 1; /* let Python decide */
     }
-    if (sorted != small) PyMem_Free(sorted);
+    memset(used, 0, slots);
+    int fault = 0;
+    for (size_t i = 0; i <= n && !fault; i++) {
+        if (i == n && !has_parent) break;
+        uint64_t h = i < n ? hashes[i] : parent;
+        uint64_t x = h * 0x9E3779B97F4A7C15ULL;
+        size_t at = (size_t)(x >> 32) & (slots - 1);
+        while (used[at] && keys[at] != h) at = (at + 1) & (slots - 1);
+        if (used[at]) fault = 1; /* a repeat, or the parent among the hashes */
+        used[at] = 1;
+        keys[at] = h;
+    }
+    if (keys != small_keys) PyMem_Free(keys);
+    if (used != small_used) PyMem_Free(used);
     return fault;
 }
 
