@@ -313,9 +313,11 @@ static int map_put(Map *m, uint64_t key, uint64_t val) {
 
 /* ctx's callables, in order: the write transaction's (WriteTxn.native_calls), then the
  * directory's lookup and its two dicts (as walk in _native.c probes them). */
-enum { CB_BLOCK_GET, CB_SEG_GET, CB_SEGMENT_PY, CB_CLAIM, CB_PUT_BLOCKS, CB_RELEASE,
-       CB_NEW_SEG_ID, CB_UNTAKE_SEG_IDS, CB_HOLDER_ID, CB_NEW_HOLDER, CB_PUT_RECORD, CB_DROP_RECORD, CB_LOOKUP, CB_RECENT,
-       CB_REMEMBERED, NUM_CB };
+enum {
+    CB_BLOCK_GET, CB_SEG_GET, CB_SEGMENT_PY, CB_NEW_SEG_ID, CB_UNTAKE_SEG_IDS, CB_HOLDER_ID,
+    CB_NEW_HOLDER, CB_PUT, CB_DELETE, CB_SEGMENTS_DB, CB_BLOCKS_DB, CB_LOOKUP, CB_RECENT,
+    CB_REMEMBERED, NUM_CB
+};
 
 typedef struct {
     PyObject *cb[NUM_CB];
@@ -327,6 +329,7 @@ typedef struct {
     Map index;       /* segment id -> position in segs */
     Map heads;       /* first hash of a segment created here -> its id */
     Py_ssize_t new_blocks, removed_blocks;
+    PyObject *empty; /* b"" */
 } Batch;
 
 enum { OP_DONE = 0, OP_NO_PARENT = 1, OP_TO_PYTHON = 2, OP_ERROR = -1 };
@@ -475,60 +478,60 @@ static int untake_seg_ids(Batch *b, uint64_t first) {
     return 0;
 }
 
-/* `blocks` entries placing hashes at (seg_id, first_offset + i), as _block_items. */
-static PyObject *block_items(const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
-                             Py_ssize_t first_offset) {
-    PyObject *items = PyList_New(k);
-    if (items == NULL) return NULL;
+/* The `blocks` entry of a block at (seg_id, offset), as _block_items makes it. */
+static PyObject *block_value(uint64_t seg_id, Py_ssize_t offset) {
+    uint8_t v[6];
     uint32_t sid = (uint32_t)seg_id;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        uint8_t v[6];
-        uint16_t off = (uint16_t)(first_offset + i);
-        memcpy(v, &sid, 4);
-        memcpy(v + 4, &off, 2);
-        PyObject *key = be_key(hashes[i]);
-        PyObject *value = PyBytes_FromStringAndSize((const char *)v, 6);
-        PyObject *item = (key && value) ? PyTuple_Pack(2, key, value) : NULL;
-        Py_XDECREF(key);
-        Py_XDECREF(value);
-        if (item == NULL) {
-            Py_DECREF(items);
-            return NULL;
-        }
-        PyList_SET_ITEM(items, i, item);
-    }
-    return items;
+    uint16_t off = (uint16_t)offset;
+    memcpy(v, &sid, 4);
+    memcpy(v + 4, &off, 2);
+    return PyBytes_FromStringAndSize((const char *)v, 6);
 }
 
-static PyObject *keys_of(const uint64_t *hashes, Py_ssize_t k) {
-    PyObject *keys = PyList_New(k);
-    if (keys == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *key = be_key(hashes[i]);
-        if (key == NULL) {
-            Py_DECREF(keys);
-            return NULL;
+/* txn.put(key, value, dupdata, overwrite, append, blocks): 1 written, 0 refused (the
+ * key is there and overwrite is off), -1 error.  Consumes key and value. */
+static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
+    int result = -1;
+    if (key != NULL && value != NULL) {
+        PyObject *args[] = {key, value, Py_True, overwrite ? Py_True : Py_False, Py_False,
+                            b->cb[CB_BLOCKS_DB]};
+        PyObject *out = PyObject_Vectorcall(b->cb[CB_PUT], args, 6, NULL);
+        if (out != NULL) {
+            result = PyObject_IsTrue(out);
+            Py_DECREF(out);
         }
-        PyList_SET_ITEM(keys, i, key);
     }
-    return keys;
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    return result;
 }
 
-/* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left), -1 error. */
+/* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left), -1 error.  Each
+ * entry goes in with LMDB's no-overwrite put; at the first refusal the ones put are
+ * deleted again. */
+static int delete_key(Batch *b, PyObject *key, int db);
+
 static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
                  Py_ssize_t first_offset) {
-    PyObject *items = block_items(hashes, k, seg_id, first_offset);
-    if (items == NULL) return -1;
-    PyObject *ok = call1(b->cb[CB_CLAIM], items);
-    if (ok == NULL) return -1;
-    int claimed = PyObject_IsTrue(ok);
-    Py_DECREF(ok);
-    return claimed;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int put = put_entry(b, be_key(hashes[i]), block_value(seg_id, first_offset + i), 0);
+        if (put < 0) return -1;
+        if (!put) {
+            for (Py_ssize_t j = 0; j < i; j++) {
+                if (delete_key(b, be_key(hashes[j]), CB_BLOCKS_DB) < 0) return -1;
+            }
+            return 0;
+        }
+    }
+    return 1;
 }
 
-static int call_items(Batch *b, int cb, PyObject *items) {
-    if (items == NULL) return -1;
-    PyObject *out = call1(b->cb[cb], items);
+/* txn.delete(key, b"", db), consuming key: 0, or -1 on error. */
+static int delete_key(Batch *b, PyObject *key, int db) {
+    if (key == NULL) return -1;
+    PyObject *args[] = {key, b->empty, b->cb[db]};
+    PyObject *out = PyObject_Vectorcall(b->cb[CB_DELETE], args, 3, NULL);
+    Py_DECREF(key);
     if (out == NULL) return -1;
     Py_DECREF(out);
     return 0;
@@ -562,7 +565,10 @@ static int split(Batch *b, Seg *s, Py_ssize_t at) {
     }
     s->cleared = 1;
     t->cleared = 1;
-    return call_items(b, CB_PUT_BLOCKS, block_items(t->hashes, k, id, 0));
+    for (Py_ssize_t i = 0; i < k; i++) { /* the tail's entries move to it */
+        if (put_entry(b, be_key(t->hashes[i]), block_value(id, i), 1) < 0) return -1;
+    }
+    return 0;
 }
 
 /* The holder id of `name` (cached per batch): 1 with it, 0 if it has none, -1 error. */
@@ -613,8 +619,8 @@ static Py_ssize_t common_prefix(const uint64_t *a, const uint64_t *b, Py_ssize_t
 static int release_claims(Batch *b, const uint64_t *chain, const Py_ssize_t *claims,
                           Py_ssize_t nclaims) {
     for (Py_ssize_t c = 0; c < nclaims; c++) {
-        if (call_items(b, CB_RELEASE, keys_of(chain + claims[2 * c], claims[2 * c + 1])) < 0) {
-            return -1;
+        for (Py_ssize_t i = claims[2 * c]; i < claims[2 * c] + claims[2 * c + 1]; i++) {
+            if (delete_key(b, be_key(chain[i]), CB_BLOCKS_DB) < 0) return -1;
         }
     }
     return 0;
@@ -887,21 +893,22 @@ static PyObject *flush(Batch *b) {
             Py_DECREF(gone);
         }
         PyObject *entry;
-        if (!s->nh) {
-            PyObject *hashes = PyBytes_FromStringAndSize((const char *)s->hashes,
-                                                         (Py_ssize_t)s->n * 8);
-            if (hashes == NULL) goto fail;
-            PyObject *out = PyObject_CallFunction(b->cb[CB_DROP_RECORD], "KN",
-                                                  (unsigned long long)s->id, hashes);
-            if (out == NULL) goto fail;
-            Py_DECREF(out);
+        if (!s->nh) { /* the record, and its blocks' entries (WriteTxn.delete_segment) */
+            if (delete_key(b, be_key(s->id), CB_SEGMENTS_DB) < 0) goto fail;
+            for (Py_ssize_t i = 0; i < s->n; i++) {
+                if (delete_key(b, be_key(s->hashes[i]), CB_BLOCKS_DB) < 0) goto fail;
+            }
             entry = Py_BuildValue("(KKOO)", (unsigned long long)s->id,
                                   (unsigned long long)s->hashes[0], Py_None, Py_False);
         } else {
-            PyObject *rec = seg_encode(s);
-            if (rec == NULL) goto fail;
-            PyObject *out = PyObject_CallFunction(b->cb[CB_PUT_RECORD], "KN",
-                                                  (unsigned long long)s->id, rec);
+            PyObject *rec = seg_encode(s), *key = be_key(s->id);
+            PyObject *out = NULL;
+            if (rec != NULL && key != NULL) { /* txn.put(key, rec, dupdata, overwrite, append, db) */
+                PyObject *args[] = {key, rec, Py_True, Py_True, Py_False, b->cb[CB_SEGMENTS_DB]};
+                out = PyObject_Vectorcall(b->cb[CB_PUT], args, 6, NULL);
+            }
+            Py_XDECREF(rec);
+            Py_XDECREF(key);
             if (out == NULL) goto fail;
             Py_DECREF(out);
             PyObject *ids = PyList_New(s->nh);
@@ -997,7 +1004,9 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     PyObject *per_op = PyList_New(0), *no_parent = PyList_New(0);
     b.names = PyDict_New();
     b.created = PyList_New(0);
+    b.empty = PyBytes_FromStringAndSize(NULL, 0);
     if (per_op == NULL || no_parent == NULL || b.names == NULL || b.created == NULL
+        || b.empty == NULL
         || map_init(&b.index, 256) < 0 || map_init(&b.heads, 256) < 0) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
@@ -1050,6 +1059,7 @@ done:
     Py_XDECREF(no_parent);
     Py_XDECREF(b.names);
     Py_XDECREF(b.created);
+    Py_XDECREF(b.empty);
     for (Py_ssize_t x = 0; x < b.nsegs; x++) seg_free(b.segs[x]);
     PyMem_Free(b.segs);
     map_free(&b.index);

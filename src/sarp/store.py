@@ -567,38 +567,31 @@ class WriteTxn(WriteLogic):
     def native_calls(self) -> tuple:
         """What ``sarp._native.pack_batch`` calls of this transaction, in its order:
         a ``blocks`` get and a ``segments`` get (big-endian keys), the checked read of
-        a segment (to name damage), a claim and an overwriting put of ``blocks``
-        entries, a release of ``blocks`` keys, a new segment id, the return of ids
-        from one on (taken by an insert that then fell to Python), a holder's id (None
-        if it has none), a new holder's id (None when every id is taken and one must
-        be reclaimed), a record write, and a segment's deletion with its entries."""
+        a segment (to name damage), a new segment id, the return of ids from one on
+        (taken by an insert that then fell to Python), a holder's id (None if it has
+        none), a new holder's id (None when every id is taken and one must be
+        reclaimed), the transaction's ``put`` and ``delete`` (called with a table),
+        and the ``segments`` and ``blocks`` tables."""
         blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
         txn = self.txn
-        put_blocks = txn.cursor(db=blocks_db).putmulti
-        delete_block = partial(txn.delete, db=blocks_db)
         return (
             txn.cursor(db=blocks_db).get,
             txn.cursor(db=segments_db).get,
             self.segment,
-            self._claim_items,
-            put_blocks,
-            lambda keys: deque(map(delete_block, keys), maxlen=0),
             self.new_segment_id,
             lambda first: self.set_counter("next_seg_id", first - 1),
             lambda name: self.holder_id(name, create=False),
             self._new_holder,
-            lambda seg_id, record: txn.put(_U64.pack(seg_id), record, db=segments_db),
-            lambda seg_id, hashes: self._drop_record(seg_id, hashes),
+            txn.put,
+            txn.delete,
+            segments_db,
+            blocks_db,
         )
 
     def _new_holder(self, name: str) -> int | None:
         if self.counter("next_holder_id") >= MAX_HOLDERS:
             return None
         return self.holder_id(name, create=True)
-
-    def _drop_record(self, seg_id: int, hashes: bytes) -> None:
-        self.txn.delete(_U64.pack(seg_id), db=self._store.segments_db)
-        self.release_blocks(np.frombuffer(hashes, np.uint64))
 
     def release_blocks(self, hashes: np.ndarray) -> None:
         """Delete the ``blocks`` entries of ``hashes`` (a dead segment's, or a claim undone).
