@@ -8,9 +8,11 @@ and reports:
 1. what the stream asks of the ``blocks`` table: blocks stored, how many were new,
    how many left with a deleted segment, removes and the runs they walk;
 2. the same stream applied to sarp directly (chunks of 4,096 events, as in
-   ``bench-events`` (c)), 5 times, with the time inside each part of the write path
-   (medians, seconds): claiming new blocks, deleting dead segments' entries, writing
-   records, the insert walk, the remove runs, decoding the events;
+   ``bench-events`` (c)), 5 times each way, interleaved: in C (``sarp._native``,
+   what runs), and on the Python reference path with the time inside each part of
+   the write path (medians, seconds): claiming new blocks, deleting dead segments'
+   entries, writing records, the insert walk, the remove runs; and decoding the
+   events, in C and in Python;
 3. what a 1-block tail append (a decode step) and a 1-block tail eviction cost
    against the size of the segment they touch, alone and in a batch;
 4. LMDB's own cost per key for random inserts and deletes in a table the size of
@@ -56,6 +58,12 @@ def timed(spent: dict[str, float], label: str, cls, name: str) -> None:
             spent[label] += time.perf_counter() - started
 
     setattr(cls, name, wrapper)
+
+
+def python_decode(payload: bytes):
+    """The Python decoder alone (what runs without ``sarp._native``)."""
+    batch = events._decode_common(payload)
+    return batch if batch is not None else events._decode_full(payload)
 
 
 def stream_shape(chunks) -> dict[str, int]:
@@ -171,10 +179,12 @@ def main() -> None:
           f"{shape['new']:,} of them new; {shape['removes']:,} removes of "
           f"{shape['removed']:,} blocks")
 
-    started = time.perf_counter()
-    for _, payload in stream:
-        events.decode(payload)
-    decode_s = time.perf_counter() - started
+    decode_s = {}
+    for way, decode in (("C", events.decode), ("Python", python_decode)):
+        started = time.perf_counter()
+        for _, payload in stream:
+            decode(payload)
+        decode_s[way] = time.perf_counter() - started
 
     spent = dict.fromkeys(PARTS, 0.0)
     for part, (cls, name) in PARTS.items():
@@ -187,21 +197,30 @@ def main() -> None:
         return inner_delete(self, seg)
 
     store.WriteTxn.delete_segment = counting_delete
-    totals, parts = [], {p: [] for p in PARTS}
-    for _ in range(args.rounds):
+    totals, parts = {"C": [], "Python": []}, {p: [] for p in PARTS}
+    native = packing.native_pack_batch
+    for _ in range(args.rounds):  # interleaved: C, Python, C, Python, ...
+        totals["C"].append(ingest.direct("sarp", chunks, tempfile.gettempdir())["seconds"])
         for part in spent:
             spent[part] = 0.0
         deleted["blocks"] = 0
-        totals.append(ingest.direct("sarp", chunks, tempfile.gettempdir())["seconds"])
+        packing.native_pack_batch = None
+        try:
+            totals["Python"].append(
+                ingest.direct("sarp", chunks, tempfile.gettempdir())["seconds"])
+        finally:
+            packing.native_pack_batch = native
         for part, seconds in spent.items():
             parts[part].append(seconds)
-    total = statistics.median(totals)
-    print(f"direct apply: {total:.3f} s median of {args.rounds} "
-          f"({num_events / total:,.0f} events/s, {1e6 * total / num_events:.1f} µs/event)")
+    for way in ("C", "Python"):
+        total = statistics.median(totals[way])
+        print(f"direct apply in {way}: {total:.3f} s median of {args.rounds} "
+              f"({num_events / total:,.0f} events/s, {1e6 * total / num_events:.1f} µs/event)")
     for part, values in parts.items():
-        print(f"  {part:<26} {statistics.median(values):.3f} s")
-    print(f"  decoding the events (once) {decode_s:.3f} s "
-          f"({1e6 * decode_s / num_events:.1f} µs/event)")
+        print(f"  {part:<26} {statistics.median(values):.3f} s (Python path)")
+    for way, seconds in decode_s.items():
+        print(f"decoding the events (once) in {way}: {seconds:.3f} s "
+              f"({1e6 * seconds / num_events:.1f} µs/event)")
 
     tails = tail_costs()
     print("tail writes, µs per 1-block operation (segment of N blocks, 4 holders):")
