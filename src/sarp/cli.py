@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--engines", type=int, default=8)
     be.add_argument("--capacity-blocks", type=int, default=10_000, help="LRU cache per engine")
     be.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
-                    default=[2000, 5000, 10000, 15000, 20000, 30000, 50000],
+                    default=[2000, 5000, 10000, 15000, 20000, 25000, 30000, 40000, 50000],
                     help="offered events/s, comma-separated")
     be.add_argument("--rate-s", type=float, default=3.0, help="seconds offered per rate")
     be.add_argument("--repeat", type=int, default=3, help="backlog and direct runs (medians)")

@@ -67,7 +67,7 @@ STATE_VERSION = 2
 END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 MAX_BATCH_OPS = 4096  # events applied in one index transaction, at most
-MAX_BATCH_MS = 50.0  # ... and how long the first of them may wait for the commit
+MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit
 _PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
 
 
