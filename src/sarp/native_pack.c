@@ -506,11 +506,20 @@ static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
     return result;
 }
 
+/* txn.delete(key, b"", db), consuming key: 0, or -1 on error. */
+static int delete_key(Batch *b, PyObject *key, int db) {
+    if (key == NULL) return -1;
+    PyObject *args[] = {key, b->empty, b->cb[db]};
+    PyObject *out = PyObject_Vectorcall(b->cb[CB_DELETE], args, 3, NULL);
+    Py_DECREF(key);
+    if (out == NULL) return -1;
+    Py_DECREF(out);
+    return 0;
+}
+
 /* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left), -1 error.  Each
  * entry goes in with LMDB's no-overwrite put; at the first refusal the ones put are
  * deleted again. */
-static int delete_key(Batch *b, PyObject *key, int db);
-
 static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
                  Py_ssize_t first_offset) {
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -524,17 +533,6 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
         }
     }
     return 1;
-}
-
-/* txn.delete(key, b"", db), consuming key: 0, or -1 on error. */
-static int delete_key(Batch *b, PyObject *key, int db) {
-    if (key == NULL) return -1;
-    PyObject *args[] = {key, b->empty, b->cb[db]};
-    PyObject *out = PyObject_Vectorcall(b->cb[CB_DELETE], args, 3, NULL);
-    Py_DECREF(key);
-    if (out == NULL) return -1;
-    Py_DECREF(out);
-    return 0;
 }
 
 /* Packer._split: move `s`'s blocks from `at` on into a new segment. */

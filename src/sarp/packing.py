@@ -79,7 +79,8 @@ class Packer:
         refuses (``ParentNotFoundError``, ``ChainConflictError``) is reported with its
         position and has written nothing; the others are applied in order.
         ``holder_ids_of(instance, medium)`` names the committed holder ids a clear
-        covers.
+        covers.  On LMDB the operations run in C as far as they can
+        (:meth:`_native_batch`), and Python carries on from the first it cannot take.
 
         Cost: the operations' lookups, then one record write per touched segment.
         """
@@ -114,12 +115,12 @@ class Packer:
                       failed: list[tuple[int, Exception]]) -> int:
         """Run ``ops`` in C from the first on, as :meth:`batch` would, until one that
         C leaves to Python (a clear, meta, a conflict, a claim that finds a stored
-        block, a new holder when every id is taken); return how many ran there.  When all did, the
-        touched segments are flushed too; otherwise they are handed to ``touched``
-        and :meth:`batch` carries on.
+        block, a new holder when every id is taken); return how many ran there.
+        When all did, the touched segments are flushed too; otherwise they are
+        handed to ``touched`` and :meth:`batch` carries on.
 
-        Cost: about one LMDB call per lookup, claim and touched segment, each through
-        py-lmdb; no Python per operation.
+        Cost: one py-lmdb call per lookup, per ``blocks`` entry put or deleted and per
+        record read or written; no Python per operation.
         """
         done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = (
             native_pack_batch((*w.native_calls(), *self.probe()), ops, self.segment_blocks,

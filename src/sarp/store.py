@@ -550,15 +550,12 @@ class WriteTxn(WriteLogic):
         Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the same descent
         that would insert it); a refusal also reads back and deletes what was added.
         """
-        return self._claim_items(list(_block_items(hashes, seg_id, first_offset)))
-
-    def _claim_items(self, items: list[tuple[bytes, bytes]]) -> bool:
-        """:meth:`claim_blocks` of ``blocks`` entries already made."""
-        cur = self.txn.cursor(db=self._store.blocks_db)
-        _, added = cur.putmulti(items, overwrite=False)
-        if added == len(items):
+        items = _block_items(hashes, seg_id, first_offset)
+        _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
+        if added == hashes.size:
             return True
-        ours = dict(items)
+        cur = self.txn.cursor(db=self._store.blocks_db)
+        ours = dict(_block_items(hashes, seg_id, first_offset))
         for key, value in cur.getmulti(list(ours)):
             if value == ours[key]:  # no stored entry can name this new place
                 self.txn.delete(key, db=self._store.blocks_db)
