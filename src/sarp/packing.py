@@ -65,6 +65,8 @@ class Packer:
 
         Cost: see :meth:`_walk_insert`; one record write per touched segment.
         """
+        if meta is None and self._runs_in_c(w):
+            return self._one(w, ("insert", chain, parent, name, None))
         plan, touched = Plan(), Touched(w)
         self.add_insert(w, touched, plan, chain, parent, name, meta)
         touched.flush(plan)
@@ -87,8 +89,7 @@ class Packer:
         plan, touched = Plan(), Touched(w)
         failed: list[tuple[int, Exception]] = []
         start = 0
-        if (native_pack_batch is not None and self.probe is not None and self.heads is not None
-                and isinstance(w, WriteTxn) and w.LOCAL_LOOKUPS):
+        if self._runs_in_c(w):
             start = self._native_batch(w, ops, plan, touched, failed)
             if start == len(ops):
                 return plan, failed  # flushed in C
@@ -110,6 +111,19 @@ class Packer:
             plan.removed_per_op.append(plan.removed_blocks - before)
         touched.flush(plan)
         return plan, failed
+
+    def _runs_in_c(self, w: WriteTxn) -> bool:
+        """Can a batch on ``w`` run in ``sarp._native.pack_batch``: the extension is
+        built, the store is LMDB, and the walking write path applies."""
+        return (native_pack_batch is not None and self.probe is not None
+                and self.heads is not None and isinstance(w, WriteTxn) and w.LOCAL_LOOKUPS)
+
+    def _one(self, w: WriteTxn, op: tuple) -> Plan:
+        """One insert or remove as a batch of one (in C), raising what it refused with."""
+        plan, failed = self.batch(w, [op], None, None)
+        if failed:
+            raise failed[0][1]
+        return plan
 
     def _native_batch(self, w: WriteTxn, ops: list[tuple], plan: Plan, touched: Touched,
                       failed: list[tuple[int, Exception]]) -> int:
@@ -443,6 +457,8 @@ class Packer:
 
     def remove(self, w: WriteTxn, chain: np.ndarray, name: str) -> Plan:
         """Clear holder ``name``'s presence bits for ``chain``; blocks it lacks are skipped."""
+        if self._runs_in_c(w):
+            return self._one(w, ("remove", chain, name))
         plan, touched = Plan(), Touched(w)
         self.add_remove(w, touched, plan, chain, name)
         touched.flush(plan)
