@@ -118,6 +118,28 @@ def test_bad_arguments_are_reported_per_operation_or_raised_by_batch(tmp_path):
         assert b.result.failed == [] and b.result.operations == 0
 
 
+def test_decoded_operations_apply_as_apply_batch_does(tmp_path):
+    """The subscriber's entry (hashes already checked by the decoder) gives what
+    apply_batch gives, and still refuses a bad holder name, per operation."""
+    import numpy as np
+
+    ops = [("insert", np.array([1, 2, 3], np.uint64), None, "a#0", "GPU"),
+           ("insert", np.array([4], np.uint64), 3, "a#0", "CPU"),
+           ("insert", np.array([9], np.uint64), None, "bad\0name", "GPU"),
+           ("remove", np.array([3, 2], np.uint64), "a#0", "GPU"),
+           ("insert", np.array([7], np.uint64), 777, "a#0", "GPU"),
+           ("clear", "a#0", "CPU")]
+    results = []
+    for name, apply in (("decoded", "_apply_decoded"), ("checked", "apply_batch")):
+        with sarp.open(tmp_path / name) as index:
+            result = getattr(index, apply)(ops)
+            results.append(([(i, type(e).__name__) for i, e in result.failed],
+                            result.new_blocks, result.removed_per_op,
+                            index.match([1, 2, 3, 4]).by_holder))
+    assert results[0] == results[1]
+    assert results[0][0] == [(2, "ValueError"), (4, "ParentNotFoundError")]
+
+
 def engine_like_ops(seed: int, count: int) -> list[tuple]:
     """Stores that re-store parts of chains others hold and extend them, and removes
     in the orders engines evict (last block first), forwards, shuffled, with strays."""
