@@ -17,30 +17,16 @@
  * - decode_batch (native_events.c; sarp/serving/events.py, `decode`): an engine's
  *   msgpack event batch, in the shape engines send it.
  *
- * Layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16, nh u16,
- * start_pos u64, parent u64), hashes 8n, holder ids 2nh padded to 8, presence nh*n
- * padded to 8, meta 8*nh*n when flags & HAS_META, checksum 8.  Little-endian.
+ * The record layout is read by native.h's record_layout (segment.py's reference).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "vendor/xxhash.h"
-
 #include "native.h"
 
 #define ABI_VERSION 6
-#define RECORD_VERSION 1
-#define HEADER_BYTES 24
-#define HAS_META 0x01
-#define IS_ROOT 0x02
-
-enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4 };
-
-static uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
 /* What one step learns from a record (see examine_py). */
 typedef struct {
@@ -52,17 +38,12 @@ typedef struct {
 static int check_record(const uint8_t *r, Py_ssize_t size, const uint8_t *query,
                         Py_ssize_t query_blocks, Py_ssize_t start, uint64_t parent,
                         int has_parent, Step *st) {
-    if (size < HEADER_BYTES + 8) return BAD_SHORT;
-    if (XXH3_64bits(r, (size_t)(size - 8)) != u64_at(r + size - 8)) return BAD_CHECKSUM;
-    if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) return BAD_MAGIC;
-    uint8_t flags = r[3];
-    Py_ssize_t n = u16_at(r + 4), nh = u16_at(r + 6);
-    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
-    Py_ssize_t presence_at = holders_at + ((2 * nh + 7) & ~(Py_ssize_t)7);
-    Py_ssize_t meta_at = presence_at + ((nh * n + 7) & ~(Py_ssize_t)7);
-    if (meta_at + ((flags & HAS_META) ? 8 * nh * n : 0) + 8 != size) return BAD_SIZE;
+    Layout L;
+    int bad = record_layout(r, size, &L);
+    if (bad) return bad;
+    Py_ssize_t n = L.n;
     /* at this place: the query's position and the block before it */
-    int is_root = flags & IS_ROOT;
+    int is_root = L.flags & IS_ROOT;
     if ((Py_ssize_t)u64_at(r + 8) != start
         || (is_root ? has_parent : (!has_parent || u64_at(r + 16) != parent))) {
         return 0;
@@ -79,9 +60,9 @@ static int check_record(const uint8_t *r, Py_ssize_t size, const uint8_t *query,
         }
     }
     st->n = n;
-    st->nh = nh;
-    st->holders_at = holders_at;
-    st->presence_at = presence_at;
+    st->nh = L.nh;
+    st->holders_at = L.holders_at;
+    st->presence_at = L.presence_at;
     st->same = same;
     return 1;
 }
@@ -222,9 +203,7 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         unsigned long long seg_id = PyLong_AsUnsignedLongLong(seg);
         Py_DECREF(seg);
         if (PyErr_Occurred()) goto done;
-        uint8_t be[8];
-        for (int i = 0; i < 8; i++) be[i] = (uint8_t)(seg_id >> (56 - 8 * i));
-        PyObject *seg_key = PyBytes_FromStringAndSize((const char *)be, 8);
+        PyObject *seg_key = be_key(seg_id);
         if (seg_key == NULL) goto done;
         PyObject *record = PyObject_CallOneArg(get, seg_key);
         Py_DECREF(seg_key);

@@ -1,11 +1,70 @@
 /* What sarp._native's translation units share: each call lives in its own file
  * (_native.c: the read path and the module; native_pack.c: the write path;
- * native_events.c: the event decoder). */
+ * native_events.c: the event decoder), and the segment record's layout is read in
+ * one place, here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
 #define SARP_NATIVE_H
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include "vendor/xxhash.h"
 
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_decode_batch(PyObject *self, PyObject *arg);
+
+/* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,
+ * nh u16, start_pos u64, parent u64), hashes 8n, holder ids 2nh padded to 8,
+ * presence nh*n padded to 8, meta 8*nh*n when flags & HAS_META, checksum 8 (xxh3 of
+ * everything before it).  Little-endian. */
+#define RECORD_VERSION 1
+#define HEADER_BYTES 24
+#define HAS_META 0x01
+#define IS_ROOT 0x02
+
+enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4 };
+
+static inline uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline Py_ssize_t pad8(Py_ssize_t n) { return (n + 7) & ~(Py_ssize_t)7; }
+
+/* Where a record's sections sit (segment._sections), and its size. */
+typedef struct {
+    uint8_t flags;
+    Py_ssize_t n, nh, holders_at, presence_at, meta_at, size;
+} Layout;
+
+static inline Layout record_sections(Py_ssize_t n, Py_ssize_t nh, uint8_t flags) {
+    Layout L;
+    L.flags = flags;
+    L.n = n;
+    L.nh = nh;
+    L.holders_at = HEADER_BYTES + 8 * n;
+    L.presence_at = L.holders_at + pad8(2 * nh);
+    L.meta_at = L.presence_at + pad8(nh * n);
+    L.size = L.meta_at + ((flags & HAS_META) ? 8 * nh * n : 0) + 8;
+    return L;
+}
+
+/* Check a record (size, checksum, magic and version, layout; segment.layout): 0 with
+ * `L` filled, or a negative BAD_* code. */
+static inline int record_layout(const uint8_t *r, Py_ssize_t size, Layout *L) {
+    if (size < HEADER_BYTES + 8) return BAD_SHORT;
+    if (XXH3_64bits(r, (size_t)(size - 8)) != u64_at(r + size - 8)) return BAD_CHECKSUM;
+    if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) return BAD_MAGIC;
+    *L = record_sections(u16_at(r + 4), u16_at(r + 6), r[3]);
+    return L->size == size ? 0 : BAD_SIZE;
+}
+
+/* A big-endian 8-byte key (store.py's `_U64`: byte order is numeric order). */
+static inline PyObject *be_key(uint64_t v) {
+    uint8_t be[8];
+    for (int i = 0; i < 8; i++) be[i] = (uint8_t)(v >> (56 - 8 * i));
+    return PyBytes_FromStringAndSize((const char *)be, 8);
+}
 
 #endif

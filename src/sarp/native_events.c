@@ -275,6 +275,24 @@ static const int STORED_ARRAY[] = {F_HASHES, F_PARENT, F_SKIP, F_READ, F_READ, F
                                    F_LORA, F_SKIP, F_GROUP};
 static const int REMOVED_ARRAY[] = {F_HASHES, F_MEDIUM, F_GROUP};
 
+/* An optional str field (absent or nil: None), as a new reference; NULL when it holds
+ * anything else (no exception: Python decides), or with an exception. */
+static PyObject *opt_str(const uint8_t *at, const uint8_t *end) {
+    if (at == NULL || *at == 0xC0) return Py_NewRef(Py_None);
+    Reader f = {at, end};
+    const uint8_t *s;
+    size_t n;
+    if (read_str(&f, &s, &n) != 1) return NULL;
+    return PyUnicode_DecodeUTF8((const char *)s, (Py_ssize_t)n, "strict");
+}
+
+/* An optional int field: 1 with its value, 0 absent or nil, -1 anything else. */
+static int opt_int(const uint8_t *at, const uint8_t *end, uint64_t *v, int *negative) {
+    if (at == NULL || *at == 0xC0) return 0;
+    Reader f = {at, end};
+    return read_int(&f, v, negative) == 1 ? 1 : -1;
+}
+
 /* One event, or NULL (no exception: Python decides; or with one). */
 static PyObject *read_event(Reader *r) {
     const uint8_t *where[F_SKIP] = {NULL};
@@ -335,50 +353,29 @@ static PyObject *read_event(Reader *r) {
     Reader h = {where[F_HASHES], r->end};
     PyObject *hashes = read_hashes(&h);
     if (hashes == NULL) return NULL;
-    PyObject *medium = Py_None, *lora = Py_None, *group = Py_None, *parent = Py_None;
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    Py_INCREF(Py_None);
-    PyObject *out = NULL;
-    uint64_t v;
-    int negative;
-    if (where[F_MEDIUM] && *where[F_MEDIUM] != 0xC0) {
-        Reader m = {where[F_MEDIUM], r->end};
-        if (read_str(&m, &s, &n) != 1) goto done;
-        Py_SETREF(medium, PyUnicode_DecodeUTF8((const char *)s, (Py_ssize_t)n, "strict"));
-        if (medium == NULL) goto done;
-    }
-    if (where[F_GROUP] && *where[F_GROUP] != 0xC0) {
-        Reader g = {where[F_GROUP], r->end};
-        if (read_int(&g, &v, &negative) != 1) goto done;
-        Py_SETREF(group, negative ? PyLong_FromLongLong((long long)(int64_t)v)
-                                  : PyLong_FromUnsignedLongLong(v));
-        if (group == NULL) goto done;
-    }
+    PyObject *medium = NULL, *lora = NULL, *group = NULL, *parent = NULL, *out = NULL;
+    uint64_t v, parent_hash = 0;
+    int negative, has_parent = 0;
+    medium = opt_str(where[F_MEDIUM], r->end);
+    int got_group = opt_int(where[F_GROUP], r->end, &v, &negative);
+    if (medium == NULL || got_group < 0) goto done;
+    group = !got_group  ? Py_NewRef(Py_None)
+            : negative  ? PyLong_FromLongLong((long long)(int64_t)v)
+                        : PyLong_FromUnsignedLongLong(v);
+    if (group == NULL) goto done;
     if (kind == 1) {
         out = Py_BuildValue("(sNNN)", "BlockRemoved", hashes, medium, group);
         hashes = medium = group = NULL;
         goto done;
     }
-    int has_parent = 0;
-    uint64_t parent_hash = 0;
-    if (where[F_PARENT] && *where[F_PARENT] != 0xC0) {
-        Reader pr = {where[F_PARENT], r->end};
-        if (read_int(&pr, &parent_hash, &negative) != 1) goto done;
-        has_parent = 1;
-        Py_SETREF(parent, PyLong_FromUnsignedLongLong(parent_hash));
-        if (parent == NULL) goto done;
-    }
-    if (chain_fault((const uint64_t *)PyByteArray_AS_STRING(hashes),
-                    (size_t)PyByteArray_GET_SIZE(hashes) / 8, has_parent, parent_hash)) {
+    has_parent = opt_int(where[F_PARENT], r->end, &parent_hash, &negative);
+    if (has_parent < 0) goto done;
+    parent = has_parent ? PyLong_FromUnsignedLongLong(parent_hash) : Py_NewRef(Py_None);
+    lora = opt_str(where[F_LORA], r->end);
+    if (parent == NULL || lora == NULL
+        || chain_fault((const uint64_t *)PyByteArray_AS_STRING(hashes),
+                       (size_t)PyByteArray_GET_SIZE(hashes) / 8, has_parent, parent_hash)) {
         goto done;
-    }
-    if (where[F_LORA] && *where[F_LORA] != 0xC0) {
-        Reader l = {where[F_LORA], r->end};
-        if (read_str(&l, &s, &n) != 1) goto done;
-        Py_SETREF(lora, PyUnicode_DecodeUTF8((const char *)s, (Py_ssize_t)n, "strict"));
-        if (lora == NULL) goto done;
     }
     out = Py_BuildValue("(sNNNNN)", "BlockStored", hashes, parent, medium, lora, group);
     hashes = parent = medium = lora = group = NULL;
@@ -394,8 +391,8 @@ done:
 /* decode_batch(payload) -> (ts, dp_rank | None, [event, ...]) | None
  * event: ("BlockStored", hashes, parent | None, medium | None, lora_name | None,
  * group_idx | None), ("BlockRemoved", hashes, medium | None, group_idx | None) or
- * ("AllBlocksCleared",); hashes are a bytearray of uint64s in the machine's order.  None: let
- * the Python decoder read this payload. */
+ * ("AllBlocksCleared",); hashes are a bytearray of uint64s in the machine's order.
+ * None: let the Python decoder read this payload. */
 PyObject *sarp_decode_batch(PyObject *self, PyObject *arg) {
     if (!fixed_size[0]) init_sizes();
     Py_buffer buf;

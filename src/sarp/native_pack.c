@@ -11,27 +11,14 @@
  * changes anything: it then hands back every touched segment as a record, and
  * Python's Packer carries on from that operation with them.
  *
- * Record layout: see _native.c and segment.py.
+ * Record layout: native.h (segment.py is the reference).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "vendor/xxhash.h"
-
 #include "native.h"
-
-#define RECORD_VERSION 1
-#define HEADER_BYTES 24
-#define HAS_META 0x01
-#define IS_ROOT 0x02
-
-static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-static Py_ssize_t pad8(Py_ssize_t n) { return (n + 7) & ~(Py_ssize_t)7; }
 
 /* -- a segment being written ------------------------------------------------------ */
 
@@ -186,10 +173,10 @@ static int seg_drop_empty_rows(Seg *s, PyObject *gone) {
 /* Segment.encode: the record, checksum included. */
 static PyObject *seg_encode(const Seg *s) {
     Py_ssize_t n = s->n, nh = s->nh;
-    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
-    Py_ssize_t presence_at = holders_at + pad8(2 * nh);
-    Py_ssize_t meta_at = presence_at + pad8(nh * n);
-    Py_ssize_t size = meta_at + (s->meta ? 8 * nh * n : 0) + 8;
+    uint8_t flags = (uint8_t)((s->meta ? HAS_META : 0) | (s->is_root ? IS_ROOT : 0));
+    Layout L = record_sections(n, nh, flags);
+    Py_ssize_t holders_at = L.holders_at, presence_at = L.presence_at, meta_at = L.meta_at;
+    Py_ssize_t size = L.size;
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     if (out == NULL) return NULL;
     uint8_t *r = (uint8_t *)PyBytes_AS_STRING(out);
@@ -199,7 +186,7 @@ static PyObject *seg_encode(const Seg *s) {
     r[0] = 'S';
     r[1] = 'G';
     r[2] = RECORD_VERSION;
-    r[3] = (uint8_t)((s->meta ? HAS_META : 0) | (s->is_root ? IS_ROOT : 0));
+    r[3] = flags;
     memcpy(r + 4, &n16, 2);
     memcpy(r + 6, &nh16, 2);
     memcpy(r + 8, &s->start_pos, 8);
@@ -218,28 +205,23 @@ static PyObject *seg_encode(const Seg *s) {
 /* A record as segment.writable reads it, or NULL without an exception when the record
  * is not one (the caller lets Python name the damage). */
 static Seg *seg_parse(uint64_t id, const uint8_t *r, Py_ssize_t size, int *bad) {
-    *bad = 1;
-    if (size < HEADER_BYTES + 8) return NULL;
-    if (XXH3_64bits(r, (size_t)(size - 8)) != rd64(r + size - 8)) return NULL;
-    if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) return NULL;
-    uint8_t flags = r[3];
-    Py_ssize_t n = rd16(r + 4), nh = rd16(r + 6);
-    Py_ssize_t holders_at = HEADER_BYTES + 8 * n;
-    Py_ssize_t presence_at = holders_at + pad8(2 * nh);
-    Py_ssize_t meta_at = presence_at + pad8(nh * n);
-    if (meta_at + ((flags & HAS_META) ? 8 * nh * n : 0) + 8 != size) return NULL;
-    *bad = 0;
-    Seg *s = seg_new(n, nh, flags & HAS_META);
+    Layout L;
+    *bad = record_layout(r, size, &L) != 0;
+    if (*bad) return NULL;
+    Py_ssize_t n = L.n, nh = L.nh;
+    Seg *s = seg_new(n, nh, L.flags & HAS_META);
     if (s == NULL) return NULL;
     s->id = id;
-    s->start_pos = rd64(r + 8);
-    s->is_root = (flags & IS_ROOT) != 0;
-    s->parent = s->is_root ? 0 : rd64(r + 16);
+    s->start_pos = u64_at(r + 8);
+    s->is_root = (L.flags & IS_ROOT) != 0;
+    s->parent = s->is_root ? 0 : u64_at(r + 16);
     memcpy(s->hashes, r + HEADER_BYTES, (size_t)n * 8);
-    memcpy(s->holders, r + holders_at, (size_t)nh * 2);
+    memcpy(s->holders, r + L.holders_at, (size_t)nh * 2);
     for (Py_ssize_t row = 0; row < nh; row++) {
-        memcpy(s->presence + row * s->cap, r + presence_at + row * n, (size_t)n);
-        if (s->meta) memcpy(s->meta + row * s->cap, r + meta_at + 8 * row * n, (size_t)n * 8);
+        memcpy(s->presence + row * s->cap, r + L.presence_at + row * n, (size_t)n);
+        if (s->meta) {
+            memcpy(s->meta + row * s->cap, r + L.meta_at + 8 * row * n, (size_t)n * 8);
+        }
     }
     return s;
 }
@@ -334,12 +316,6 @@ typedef struct {
 
 enum { OP_DONE = 0, OP_NO_PARENT = 1, OP_TO_PYTHON = 2, OP_ERROR = -1 };
 
-static PyObject *be_key(uint64_t v) {
-    uint8_t be[8];
-    for (int i = 0; i < 8; i++) be[i] = (uint8_t)(v >> (56 - 8 * i));
-    return PyBytes_FromStringAndSize((const char *)be, 8);
-}
-
 static PyObject *call1(PyObject *fn, PyObject *arg) {
     PyObject *out = PyObject_CallOneArg(fn, arg);
     Py_DECREF(arg);
@@ -427,8 +403,8 @@ static int locate_one(Batch *b, uint64_t hash, uint64_t *seg_id, Py_ssize_t *off
             PyErr_Format(PyExc_ValueError, "blocks table entry of %zd bytes", len);
             return -1;
         }
-        *seg_id = rd32((const uint8_t *)p);
-        *off = rd16((const uint8_t *)p + 4);
+        *seg_id = u32_at((const uint8_t *)p);
+        *off = u16_at((const uint8_t *)p + 4);
         found = *seg_id != 0;
     }
     Py_DECREF(value);
@@ -901,7 +877,8 @@ static PyObject *flush(Batch *b) {
         } else {
             PyObject *rec = seg_encode(s), *key = be_key(s->id);
             PyObject *out = NULL;
-            if (rec != NULL && key != NULL) { /* txn.put(key, rec, dupdata, overwrite, append, db) */
+            if (rec != NULL && key != NULL) {
+                /* txn.put(key, rec, dupdata, overwrite, append, db) */
                 PyObject *args[] = {key, rec, Py_True, Py_True, Py_False, b->cb[CB_SEGMENTS_DB]};
                 out = PyObject_Vectorcall(b->cb[CB_PUT], args, 6, NULL);
             }
