@@ -493,3 +493,40 @@ def test_an_engine_that_publishes_while_asked_is_not_taken_as_gone(index):
         sub.close()
         pub.close(linger=0)
         router.close(linger=0)
+
+
+def test_sources_with_a_backlog_are_drained_in_turns(index):
+    # Two engines each queue 200 batches before serve polls: serve takes a few from one,
+    # then a few from the other, so neither waits for the other's whole backlog (and
+    # the index follows both in time order); every block still ends up as the engines
+    # hold it.
+    engines = [engine("a", capacity=200), engine("b", capacity=200)]
+    rng = random.Random(5)
+    try:
+        sub = Subscriber(index, [Source(e.name, e.publisher.endpoint, e.publisher.replay_endpoint)
+                                 for e in engines])
+        time.sleep(0.3)  # both SUB sockets connected before anything is published
+        for _ in range(200):
+            for e in engines:
+                e.serve([rng.getrandbits(63) for _ in range(4)])
+        time.sleep(0.5)  # everything waits in the SUB sockets
+        order: list[str] = []
+        handle = sub._on_message
+
+        def record(key, frames):
+            order.append(key)
+            return handle(key, frames)
+
+        sub._on_message = record
+        while len(order) < 400:
+            sub.poll(100)
+        longest = max(len(run) for run in "".join(order).replace("ab", "a b").replace(
+            "ba", "b a").split())
+        assert longest <= 16, f"{longest} messages in a row from one source"
+        assert order.count("a") == order.count("b") == 200
+        for e in engines:
+            assert held(index, e.holder) == set(e.cache)
+        sub.close()
+    finally:
+        for e in engines:
+            e.publisher.close()

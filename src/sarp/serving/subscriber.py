@@ -68,6 +68,7 @@ END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 MAX_BATCH_OPS = 4096  # events applied in one index transaction, at most
 MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit
+ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 _PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
 
 
@@ -292,16 +293,24 @@ class Subscriber:
             # batches went out before we were there: check now, not at its next batch.
             self._verify.discard(key)
             applied += self._resync(key, "reconnected")
-        for sock, key in self._subs.items():
-            if sock not in ready:
-                continue
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                applied += self._on_message(key, frames)
-                self._maybe_flush()
+        # Round-robin over the sources with messages waiting, a few from each at a time,
+        # so that one source's backlog neither delays the others nor reaches the index
+        # long before theirs (a backlog applied in time order churns less: a block one
+        # engine evicts while another still holds it keeps its segment).
+        waiting = [(sock, key) for sock, key in self._subs.items() if sock in ready]
+        while waiting:
+            still = []
+            for sock, key in waiting:
+                for _ in range(ROUND_MESSAGES):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    applied += self._on_message(key, frames)
+                    self._maybe_flush()
+                else:
+                    still.append((sock, key))
+            waiting = still
         for sock in [sock for sock in self._probes if sock in ready]:
             self._on_probe_answer(sock)
         self._check_liveness()
