@@ -13,7 +13,8 @@ import sarp
 
 def build(path):
     with sarp.open(path, segment_blocks=4, durability="nosync") as index:
-        index.insert(list(range(1, 11)), holder="w0")  # segments [1-4] [5-8] [9-10]
+        index.insert(list(range(1, 11)), holder="w0")  # segments 8 [1-4], 16 [5-8], 24 [9-10]
+        # [3, 4] moves to segment 9, beside 8 in key order, and 50, 51 join segment 8
         index.insert([50, 51], parent=2, holder="w1")
         assert index.check() == []
 
@@ -42,13 +43,13 @@ def test_a_flipped_byte_in_a_segment_is_reported_and_never_matched(tmp_path):
 
     def flip(txn):
         key, record = first_record(txn)
-        record[30] ^= 0xFF  # inside the hashes of segment 1
+        record[30] ^= 0xFF  # inside the hashes of segment 8, the first
         txn.put(key, bytes(record))
 
     damage(tmp_path / "ix", b"segments", flip)
     out = verify(tmp_path / "ix")
     assert out.returncode == 1
-    assert "segment 1: checksum mismatch" in out.stdout
+    assert "segment 8: checksum mismatch" in out.stdout
     with sarp.open(tmp_path / "ix") as index:
         m = index.match(list(range(1, 11)))
         assert m.num_blocks == 0  # the damaged first segment ends the verified prefix
@@ -68,7 +69,7 @@ def test_every_problem_is_reported_with_its_location(tmp_path):
     damage(tmp_path / "ix", b"blocks", stray_block)
     out = verify(tmp_path / "ix")
     assert out.returncode == 1
-    assert "blocks table: 6 missing, stored in segment 2 at 1" in out.stdout
+    assert "blocks table: 6 missing, stored in segment 16 at 1" in out.stdout
     assert "blocks table: 999 -> (77, 0), segments say None" in out.stdout
     assert "2 problem(s)" in out.stdout
 

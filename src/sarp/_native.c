@@ -26,7 +26,7 @@
 
 #include "native.h"
 
-#define ABI_VERSION 6
+#define ABI_VERSION 7
 
 /* What one step learns from a record (see examine_py). */
 typedef struct {
@@ -383,6 +383,10 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
+    if (mod != NULL && PyModule_AddIntConstant(mod, "SEG_ID_STRIDE", SEG_ID_STRIDE) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
     if (mod != NULL && PyModule_AddIntConstant(mod, "ABI_VERSION", ABI_VERSION) < 0) {
         Py_DECREF(mod);
         return NULL;

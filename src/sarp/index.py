@@ -350,20 +350,25 @@ class Index:
         A segment logged several times is re-read once: replaying reads its state as
         of ``r``, which is the same for every entry of it.
         """
-        latest: dict[int, int] = {}  # segment id -> its first hash (as last logged)
+        # segment id -> every first hash logged for it, the last one last: an id can
+        # name another chain once its segment is gone (a tail id is taken again)
+        latest: dict[int, list[int]] = {}
         count = 0
         for seq, seg_id, first_hash in r.log_since(self._watermark):
-            latest.pop(seg_id, None)  # keep the order of last mention
-            latest[seg_id] = first_hash
+            logged = latest.pop(seg_id, [])  # keep the order of last mention
+            if first_hash not in logged:
+                logged.append(first_hash)
+            latest[seg_id] = logged
             self._watermark = seq
             count += 1
         self._replay(r, latest)
         self._watermark = max(self._watermark, r.counter("next_seq"))
         return count
 
-    def _replay(self, r: ReadTxn, latest: dict[int, int]) -> None:
+    def _replay(self, r: ReadTxn, latest: dict[int, list[int]]) -> None:
         """Bring the directory and the holder filters to the state of ``r`` for the
-        segments in ``latest`` (segment id -> its first hash as last logged).
+        segments in ``latest`` (segment id -> the first hashes logged for it): the
+        entry of each hash the id no longer starts with goes, if it names this id.
 
         Cost: one record read and check per segment (one round trip for them all on a
         remote store), and one bitmap operation per holder, not per segment.
@@ -379,8 +384,10 @@ class Index:
                     found = segment_head(seg_id, record)
                 except CorruptRecordError as exc:
                     log.warning("sarp: replay skips %s", exc)
+            for first_hash in latest[seg_id]:
+                if found is None or first_hash != found[0]:
+                    directory.remove(first_hash, seg_id)
             if found is None:
-                directory.remove(latest[seg_id], seg_id)
                 continue
             directory.add(found[0], seg_id)
             for holder_id in found[1]:

@@ -24,6 +24,9 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *arg);
 #define HEADER_BYTES 24
 #define HAS_META 0x01
 #define IS_ROOT 0x02
+/* store.ID_STRIDE: new segment ids are multiples of it, and the ids after one are
+ * kept for the tails split off that segment */
+#define SEG_ID_STRIDE 8
 
 enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4 };
 

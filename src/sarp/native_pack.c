@@ -511,10 +511,32 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
     return 1;
 }
 
+/* WriteLogic.tail_segment_id: the first id kept after `home` (a multiple of the
+ * stride) that no record has and this batch has not touched; else a new id. */
+static int tail_segment_id(Batch *b, uint64_t home, uint64_t *id) {
+    if (home % SEG_ID_STRIDE == 0) {
+        for (uint64_t candidate = home + 1; candidate < home + SEG_ID_STRIDE; candidate++) {
+            uint64_t at;
+            if (map_get(&b->index, candidate, &at)) continue;
+            PyObject *key = be_key(candidate);
+            if (key == NULL) return -1;
+            PyObject *rec = call1(b->cb[CB_SEG_GET], key);
+            if (rec == NULL) return -1;
+            int free_id = rec == Py_None;
+            Py_DECREF(rec);
+            if (free_id) {
+                *id = candidate;
+                return 0;
+            }
+        }
+    }
+    return new_segment_id(b, id);
+}
+
 /* Packer._split: move `s`'s blocks from `at` on into a new segment. */
 static int split(Batch *b, Seg *s, Py_ssize_t at) {
     uint64_t id;
-    if (new_segment_id(b, &id) < 0) return -1;
+    if (tail_segment_id(b, s->id, &id) < 0) return -1;
     Py_ssize_t k = s->n - at;
     Seg *t = seg_new(k, s->nh, s->meta != NULL);
     if (t == NULL) {

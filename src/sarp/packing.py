@@ -438,7 +438,7 @@ class Packer:
     def _split(self, w: WriteTxn, touched: Touched, seg: Segment, at: int) -> None:
         """Move ``seg``'s blocks from offset ``at`` on into a new segment."""
         tail = Segment(
-            seg_id=w.new_segment_id(),
+            seg_id=w.tail_segment_id(seg.seg_id, touched.holds),
             start_pos=seg.start_pos + at,
             parent=int(seg.hashes[at - 1]),
             hashes=seg.hashes[at:].copy(),
@@ -602,6 +602,10 @@ class Touched:
     def head(self, first_hash: int) -> int | None:
         """A segment created in this transaction whose first block is ``first_hash``."""
         return self._heads.get(first_hash)
+
+    def holds(self, seg_id: int) -> bool:
+        """Has this write read, created or emptied segment ``seg_id``?"""
+        return seg_id in self._segs
 
     def get(self, seg_id: int) -> Segment:
         seg = self._segs.get(seg_id)

@@ -31,10 +31,10 @@ import numpy as np
 
 from .errors import CorruptRecordError, NotAnIndexError, ParentNotFoundError
 from .segment import Segment, decode
-from .store import salvage_meta, salvage_records
+from .store import ID_STRIDE, salvage_meta, salvage_records
 
 SCAFFOLD = "sarp.repair.scaffold"
-_PROBE_IDS_PAST_COUNTER = 1024  # when the counter itself is unreadable, probe this far
+_PROBE_IDS_PAST_COUNTER = 1024 * ID_STRIDE  # when the counter itself is unreadable, probe this far
 MAX_SKIP = 4096  # ids skipped at once after children keep dying on the same region
 
 

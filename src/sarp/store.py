@@ -47,6 +47,11 @@ from .segment import Segment, decode, writable
 FORMAT_VERSION = 1
 DURABILITY_MODES = ("sync", "nosync")
 MAX_SEGMENT_ID = 0xFFFFFFFF
+# A new segment takes the next id that is a multiple of ID_STRIDE, and the ids after it
+# are kept for the short tails split off it (Packer._split), so that a tail's record
+# sits beside its segment's in key order, on the same page: a match that reaches the
+# end of an old chain reads one page, not two (docs/design.md, "Segment ids").
+ID_STRIDE = 8
 LOCK_FILE = "sarp.lock"
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
@@ -442,11 +447,29 @@ class WriteLogic:
     __slots__ = ()
 
     def new_segment_id(self) -> int:
-        seg_id = self.counter("next_seg_id") + 1
-        if seg_id > MAX_SEGMENT_ID:
+        """The next multiple of ``ID_STRIDE``; the ids up to the one before the next
+        multiple are kept for tails split off it (:meth:`tail_segment_id`)."""
+        seg_id = (self.counter("next_seg_id") // ID_STRIDE + 1) * ID_STRIDE
+        if seg_id + ID_STRIDE - 1 > MAX_SEGMENT_ID:
             raise StoreFullError(f"{self._store.path}: segment ids exhausted ({MAX_SEGMENT_ID})")
-        self.set_counter("next_seg_id", seg_id)
+        self.set_counter("next_seg_id", seg_id + ID_STRIDE - 1)
         return seg_id
+
+    def tail_segment_id(self, seg_id: int, taken: Callable[[int], bool]) -> int:
+        """An id for a tail split off segment ``seg_id``: the first of the ids kept
+        after it that no record has and ``taken`` (this write's segments) does not
+        hold, so that the tail's record sits beside its segment's; else a new id.
+
+        An id whose segment was deleted is taken again: everything that keeps ids
+        (the directory, the filters, a reader's replay of the log) reads the record
+        the id names now, and the verifier checks every record it uses.
+        Cost: one ``segments`` read per id tried, at most ``ID_STRIDE - 1``.
+        """
+        if seg_id % ID_STRIDE == 0:
+            for candidate in range(seg_id + 1, seg_id + ID_STRIDE):
+                if not taken(candidate) and not self.segment_exists(candidate):
+                    return candidate
+        return self.new_segment_id()
 
     def _take_seqs(self, count: int) -> int:
         """Reserve ``count`` log sequence numbers; return the first."""
@@ -504,6 +527,9 @@ class WriteTxn(WriteLogic):
         if record is None:
             raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
         return writable(seg_id, record)
+
+    def segment_exists(self, seg_id: int) -> bool:
+        return self.txn.get(_U64.pack(seg_id), db=self._store.segments_db) is not None
 
     def put_segment(self, seg: Segment) -> None:
         self.txn.put(_U64.pack(seg.seg_id), seg.encode(), db=self._store.segments_db)

@@ -559,6 +559,9 @@ class ValkeyWriteTxn(WriteLogic):
             raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
         return writable(seg_id, record)
 
+    def segment_exists(self, seg_id: int) -> bool:
+        return self._get("seg", _U64.pack(seg_id)) is not None
+
     def put_segment(self, seg: Segment) -> None:
         self._put("seg", _U64.pack(seg.seg_id), seg.encode())
 
