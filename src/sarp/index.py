@@ -798,8 +798,10 @@ class Index:
             for i in range(n):
                 if sizes[i] > _LONG_CHAIN or (one_call and sizes[i]):
                     before = r.reads
-                    self._walk(r, walks[i], queries[i],
-                               queries[i].astype("<u8", copy=False).tobytes(), prefetched=True)
+                    query_bytes_i = queries[i].astype("<u8", copy=False).tobytes()
+                    if not (one_call and self._walk_in_c(r, walks[i], query_bytes_i)):
+                        self._walk(r, walks[i], queries[i], query_bytes_i, prefetched=True,
+                                   in_c=False)
                     reads[i] = r.reads - before
             if one_call:
                 active = []
@@ -832,24 +834,13 @@ class Index:
             return out
 
     def _walk(self, r: ReadTxn, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes,
-              prefetched: bool = False) -> None:
+              prefetched: bool = False, in_c: bool = True) -> None:
         """One directory probe and one record read per segment step, verified.
 
-        ``prefetched``: the caller fetched this query's predicted records already."""
-        if _walks_in_c(r, walk):
-            # the whole walk in one C call (sarp._native), on this transaction's reads
-            total, reads, runs, stopped_at = native_walk(
-                r.native_get, self.directory.lookup, *self.directory.probe_dicts(),
-                query_bytes)
-            if stopped_at != -2:  # -2: a segment with many holders; walk it in Python
-                r.reads += reads
-                walk.take(total, runs)
-                if stopped_at >= 0:
-                    try:
-                        examine_py(stopped_at, r.raw_records([stopped_at])[0], b"", 0, None)
-                    except CorruptRecordError as exc:
-                        self._stop_at_damage(exc)
-                return
+        ``prefetched``: the caller fetched this query's predicted records already.
+        ``in_c``: try the walk in C first (False: the caller did)."""
+        if in_c and _walks_in_c(r, walk) and self._walk_in_c(r, walk, query_bytes):
+            return
         if r.prefetch is not None and not prefetched:  # remote: one round trip for them all
             ids = self.directory.lookup_many(query)
             r.prefetch(ids[ids >= 0])
@@ -864,6 +855,23 @@ class Index:
             if not step or not walk.going:
                 break
             parent = unpack(query_bytes, 8 * (pos - 1))[0]
+
+    def _walk_in_c(self, r: ReadTxn, walk: PrefixWalk, query_bytes: bytes) -> bool:
+        """The whole walk in one C call (``sarp._native``), on this transaction's reads;
+        False when a segment has more holders than it takes (walk it in Python).
+        The caller checked :func:`_walks_in_c`."""
+        total, reads, runs, stopped_at = native_walk(
+            r.native_get, self.directory.lookup, *self.directory.probe_dicts(), query_bytes)
+        if stopped_at == -2:
+            return False
+        r.reads += reads
+        walk.take(total, runs)
+        if stopped_at >= 0:
+            try:
+                examine_py(stopped_at, r.raw_records([stopped_at])[0], b"", 0, None)
+            except CorruptRecordError as exc:
+                self._stop_at_damage(exc)
+        return True
 
     def _advance(
         self, r: ReadTxn, walk: PrefixWalk, seg_id: int, query_bytes: bytes, pos: int,

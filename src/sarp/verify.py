@@ -206,7 +206,7 @@ class PrefixWalk:
     """Per-holder and per-instance prefix bookkeeping across the segments of one match."""
 
     __slots__ = ("_instance_of", "_with_meta", "total", "going", "_holders", "_instances",
-                 "_meta", "_first", "_steps", "_plain")
+                 "_meta", "_first", "_steps", "_plain", "_took")
 
     def __init__(
         self, instance_of: list[int] | None, with_meta: bool, with_presence: bool = False
@@ -223,6 +223,7 @@ class PrefixWalk:
         self._first = True
         # per-holder runs only: no instance grouping, meta or presence to collect
         self._plain = instance_of is None and not with_meta and not with_presence
+        self._took = False  # _holders maps holder id -> blocks (take), not [blocks, going]
 
     @property
     def plain(self) -> bool:
@@ -233,7 +234,8 @@ class PrefixWalk:
         """Adopt a whole walk done elsewhere (:data:`native_walk`): the verified prefix
         and each holder's part of it."""
         self.total = total
-        self._holders = {holder_id: [blocks, False] for holder_id, blocks in runs.items()}
+        self._holders = runs
+        self._took = True
         self.going = False
 
     def step(
@@ -303,6 +305,17 @@ class PrefixWalk:
         self, holder_names: dict[int, tuple[str, str]], instance_names: list[str], reads: int
     ) -> Match:
         # Holder ids without a (verified) name are never reported: see Index._load_holders.
+        if self._plain:  # one medium per instance: an instance's prefix is its one holder's
+            by_holder: dict[str, int] = {}
+            by_medium: dict[str, dict[str, int]] = {}
+            took = self._took
+            for holder_id, state in self._holders.items():
+                blocks = state if took else state[0]
+                if blocks and holder_id in holder_names:
+                    instance, medium = holder_names[holder_id]
+                    by_holder[instance] = blocks
+                    by_medium[instance] = {medium: blocks}
+            return Match(self.total, by_holder, by_medium, {}, reads, {}, False)
         if self._instance_of is not None:
             by_holder = {
                 instance_names[i]: state[0] for i, state in self._instances.items()
