@@ -140,3 +140,5 @@ def test_the_python_write_path_takes_the_same_ids(tmp_path):
     blocks = [1, 2, 3, 4, 5, 9, 50, 51, 60]
     assert [segment_of(tmp_path / "c", b) for b in blocks] == \
         [segment_of(tmp_path / "py", b) for b in blocks]
+    from sarp import _native  # the stride C was built with is the one Python uses
+    assert _native.SEG_ID_STRIDE == ID_STRIDE
