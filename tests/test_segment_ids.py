@@ -54,7 +54,7 @@ def test_when_the_ids_after_a_segment_are_taken_a_tail_takes_a_new_one(tmp_path)
     path = tmp_path / "ix"
     with sarp.open(path, segment_blocks=64, durability="nosync") as index:
         index.insert(list(range(1, 41)), holder="w0")
-        # each branch two blocks before the end moves a 2-block tail out of segment 8
+        # each branch 3 blocks before the end moves those 3 blocks out of segment 8
         ends = []
         for turn in range(ID_STRIDE):
             end = 40 - 2 * (turn + 1)

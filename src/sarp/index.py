@@ -350,8 +350,8 @@ class Index:
         A segment logged several times is re-read once: replaying reads its state as
         of ``r``, which is the same for every entry of it.
         """
-        # segment id -> every first hash logged for it, the last one last: an id can
-        # name another chain once its segment is gone (a tail id is taken again)
+        # segment id -> every first hash logged for it: an id can name another chain
+        # once its segment is gone (a tail's id is taken again)
         latest: dict[int, list[int]] = {}
         count = 0
         for seq, seg_id, first_hash in r.log_since(self._watermark):
