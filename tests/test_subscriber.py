@@ -530,3 +530,14 @@ def test_sources_with_a_backlog_are_drained_in_turns(index):
     finally:
         for e in engines:
             e.publisher.close()
+
+
+def test_serves_collector_setting_is_put_back():
+    import gc
+
+    from sarp.serving.serve import YOUNG_OBJECTS, collector_tuned
+
+    before = gc.get_threshold()
+    with collector_tuned():
+        assert gc.get_threshold()[0] == YOUNG_OBJECTS and gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
