@@ -31,8 +31,11 @@ def _state(index) -> dict:
     return tables
 
 
-def _run(path, chunks, native: bool, segment_blocks: int, before=None):
-    calls = []  # (operations done in C, operations) per batch
+def _run(path, chunks, native: bool, segment_blocks: int, before=None, deferred_min=None):
+    """Apply ``chunks`` in C (``native``; deferred from ``deferred_min`` operations on
+    when given) or in Python.  ``calls`` has (operations done in C or None for a
+    deferred run the table refused, operations, deferred) per C call."""
+    calls = []
     with sarp.open(path, durability="nosync", segment_blocks=segment_blocks) as index:
         if before is not None:
             before(index)
@@ -43,10 +46,13 @@ def _run(path, chunks, native: bool, segment_blocks: int, before=None):
 
             def spy(ctx, ops, *args):
                 out = real(ctx, ops, *args)
-                calls.append((out[0], len(ops)))
+                calls.append((None if out is None else out[0], len(ops), args[-1]))
                 return out
 
             packing.native_pack_batch = spy
+        default_min = packing.DEFERRED_MIN_OPS
+        if deferred_min is not None:
+            packing.DEFERRED_MIN_OPS = deferred_min
         try:
             answers = []
             for chunk in chunks:
@@ -56,6 +62,7 @@ def _run(path, chunks, native: bool, segment_blocks: int, before=None):
                                  for i, e in result.failed]))
         finally:
             packing.native_pack_batch = verify.native_pack_batch
+            packing.DEFERRED_MIN_OPS = default_min
         assert index.check() == []
         return answers, _state(index), calls
 
@@ -70,24 +77,63 @@ def _chunks(ops, seed):
     return chunks
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
 @pytest.mark.parametrize("seed", range(8))
-def test_c_batches_write_what_python_batches_write(tmp_path, seed):
+def test_c_batches_write_what_python_batches_write(tmp_path, seed, deferred):
     """Engine-like streams (re-stores, branches, evictions last block first, strays,
-    clears, conflicts) at several segment sizes: every table equal, byte for byte."""
+    clears, conflicts) at several segment sizes: every table equal, byte for byte;
+    with each batch's ``blocks`` writes deferred to its end too, including batches the
+    table refuses there and that run again."""
     ops = engine_like_ops(seed, 600) if seed % 2 else random_ops(seed, 600)
     chunks = _chunks(ops, seed)
     blocks = [1, 3, 8, 64][seed % 4]
-    c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, blocks)
+    c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, blocks,
+                                     deferred_min=1 if deferred else None)
     py_answers, py_state, _ = _run(tmp_path / "py", chunks, False, blocks)
     assert c_answers == py_answers
     assert c_state == py_state
-    assert sum(done for done, _ in calls) > len(ops) // 5  # C did a good part
-    assert any(done == size > 1 for done, size in calls)  # whole batches
-    assert any(0 < done < size for done, size in calls)  # and handed some over midway
+    ran = [(done, size) for done, size, _ in calls if done is not None]
+    assert sum(done for done, _ in ran) > len(ops) // 5  # C did a good part
+    assert any(done == size > 1 for done, size in ran)  # whole batches
+    assert any(0 < done < size for done, size in ran)  # and handed some over midway
     assert any(refused for _, _, refused in c_answers)
+    assert any(d and done is not None for done, _, d in calls) == deferred
 
 
-def test_segments_with_meta_keep_it_through_c_batches(tmp_path):
+@pytest.mark.parametrize("where", ["kept", "dead"])
+def test_a_deferred_claim_the_table_refuses_runs_the_batch_again(tmp_path, where):
+    """A new block the table already has (stored after another parent) is seen only at
+    the deferred batch's end, also when its segment died in the same batch: the nested
+    transaction is dropped and the batch runs again undeferred, as Python runs it."""
+    first = [("insert", np.array([1, 2, 3], dtype=np.uint64), None, "a", "GPU")]
+    batch = [("insert", np.array([10, 11], dtype=np.uint64), None, "b", "GPU"),
+             ("insert", np.array([2], dtype=np.uint64), 11, "b", "GPU"),
+             ("insert", np.array([7, 8], dtype=np.uint64), None, "c", "GPU")]
+    if where == "dead":
+        batch.append(("remove", np.array([2, 11, 10], dtype=np.uint64), "b", "GPU"))
+    c_answers, c_state, calls = _run(tmp_path / "c", [first, batch], True, 8,
+                                     deferred_min=1)
+    py_answers, py_state, _ = _run(tmp_path / "py", [first, batch], False, 8)
+    assert (c_answers, c_state) == (py_answers, py_state)
+    assert calls[1] == (None, len(batch), True)  # refused at the end
+    assert calls[2][2] is False  # and run again
+    assert c_answers[1][2]  # the conflicting insert failed, as in Python
+
+
+def test_deferred_batches_of_an_engine_stream_keep_every_table(tmp_path):
+    """Chunks of 200 operations (deferred at the default threshold) of a long engine-like
+    stream: the same tables as Python's, with every batch kept deferred."""
+    ops = engine_like_ops(11, 3000)
+    chunks = [ops[i : i + 200] for i in range(0, len(ops), 200)]
+    c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, 16)
+    py_answers, py_state, _ = _run(tmp_path / "py", chunks, False, 16)
+    assert (c_answers, c_state) == (py_answers, py_state)
+    assert len(chunks[0]) >= packing.DEFERRED_MIN_OPS
+    assert [d for _, _, d in calls].count(True) >= len(chunks) - 1
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
+def test_segments_with_meta_keep_it_through_c_batches(tmp_path, deferred):
     """Records written with meta (Index.insert's) are carried through: appends, splits,
     removes and dropped rows keep each holder's values where Python keeps them."""
     rng = np.random.default_rng(3)
@@ -102,15 +148,16 @@ def test_segments_with_meta_keep_it_through_c_batches(tmp_path):
            ("insert", rng.integers(1, 1 << 62, 3, dtype=np.uint64), int(chain[15]), "c", "GPU"),
            ("remove", chain[:20][::-1], "a", "GPU"),
            ("insert", chain[30:40], int(chain[29]), "a", "CPU")]
-    c = _run(tmp_path / "c", [ops], True, 64, before)
+    c = _run(tmp_path / "c", [ops], True, 64, before, deferred_min=1 if deferred else None)
     py = _run(tmp_path / "py", [ops], False, 64, before)
     assert c[:2] == py[:2]
-    assert c[2] == [(len(ops), len(ops))]
+    assert c[2][-1] == (len(ops), len(ops), deferred)
 
 
-def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path):
+def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path, monkeypatch):
     chain = np.arange(1, 9, dtype=np.uint64)
     errors = []
+    monkeypatch.setattr(packing, "DEFERRED_MIN_OPS", 2)  # the first run is deferred
     for native in (True, False):
         with sarp.open(tmp_path / str(native), durability="nosync") as index:
             index.insert(chain, holder="a")

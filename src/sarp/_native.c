@@ -26,7 +26,7 @@
 
 #include "native.h"
 
-#define ABI_VERSION 7
+#define ABI_VERSION 8
 
 /* What one step learns from a record (see examine_py). */
 typedef struct {
@@ -370,7 +370,8 @@ static PyMethodDef methods[] = {
     {"decode_batch", (PyCFunction)sarp_decode_batch, METH_O,
      "decode_batch(payload): an engine's event batch, or None for the Python decoder"},
     {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
-     "pack_batch(ctx, ops, segment_blocks, split_tail): Packer.batch's inserts and removes"},
+     "pack_batch(ctx, ops, segment_blocks, split_tail, deferred): Packer.batch's inserts "
+     "and removes"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -297,9 +297,22 @@ static int map_put(Map *m, uint64_t key, uint64_t val) {
  * directory's lookup and its two dicts (as walk in _native.c probes them). */
 enum {
     CB_BLOCK_GET, CB_SEG_GET, CB_SEGMENT_PY, CB_NEW_SEG_ID, CB_UNTAKE_SEG_IDS, CB_HOLDER_ID,
-    CB_NEW_HOLDER, CB_PUT, CB_DELETE, CB_SEGMENTS_DB, CB_BLOCKS_DB, CB_LOOKUP, CB_RECENT,
-    CB_REMEMBERED, NUM_CB
+    CB_NEW_HOLDER, CB_PUT, CB_DELETE, CB_SEGMENTS_DB, CB_BLOCKS_DB, CB_CUR_PUT, CB_CUR_SET_KEY,
+    CB_CUR_DELETE, CB_LOOKUP, CB_RECENT, CB_REMEMBERED, NUM_CB
 };
+
+/* A deferred batch keeps its `blocks` changes in `pend` (hash -> kind, segment id,
+ * offset) and writes them at the end in key order through one cursor (apply_pending):
+ * LMDB then finds most keys on the leaf its cursor is on instead of descending from
+ * the root for each.  A claim is checked against `pend` only; the no-overwrite put at
+ * the end proves it against the table, and a refusal there makes the whole batch run
+ * again undeferred (Packer._native_batch), so every answer is the undeferred one. */
+enum { PEND_NONE = 0, PEND_NEW = 1, PEND_SET = 2, PEND_DONE = 3 };
+#define PEND(kind, seg, off) \
+    (((uint64_t)(kind) << 48) | ((uint64_t)(uint32_t)(seg) << 16) | (uint64_t)(uint16_t)(off))
+#define PEND_KIND(v) ((int)((v) >> 48))
+#define PEND_SEG(v) (((v) >> 16) & 0xffffffffu)
+#define PEND_OFF(v) ((Py_ssize_t)((v) & 0xffffu))
 
 typedef struct {
     PyObject *cb[NUM_CB];
@@ -310,6 +323,8 @@ typedef struct {
     Py_ssize_t nsegs, segs_cap;
     Map index;       /* segment id -> position in segs */
     Map heads;       /* first hash of a segment created here -> its id */
+    int deferred;    /* `blocks` changes wait in `pend` for apply_pending */
+    Map pend;
     Py_ssize_t new_blocks, removed_blocks;
     PyObject *empty; /* b"" */
 } Batch;
@@ -386,6 +401,12 @@ static Seg *touched_get(Batch *b, uint64_t id) {
 
 /* WriteTxn.locate_one: 1 with (segment id, offset), 0 if absent, -1 on error. */
 static int locate_one(Batch *b, uint64_t hash, uint64_t *seg_id, Py_ssize_t *off) {
+    uint64_t v;
+    if (b->deferred && map_get(&b->pend, hash, &v) && PEND_KIND(v) != PEND_NONE) {
+        *seg_id = PEND_SEG(v);
+        *off = PEND_OFF(v);
+        return 1;
+    }
     PyObject *key = be_key(hash);
     if (key == NULL) return -1;
     PyObject *value = call1(b->cb[CB_BLOCK_GET], key);
@@ -498,6 +519,21 @@ static int delete_key(Batch *b, PyObject *key, int db) {
  * deleted again. */
 static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
                  Py_ssize_t first_offset) {
+    if (b->deferred) { /* against this batch's entries; the table's are checked at the end */
+        for (Py_ssize_t i = 0; i < k; i++) {
+            uint64_t v;
+            if (map_get(&b->pend, hashes[i], &v) && PEND_KIND(v) != PEND_NONE) {
+                for (Py_ssize_t j = 0; j < i; j++) {
+                    if (map_put(&b->pend, hashes[j], PEND(PEND_NONE, 0, 0)) < 0) goto oom;
+                }
+                return 0;
+            }
+            if (map_put(&b->pend, hashes[i], PEND(PEND_NEW, seg_id, first_offset + i)) < 0) {
+                goto oom;
+            }
+        }
+        return 1;
+    }
     for (Py_ssize_t i = 0; i < k; i++) {
         int put = put_entry(b, be_key(hashes[i]), block_value(seg_id, first_offset + i), 0);
         if (put < 0) return -1;
@@ -509,6 +545,9 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
         }
     }
     return 1;
+oom:
+    PyErr_NoMemory();
+    return -1;
 }
 
 /* WriteLogic.tail_segment_id: the first id kept after `home` (a multiple of the
@@ -562,7 +601,17 @@ static int split(Batch *b, Seg *s, Py_ssize_t at) {
     s->cleared = 1;
     t->cleared = 1;
     for (Py_ssize_t i = 0; i < k; i++) { /* the tail's entries move to it */
-        if (put_entry(b, be_key(t->hashes[i]), block_value(id, i), 1) < 0) return -1;
+        if (b->deferred) {
+            uint64_t v;
+            int kind = map_get(&b->pend, t->hashes[i], &v) && PEND_KIND(v) == PEND_NEW
+                       ? PEND_NEW : PEND_SET; /* a claim still to be proven stays one */
+            if (map_put(&b->pend, t->hashes[i], PEND(kind, id, i)) < 0) {
+                PyErr_NoMemory();
+                return -1;
+            }
+        } else if (put_entry(b, be_key(t->hashes[i]), block_value(id, i), 1) < 0) {
+            return -1;
+        }
     }
     return 0;
 }
@@ -616,7 +665,14 @@ static int release_claims(Batch *b, const uint64_t *chain, const Py_ssize_t *cla
                           Py_ssize_t nclaims) {
     for (Py_ssize_t c = 0; c < nclaims; c++) {
         for (Py_ssize_t i = claims[2 * c]; i < claims[2 * c] + claims[2 * c + 1]; i++) {
-            if (delete_key(b, be_key(chain[i]), CB_BLOCKS_DB) < 0) return -1;
+            if (b->deferred) {
+                if (map_put(&b->pend, chain[i], PEND(PEND_NONE, 0, 0)) < 0) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+            } else if (delete_key(b, be_key(chain[i]), CB_BLOCKS_DB) < 0) {
+                return -1;
+            }
         }
     }
     return 0;
@@ -863,10 +919,131 @@ static int remove_op(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *na
     return OP_DONE;
 }
 
+/* -- a deferred batch's `blocks` writes ------------------------------------------- */
+
+enum { W_PUT_NEW, W_PUT_SET, W_ABSENT, W_DELETE };
+typedef struct { uint64_t key, v; int action; } Write;
+
+/* Sort `w` by key (LSD radix, a byte per pass, passes where every key has the same
+ * byte skipped), `tmp` as big; equal keys keep their order.  The result is in `w`. */
+static void sort_writes(Write *w, Write *tmp, size_t n) {
+    for (int shift = 0; shift < 64; shift += 8) {
+        size_t count[256] = {0};
+        for (size_t i = 0; i < n; i++) count[(w[i].key >> shift) & 0xff]++;
+        if (n == 0 || count[(w[0].key >> shift) & 0xff] == n) continue;
+        size_t at = 0;
+        for (int d = 0; d < 256; d++) {
+            size_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (size_t i = 0; i < n; i++) tmp[count[(w[i].key >> shift) & 0xff]++] = w[i];
+        memcpy(w, tmp, n * sizeof(Write));
+    }
+}
+
+/* The blocks cursor's put(key, value, dupdata, overwrite, append): 1 written, 0
+ * refused (the key is there and overwrite is off), -1 error. */
+static int cur_put(Batch *b, uint64_t hash, uint64_t v, int overwrite) {
+    PyObject *key = be_key(hash), *value = block_value(PEND_SEG(v), PEND_OFF(v));
+    int result = -1;
+    if (key != NULL && value != NULL) {
+        PyObject *args[] = {key, value, Py_True, overwrite ? Py_True : Py_False, Py_False};
+        PyObject *out = PyObject_Vectorcall(b->cb[CB_CUR_PUT], args, 5, NULL);
+        if (out != NULL) {
+            result = PyObject_IsTrue(out);
+            Py_DECREF(out);
+        }
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    return result;
+}
+
+/* The blocks cursor's set_key(key): 1 found (the cursor is on it), 0 not, -1 error. */
+static int cur_find(Batch *b, uint64_t hash) {
+    PyObject *key = be_key(hash);
+    if (key == NULL) return -1;
+    PyObject *out = call1(b->cb[CB_CUR_SET_KEY], key);
+    if (out == NULL) return -1;
+    int found = PyObject_IsTrue(out);
+    Py_DECREF(out);
+    return found;
+}
+
+/* Write `pend`'s entries and, with `dead`, delete those of the segments nobody holds
+ * any more, in key order through one cursor.  1 done; 0 when the table refuses a claim
+ * (it has the block already: the batch must run again undeferred); -1 error. */
+static int apply_pending(Batch *b, int dead) {
+    size_t cap = b->pend.count + 1, n = 0;
+    for (Py_ssize_t x = 0; dead && x < b->nsegs; x++) {
+        if (!b->segs[x]->nh) cap += (size_t)b->segs[x]->n;
+    }
+    Write *w = PyMem_Malloc(2 * cap * sizeof(Write));
+    if (w == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int result = -1;
+    for (Py_ssize_t x = 0; dead && x < b->nsegs; x++) {
+        const Seg *s = b->segs[x];
+        for (Py_ssize_t i = 0; !s->nh && i < s->n; i++) {
+            uint64_t v;
+            int kind = map_get(&b->pend, s->hashes[i], &v) ? PEND_KIND(v) : PEND_NONE;
+            if (kind == PEND_DONE) continue; /* only an unproven claim can repeat a key */
+            /* a claim that died here must still be proven: the table must not have it */
+            w[n++] = (Write){s->hashes[i], 0, kind == PEND_NEW ? W_ABSENT : W_DELETE};
+            if (kind != PEND_NONE
+                && map_put(&b->pend, s->hashes[i], PEND(PEND_DONE, 0, 0)) < 0) {
+                PyErr_NoMemory();
+                goto out;
+            }
+        }
+    }
+    for (size_t slot = 0; slot <= b->pend.mask; slot++) {
+        if (!b->pend.used[slot]) continue;
+        int kind = PEND_KIND(b->pend.vals[slot]);
+        if (kind == PEND_NEW || kind == PEND_SET) {
+            w[n++] = (Write){b->pend.keys[slot], b->pend.vals[slot],
+                             kind == PEND_NEW ? W_PUT_NEW : W_PUT_SET};
+        }
+    }
+    sort_writes(w, w + cap, n);
+    for (size_t i = 0; i < n; i++) {
+        int r;
+        switch (w[i].action) {
+        case W_PUT_NEW:
+            r = cur_put(b, w[i].key, w[i].v, 0);
+            if (r == 0) result = 0;
+            break;
+        case W_PUT_SET:
+            r = cur_put(b, w[i].key, w[i].v, 1);
+            break;
+        case W_ABSENT:
+            r = cur_find(b, w[i].key);
+            if (r == 1) result = 0;
+            break;
+        default: /* W_DELETE */
+            r = cur_find(b, w[i].key);
+            if (r == 1) {
+                PyObject *out = PyObject_CallNoArgs(b->cb[CB_CUR_DELETE]);
+                r = out == NULL ? -1 : 0;
+                Py_XDECREF(out);
+            }
+        }
+        if (r < 0 || result == 0) goto out;
+    }
+    result = 1;
+out:
+    PyMem_Free(w);
+    return result;
+}
+
 /* Touched.flush: each touched segment written once (or deleted with its `blocks`
  * entries when nobody holds it).  Returns (segments, dropped, log entries) for
- * Plan.segments, Plan.dropped and WriteTxn.log. */
-static PyObject *flush(Batch *b) {
+ * Plan.segments, Plan.dropped and WriteTxn.log; NULL without an exception and
+ * `*conflict` set when a deferred batch's claim is refused. */
+static PyObject *flush(Batch *b, int *conflict) {
     PyObject *segments = PyList_New(0), *dropped = PyDict_New(), *entries = PyList_New(0);
     if (segments == NULL || dropped == NULL || entries == NULL) goto fail;
     for (Py_ssize_t x = 0; x < b->nsegs; x++) {
@@ -888,10 +1065,20 @@ static PyObject *flush(Batch *b) {
             }
             Py_DECREF(gone);
         }
+    }
+    if (b->deferred) {
+        int r = apply_pending(b, 1);
+        if (r <= 0) {
+            *conflict = r == 0;
+            goto fail;
+        }
+    }
+    for (Py_ssize_t x = 0; x < b->nsegs; x++) {
+        Seg *s = b->segs[x];
         PyObject *entry;
         if (!s->nh) { /* the record, and its blocks' entries (WriteTxn.delete_segment) */
             if (delete_key(b, be_key(s->id), CB_SEGMENTS_DB) < 0) goto fail;
-            for (Py_ssize_t i = 0; i < s->n; i++) {
+            for (Py_ssize_t i = 0; !b->deferred && i < s->n; i++) {
                 if (delete_key(b, be_key(s->hashes[i]), CB_BLOCKS_DB) < 0) goto fail;
             }
             entry = Py_BuildValue("(KKOO)", (unsigned long long)s->id,
@@ -968,8 +1155,10 @@ static int is_kind(PyObject *op, const char *kind) {
     return PyUnicode_Check(k) && PyUnicode_CompareWithASCIIString(k, kind) == 0;
 }
 
-/* pack_batch(ctx, ops, segment_blocks, split_tail)
+/* pack_batch(ctx, ops, segment_blocks, split_tail, deferred)
  *   -> (done, new_blocks, removed_blocks, removed_per_op, no_parent, names, created, rest)
+ *   or None when `deferred` and the table refused a claim: the batch has to run again
+ *   undeferred, in a transaction without what this one wrote.
  * ctx: the callables and dicts named by the CB_* order (see Packer._native_batch).
  * done: how many operations were applied here.  no_parent: [(op index, parent)]
  * refused for a parent nobody holds.  names: holder name -> id or None, as looked up;
@@ -977,10 +1166,10 @@ static int is_kind(PyObject *op, const char *kind) {
  * rest: when done == len(ops), (segments, dropped, log entries) of the flush done
  * here; otherwise the touched segments for Python, [(id, record, is_new, cleared)]. */
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
+    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
         || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "pack_batch(ctx: tuple, ops: list, segment_blocks, split_tail)");
+        PyErr_SetString(PyExc_TypeError, "pack_batch(ctx: tuple, ops: list, segment_blocks, "
+                                         "split_tail, deferred)");
         return NULL;
     }
     Batch b;
@@ -992,7 +1181,8 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     b.cap_blocks = PyLong_AsSsize_t(args[2]);
     b.split_tail = PyLong_AsSsize_t(args[3]);
-    if (PyErr_Occurred()) return NULL;
+    b.deferred = PyObject_IsTrue(args[4]);
+    if (PyErr_Occurred() || b.deferred < 0) return NULL;
     if (b.cap_blocks < 1) {
         PyErr_SetString(PyExc_ValueError, "segment_blocks must be >= 1");
         return NULL;
@@ -1004,7 +1194,8 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     b.empty = PyBytes_FromStringAndSize(NULL, 0);
     if (per_op == NULL || no_parent == NULL || b.names == NULL || b.created == NULL
         || b.empty == NULL
-        || map_init(&b.index, 256) < 0 || map_init(&b.heads, 256) < 0) {
+        || map_init(&b.index, 256) < 0 || map_init(&b.heads, 256) < 0
+        || map_init(&b.pend, b.deferred ? 4096 : 2) < 0) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
@@ -1047,8 +1238,19 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
         }
         Py_DECREF(count);
     }
-    PyObject *rest = i == nops ? flush(&b) : hand_over(&b);
-    if (rest == NULL) goto done;
+    int conflict = 0;
+    PyObject *rest = NULL;
+    if (i == nops) {
+        rest = flush(&b, &conflict);
+    } else { /* what Python carries on with reads the table: it must hold this batch's */
+        int r = b.deferred ? apply_pending(&b, 0) : 1;
+        conflict = r == 0;
+        if (r > 0) rest = hand_over(&b);
+    }
+    if (rest == NULL) {
+        if (conflict) out = Py_NewRef(Py_None);
+        goto done;
+    }
     out = Py_BuildValue("(nnnOOOON)", i, b.new_blocks, b.removed_blocks, per_op, no_parent,
                         b.names, b.created, rest);
 done:
@@ -1061,5 +1263,6 @@ done:
     PyMem_Free(b.segs);
     map_free(&b.index);
     map_free(&b.heads);
+    map_free(&b.pend);
     return out;
 }

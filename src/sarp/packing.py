@@ -35,6 +35,9 @@ from .store import WriteTxn
 from .verify import native_pack_batch
 
 SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
+# A batch of at least this many operations writes its ``blocks`` entries at its end, in
+# key order (``deferred``, :meth:`Packer._native_batch`); measured in docs/performance.md.
+DEFERRED_MIN_OPS = 64
 
 
 class Packer:
@@ -133,12 +136,33 @@ class Packer:
         When all did, the touched segments are flushed too; otherwise they are
         handed to ``touched`` and :meth:`batch` carries on.
 
+        A batch of ``DEFERRED_MIN_OPS`` or more runs deferred first, in a
+        transaction nested in ``w``: its ``blocks`` entries are written at its end in
+        key order, where LMDB finds most of them on the leaf its cursor is already on,
+        and a claim is proven by that write.  Should the table refuse one (a new block
+        it has already), or anything go wrong, the nested transaction is dropped and
+        the batch runs again as it always did, so the outcome is that run's.
+
         Cost: one py-lmdb call per lookup, per ``blocks`` entry put or deleted and per
         record read or written; no Python per operation.
         """
-        done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = (
-            native_pack_batch((*w.native_calls(), *self.probe()), ops, self.segment_blocks,
-                              SPLIT_TAIL_BLOCKS))
+        probe = self.probe()
+        out = None
+        if len(ops) >= DEFERRED_MIN_OPS:
+            nested = w.nested()
+            try:
+                out = native_pack_batch((*nested.native_calls(), *probe), ops,
+                                        self.segment_blocks, SPLIT_TAIL_BLOCKS, True)
+            except Exception:  # the run below raises it again, or finds it was ours
+                out = None
+            if out is None:
+                nested.abort()
+            else:
+                nested.commit()
+        if out is None:
+            out = native_pack_batch((*w.native_calls(), *probe), ops, self.segment_blocks,
+                                    SPLIT_TAIL_BLOCKS, False)
+        done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = out
         plan.holder_names.extend(created)
         plan.new_blocks += new_blocks
         plan.removed_blocks += removed_blocks

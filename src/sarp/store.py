@@ -594,11 +594,13 @@ class WriteTxn(WriteLogic):
         (taken by an insert that then fell to Python), a holder's id (None if it has
         none), a new holder's id (None when every id is taken and one must be
         reclaimed), the transaction's ``put`` and ``delete`` (called with a table),
-        and the ``segments`` and ``blocks`` tables."""
+        the ``segments`` and ``blocks`` tables, and a ``blocks`` cursor's ``put``,
+        ``set_key`` and ``delete`` (a deferred batch's writes, in key order)."""
         blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
         txn = self.txn
+        blocks = txn.cursor(db=blocks_db)
         return (
-            txn.cursor(db=blocks_db).get,
+            blocks.get,
             txn.cursor(db=segments_db).get,
             self.segment,
             self.new_segment_id,
@@ -609,7 +611,27 @@ class WriteTxn(WriteLogic):
             txn.delete,
             segments_db,
             blocks_db,
+            blocks.put,
+            blocks.set_key,
+            blocks.delete,
         )
+
+    def nested(self) -> WriteTxn:
+        """A write transaction inside this one (LMDB's nested transaction): what it
+        writes joins this one at :meth:`commit` and is gone after :meth:`abort`.  This
+        one must not be used until then.
+
+        Cost: about a µs to open; its commit merges its dirty pages into this one's.
+        """
+        return WriteTxn(self._store, self._store.env.begin(write=True, parent=self.txn))
+
+    def commit(self) -> None:
+        """Commit a :meth:`nested` transaction into its parent."""
+        self.txn.commit()
+
+    def abort(self) -> None:
+        """Drop a :meth:`nested` transaction and everything it wrote."""
+        self.txn.abort()
 
     def _new_holder(self, name: str) -> int | None:
         if self.counter("next_holder_id") >= MAX_HOLDERS:
