@@ -515,19 +515,19 @@ class Subscriber:
         if batch is None:
             # A batch we cannot read may have removed blocks: it is a lost batch.
             self._forget(key, f"batch {seq} could not be decoded")
-            self._advance(key, Fingerprint(seq, digest, 0.0))
+            self._advance(key, seq, digest, 0.0)
             return 0
         if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
         self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank)
         stats.batches += 1
-        self._advance(key, Fingerprint(seq, digest, batch.ts))
+        self._advance(key, seq, digest, batch.ts)
         return 1
 
-    def _advance(self, key: str, fp: Fingerprint) -> None:
+    def _advance(self, key: str, seq: int, digest: int, ts: float) -> None:
         old = self.state.get(key)
-        if old is not None and old.seq == fp.seq - 1:
-            fp = Fingerprint(fp.seq, fp.digest, fp.ts, old.digest)
+        fp = Fingerprint(seq, digest, ts,
+                         old.digest if old is not None and old.seq == seq - 1 else None)
         self.state[key] = self._dirty[key] = fp
         if self._on_commit is not None:
             self._queued_fps.append(fp)
