@@ -15,9 +15,11 @@ and reports:
    events, in C and in Python;
 3. what a 1-block tail append (a decode step) and a 1-block tail eviction cost
    against the size of the segment they touch, alone and in a batch;
-4. LMDB's own cost per key for random inserts and deletes in a table the size of
-   the stream's, in one write transaction (py-lmdb ``putmulti`` and ``delete``),
-   and what it makes of (1): the time no write path over this table can go under.
+4. LMDB's own cost per key for inserts and deletes in a table the size of the
+   stream's, in one write transaction, in random order (py-lmdb ``putmulti`` and
+   ``delete``) and in key order through one cursor (a deferred batch's writes), and
+   what each makes of (1): the time a write path over this table in that order cannot
+   go under.
 
 docs/performance.md ("Event ingestion") quotes a run.
 """
@@ -92,8 +94,10 @@ def stream_shape(chunks) -> dict[str, int]:
     return shape
 
 
-def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> tuple[float, float]:
-    """Median µs per key of random no-overwrite puts and of deletes."""
+def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> dict[str, float]:
+    """Median µs per key of no-overwrite puts and of deletes, in random order (a claim's
+    worth at a time, as an undeferred batch writes them) and in key order through one
+    cursor (as a deferred batch does: ``put``, ``set_key`` and ``delete``)."""
     rng = np.random.default_rng(0)
     env = lmdb.open(tempfile.mkdtemp(prefix="sarp-costs-"), map_size=1 << 32, sync=False,
                     metasync=False, max_dbs=2)
@@ -104,7 +108,8 @@ def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> tuple[float, float
 
     with env.begin(write=True) as txn:
         txn.cursor(db=db).putmulti([(k, b"\0" * 6) for k in sorted(keys(table_keys))])
-    puts, deletes = [], []
+    costs: dict[str, list[float]] = {"put": [], "delete": [], "sorted put": [],
+                                     "sorted delete": []}
     for _ in range(rounds):
         new = keys(ops)
         items = [(k, b"\0" * 6) for k in new]
@@ -113,14 +118,28 @@ def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> tuple[float, float
             started = time.perf_counter()
             for i in range(0, len(items), 16):  # a claim's worth at a time
                 cursor.putmulti(items[i : i + 16], overwrite=False)
-            puts.append(1e6 * (time.perf_counter() - started) / ops)
+            costs["put"].append(1e6 * (time.perf_counter() - started) / ops)
             started = time.perf_counter()
             for k in new:
                 txn.delete(k, db=db)
-            deletes.append(1e6 * (time.perf_counter() - started) / ops)
+            costs["delete"].append(1e6 * (time.perf_counter() - started) / ops)
+            txn.abort()
+        new.sort()
+        with env.begin(write=True) as txn:
+            cursor = txn.cursor(db=db)
+            put = cursor.put
+            started = time.perf_counter()
+            for k in new:
+                put(k, b"\0" * 6, True, False)
+            costs["sorted put"].append(1e6 * (time.perf_counter() - started) / ops)
+            started = time.perf_counter()
+            for k in new:
+                if cursor.set_key(k):
+                    cursor.delete()
+            costs["sorted delete"].append(1e6 * (time.perf_counter() - started) / ops)
             txn.abort()
     env.close()
-    return statistics.median(puts), statistics.median(deletes)
+    return {kind: statistics.median(v) for kind, v in costs.items()}
 
 
 def tail_costs(sizes=(16, 256, 1000), rounds: int = 5, steps: int = 500) -> dict:
@@ -229,12 +248,14 @@ def main() -> None:
                                              for kind in ("append", "remove", "batched append",
                                                           "batched remove")))
 
-    put_us, delete_us = lmdb_costs(max(shape["new"] // 2, 10_000), 30_000)
-    floor = (shape["new"] * put_us + deleted["blocks"] * delete_us) / 1e6
-    print(f"LMDB per key: {put_us:.2f} µs a put, {delete_us:.2f} µs a delete; "
-          f"{shape['new']:,} new blocks put and {deleted['blocks']:,} deleted with their "
-          f"segments: {floor:.3f} s, a ceiling of {num_events / floor:,.0f} events/s for "
-          "any write path over this table")
+    per_key = lmdb_costs(max(shape["new"] // 2, 10_000), 30_000)
+    for order, prefix in (("random order", ""), ("key order, one cursor", "sorted ")):
+        put_us, delete_us = per_key[prefix + "put"], per_key[prefix + "delete"]
+        floor = (shape["new"] * put_us + deleted["blocks"] * delete_us) / 1e6
+        print(f"LMDB per key, {order}: {put_us:.2f} µs a put, {delete_us:.2f} µs a delete; "
+              f"{shape['new']:,} new blocks put and {deleted['blocks']:,} deleted with "
+              f"their segments: {floor:.3f} s, a ceiling of {num_events / floor:,.0f} "
+              "events/s for a write path over this table that writes in this order")
 
 
 if __name__ == "__main__":
