@@ -153,7 +153,9 @@ class Packer:
             try:
                 out = native_pack_batch((*nested.native_calls(), *probe), ops,
                                         self.segment_blocks, SPLIT_TAIL_BLOCKS, True)
-            except Exception:  # the run below raises it again, or finds it was ours
+            except Exception:
+                # e.g. a damaged record: the run below meets it again and raises what
+                # it always raised
                 out = None
             if out is None:
                 nested.abort()
