@@ -485,14 +485,15 @@ static PyObject *block_value(uint64_t seg_id, Py_ssize_t offset) {
     return PyBytes_FromStringAndSize((const char *)v, 6);
 }
 
-/* txn.put(key, value, dupdata, overwrite, append, blocks): 1 written, 0 refused (the
- * key is there and overwrite is off), -1 error.  Consumes key and value. */
-static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
+/* put(key, value, dupdata, overwrite, append[, db]) through `put` (a transaction's,
+ * called with `db`, or a cursor's, with `db` NULL): 1 written, 0 refused (the key is
+ * there and overwrite is off), -1 error.  Consumes key and value. */
+static int put_call(PyObject *put, PyObject *key, PyObject *value, int overwrite,
+                    PyObject *db) {
     int result = -1;
     if (key != NULL && value != NULL) {
-        PyObject *args[] = {key, value, Py_True, overwrite ? Py_True : Py_False, Py_False,
-                            b->cb[CB_BLOCKS_DB]};
-        PyObject *out = PyObject_Vectorcall(b->cb[CB_PUT], args, 6, NULL);
+        PyObject *args[] = {key, value, Py_True, overwrite ? Py_True : Py_False, Py_False, db};
+        PyObject *out = PyObject_Vectorcall(put, args, db != NULL ? 6 : 5, NULL);
         if (out != NULL) {
             result = PyObject_IsTrue(out);
             Py_DECREF(out);
@@ -501,6 +502,11 @@ static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
     Py_XDECREF(key);
     Py_XDECREF(value);
     return result;
+}
+
+/* txn.put of a `blocks` entry (see put_call). */
+static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
+    return put_call(b->cb[CB_PUT], key, value, overwrite, b->cb[CB_BLOCKS_DB]);
 }
 
 /* txn.delete(key, b"", db), consuming key: 0, or -1 on error. */
@@ -942,22 +948,10 @@ static void sort_writes(Write *w, Write *tmp, size_t n) {
     }
 }
 
-/* The blocks cursor's put(key, value, dupdata, overwrite, append): 1 written, 0
- * refused (the key is there and overwrite is off), -1 error. */
+/* The blocks cursor's put of a pending entry (see put_call). */
 static int cur_put(Batch *b, uint64_t hash, uint64_t v, int overwrite) {
-    PyObject *key = be_key(hash), *value = block_value(PEND_SEG(v), PEND_OFF(v));
-    int result = -1;
-    if (key != NULL && value != NULL) {
-        PyObject *args[] = {key, value, Py_True, overwrite ? Py_True : Py_False, Py_False};
-        PyObject *out = PyObject_Vectorcall(b->cb[CB_CUR_PUT], args, 5, NULL);
-        if (out != NULL) {
-            result = PyObject_IsTrue(out);
-            Py_DECREF(out);
-        }
-    }
-    Py_XDECREF(key);
-    Py_XDECREF(value);
-    return result;
+    return put_call(b->cb[CB_CUR_PUT], be_key(hash), block_value(PEND_SEG(v), PEND_OFF(v)),
+                    overwrite, NULL);
 }
 
 /* The blocks cursor's set_key(key): 1 found (the cursor is on it), 0 not, -1 error. */
@@ -1084,17 +1078,10 @@ static PyObject *flush(Batch *b, int *conflict) {
             entry = Py_BuildValue("(KKOO)", (unsigned long long)s->id,
                                   (unsigned long long)s->hashes[0], Py_None, Py_False);
         } else {
-            PyObject *rec = seg_encode(s), *key = be_key(s->id);
-            PyObject *out = NULL;
-            if (rec != NULL && key != NULL) {
-                /* txn.put(key, rec, dupdata, overwrite, append, db) */
-                PyObject *args[] = {key, rec, Py_True, Py_True, Py_False, b->cb[CB_SEGMENTS_DB]};
-                out = PyObject_Vectorcall(b->cb[CB_PUT], args, 6, NULL);
+            if (put_call(b->cb[CB_PUT], be_key(s->id), seg_encode(s), 1,
+                         b->cb[CB_SEGMENTS_DB]) < 0) {
+                goto fail;
             }
-            Py_XDECREF(rec);
-            Py_XDECREF(key);
-            if (out == NULL) goto fail;
-            Py_DECREF(out);
             PyObject *ids = PyList_New(s->nh);
             if (ids == NULL) goto fail;
             for (Py_ssize_t r = 0; r < s->nh; r++) {
