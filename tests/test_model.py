@@ -88,8 +88,12 @@ class SarpVsModel(RuleBasedStateMachine):
         snapshot.remove(self.index.path)
 
     def teardown(self):
+        import shutil
+
         if hasattr(self, "index"):
             self.index.close()
+        if hasattr(self, "tmp"):
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def any_held(self) -> set[int]:
         return set().union(*self.held.values())

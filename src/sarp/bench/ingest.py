@@ -22,8 +22,11 @@ encodings (vLLM 0.11 and 0.33 in turn).  Then:
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import multiprocessing as mp
 import platform
+import shutil
 import statistics
 import struct
 import sys
@@ -46,13 +49,58 @@ class _Recorder:
         return len(self.sink)
 
 
-def record(requests, engines: int, capacity_blocks: int, seed: int = 0, rounds: int = 1):
+class StreamFile:
+    """A recorded stream on disk, for the sweep's publisher process: payloads back to
+    back in ``path``, and each batch's offset, engine and event count in
+    ``path.npz``, so that a stream of hundreds of MB is not pickled to it.
+
+    Use it as :func:`record`'s sink, then :meth:`close`; :meth:`load` maps it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())
+        self.offsets, self.engines, self.events = [0], [], []
+
+    def append(self, item: tuple[int, bytes]) -> None:
+        from ..serving.events import decode
+
+        engine, payload = item
+        if payload[:2] not in (b"\x93\xcb", b"\x92\xcb"):  # stamped in place when offered
+            raise ValueError(f"batch {len(self.engines)} does not start with [float64 ts, ...]")
+        self._file.write(payload)
+        self.offsets.append(self.offsets[-1] + len(payload))
+        self.engines.append(engine)
+        self.events.append(len(decode(payload).events))
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def close(self) -> None:
+        self._file.close()
+        np.savez(f"{self.path}.npz", offsets=np.array(self.offsets, np.int64),
+                 engines=np.array(self.engines, np.int32),
+                 events=np.array(self.events, np.int64))
+
+    @staticmethod
+    def load(path: str) -> tuple[mmap.mmap, dict]:
+        """The payloads (mapped: a slice is a ``bytes``) and the batch table."""
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with np.load(f"{path}.npz") as table:
+            return data, dict(table)
+
+
+def record(requests, engines: int, capacity_blocks: int, seed: int = 0, rounds: int = 1,
+           sink=None):
     """The stream (engine, payload) of ``rounds`` passes over the requests, and the
-    engines' caches at its end."""
+    engines' caches at its end.  The stream goes to ``sink`` (anything with
+    ``append`` and ``len``, such as a :class:`StreamFile`) when given, else to a
+    list."""
     from ..serving.cluster import SimEngine
 
     rng = np.random.default_rng(seed)
-    stream: list = []
+    stream = [] if sink is None else sink
     sims = [SimEngine(f"e{i}", capacity_blocks, _Recorder(stream, i)) for i in range(engines)]
     styles = ("vllm-0.11", "vllm-0.33")
     for k in range(rounds):
@@ -107,6 +155,7 @@ def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict
     finally:
         for p in pubs:
             p.close()
+        shutil.rmtree(folder, ignore_errors=True)
     events = sum(s.events for s in stats)
     blocks = sum(s.blocks_stored + s.blocks_removed for s in stats)
     return {"events_per_s": events / seconds, "blocks_per_s": blocks / seconds,
@@ -116,30 +165,34 @@ def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict
 # -- (b) offered rates ------------------------------------------------------------------------
 
 
-def _offer_main(stream, per_batch, engines: int, rate: float, seconds: float, conn) -> None:
-    """A publisher process: the stream's batches, paced to ``rate`` events/s, stamped."""
+def _offer_main(path: str, engines: int, rate: float, seconds: float, conn) -> None:
+    """A publisher process: the stream file's batches, paced to ``rate`` events/s,
+    stamped."""
     import zmq
 
     from ..serving.cluster import EnginePublisher
 
+    data, table = StreamFile.load(path)
+    offsets, engine_of, per_batch = table["offsets"], table["engines"], table["events"]
     ctx = zmq.Context.instance()
-    pubs = [EnginePublisher(ctx, buffer_batches=len(stream) + 1) for _ in range(engines)]
+    pubs = [EnginePublisher(ctx, buffer_batches=10_000) for _ in range(engines)]
     conn.send([(p.endpoint, p.replay_endpoint) for p in pubs])
     conn.recv()  # the subscriber is connected
     start = time.perf_counter()
     sent_events = sent = 0
-    while time.perf_counter() - start < seconds and sent < len(stream):
+    total = len(engine_of)
+    while time.perf_counter() - start < seconds and sent < total:
         due = start + sent_events / rate
         now = time.perf_counter()
         if due > now:
             time.sleep(min(due - now, 0.005))
             continue
-        engine, payload = stream[sent]
+        a, b = int(offsets[sent]), int(offsets[sent + 1])
         # The batch's ts is its first element, a msgpack float64 after the array
         # header: stamp the publish time there, as engines do.
-        stamped = payload[:2] + TS.pack(time.time()) + payload[10:]
-        pubs[engine].publish(stamped)
-        sent_events += per_batch[sent]
+        stamped = data[a:a + 2] + TS.pack(time.time()) + data[a + 10:b]
+        pubs[int(engine_of[sent])].publish(stamped)
+        sent_events += int(per_batch[sent])
         sent += 1
     conn.send((sent, sent_events, time.perf_counter() - start))
     conn.recv()
@@ -147,20 +200,17 @@ def _offer_main(stream, per_batch, engines: int, rate: float, seconds: float, co
         p.close()
 
 
-def offered(stream, per_batch, engines: int, rate: float, seconds: float,
+def offered(stream_path: str, engines: int, rate: float, seconds: float,
             workdir: str) -> dict:
     import sarp
 
     from ..serving.serve import collector_tuned
     from ..serving.subscriber import Source, Subscriber
 
-    assert all(p[:2] == b"\x93\xcb" or p[:2] == b"\x92\xcb" for _, p in stream[:10]), \
-        "payloads must start with [float64 ts, ...]"
     lags: list[float] = []
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_offer_main, args=(stream, per_batch, engines, rate, seconds,
-                                                 there))
+    proc = ctx.Process(target=_offer_main, args=(stream_path, engines, rate, seconds, there))
     proc.start()
     endpoints = here.recv()
     folder = Path(tempfile.mkdtemp(prefix="sarp-offered-", dir=workdir))
@@ -192,8 +242,10 @@ def offered(stream, per_batch, engines: int, rate: float, seconds: float,
         sub.close()
     here.send("done")
     proc.join(timeout=10)
+    shutil.rmtree(folder, ignore_errors=True)
     lag_ms = np.array(lags) * 1e3 if lags else np.array([float("nan")])
     return {"offered_events_per_s": rate, "achieved_events_per_s": events / wall,
+            "seconds": wall,
             "lag_p50_ms": float(np.percentile(lag_ms, 50)),
             "lag_p99_ms": float(np.percentile(lag_ms, 99)), "batches": len(lags)}
 
@@ -238,6 +290,7 @@ def direct(name: str, chunks, workdir: str) -> dict:
             index.apply_ops(chunk)
     seconds = time.perf_counter() - started
     index.close()
+    shutil.rmtree(folder, ignore_errors=True)
     return {"events_per_s": events / seconds, "seconds": seconds}
 
 
@@ -245,6 +298,11 @@ def direct(name: str, chunks, workdir: str) -> dict:
 
 
 def run(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="sarp-bench-events-", dir=args.workdir) as work:
+        return _run(args, work)
+
+
+def _run(args, work: str) -> int:
     from .run import load_requests
 
     label, requests = load_requests(args.trace, args.split, args.limit_requests,
@@ -261,7 +319,7 @@ def run(args) -> int:
                                 "python": platform.python_version()}}
     result["backlog"] = {}
     for durability in ("nosync", "sync"):
-        runs = [backlog(stream, args.engines, caches, durability, args.workdir)
+        runs = [backlog(stream, args.engines, caches, durability, work)
                 for _ in range(args.repeat)]
         best = {k: statistics.median(r[k] for r in runs)
                 for k in ("events_per_s", "blocks_per_s", "seconds")}
@@ -273,13 +331,23 @@ def run(args) -> int:
               f"caches: {best['index_equals_caches']}", flush=True)
     result["index_equals_caches"] = all(b["index_equals_caches"]
                                         for b in result["backlog"].values())
+    # Every rate is offered for rate_s seconds: the sweep's stream is as many passes
+    # over the requests as the top rate needs (later passes evict more, so this is
+    # enough), in a file the publisher process maps.
+    rounds = max(1, math.ceil(max(args.rates) * args.rate_s / events))
+    print(f"recording the sweep's stream: {rounds} passes over the requests", flush=True)
+    sweep_stream = StreamFile(Path(work) / "sweep-stream")
+    record(requests, args.engines, args.capacity_blocks, rounds=rounds, sink=sweep_stream)
+    sweep_stream.close()
+    result["sweep_stream"] = {"passes": rounds, "batches": len(sweep_stream),
+                              "events": int(sum(sweep_stream.events))}
     result["sweep"] = []
     for rate in args.rates:
-        point = offered(stream, per_batch, args.engines, rate, args.rate_s, args.workdir)
+        point = offered(str(sweep_stream.path), args.engines, rate, args.rate_s, work)
         result["sweep"].append(point)
         print(f"offered {rate:>8,.0f} events/s: achieved {point['achieved_events_per_s']:>8,.0f}"
-              f", lag p50 {point['lag_p50_ms']:.1f} ms, p99 {point['lag_p99_ms']:.1f} ms",
-              flush=True)
+              f", lag p50 {point['lag_p50_ms']:.1f} ms, p99 {point['lag_p99_ms']:.1f} ms"
+              f" ({point['seconds']:.1f} s)", flush=True)
     ok = [p["offered_events_per_s"] for p in result["sweep"]
           if p["achieved_events_per_s"] >= 0.95 * p["offered_events_per_s"]
           and p["lag_p99_ms"] <= 100]
@@ -290,7 +358,7 @@ def run(args) -> int:
     runs = {name: [] for name in order}
     for _ in range(args.repeat):  # interleaved: A, B, C, A, B, C, ...
         for name in order:
-            runs[name].append(direct(name, chunks, args.workdir)["events_per_s"])
+            runs[name].append(direct(name, chunks, work)["events_per_s"])
     for name in order:
         result["baselines"][name] = {"events_per_s": statistics.median(runs[name]),
                                      "runs": runs[name]}

@@ -306,6 +306,7 @@ def simulate(
     (events and blocks applied per second of apply time), gaps replayed, and
     whether the index ended equal to the engines' caches.
     """
+    import shutil
     import tempfile
     import time
     from pathlib import Path
@@ -357,4 +358,5 @@ def simulate(
                 subscriber.close()
         finally:
             cluster.close()
+            shutil.rmtree(folder, ignore_errors=True)
     return out
