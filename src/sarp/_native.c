@@ -26,7 +26,7 @@
 
 #include "native.h"
 
-#define ABI_VERSION 8
+#define ABI_VERSION 9
 
 /* What one step learns from a record (see examine_py). */
 typedef struct {

@@ -298,7 +298,7 @@ static int map_put(Map *m, uint64_t key, uint64_t val) {
 enum {
     CB_BLOCK_GET, CB_SEG_GET, CB_SEGMENT_PY, CB_NEW_SEG_ID, CB_UNTAKE_SEG_IDS, CB_HOLDER_ID,
     CB_NEW_HOLDER, CB_PUT, CB_DELETE, CB_SEGMENTS_DB, CB_BLOCKS_DB, CB_CUR_PUT, CB_CUR_SET_KEY,
-    CB_CUR_DELETE, CB_LOOKUP, CB_RECENT, CB_REMEMBERED, NUM_CB
+    CB_CUR_POP, CB_LOOKUP, CB_RECENT, CB_REMEMBERED, NUM_CB
 };
 
 /* A deferred batch keeps its `blocks` changes in `pend` (hash -> kind, segment id,
@@ -1017,13 +1017,12 @@ static int apply_pending(Batch *b, int dead) {
             r = cur_find(b, w[i].key);
             if (r == 1) result = 0;
             break;
-        default: /* W_DELETE */
-            r = cur_find(b, w[i].key);
-            if (r == 1) {
-                PyObject *out = PyObject_CallNoArgs(b->cb[CB_CUR_DELETE]);
-                r = out == NULL ? -1 : 0;
-                Py_XDECREF(out);
-            }
+        default: { /* W_DELETE: the cursor's pop finds and deletes in one call */
+            PyObject *key = be_key(w[i].key);
+            PyObject *out = key == NULL ? NULL : call1(b->cb[CB_CUR_POP], key);
+            r = out == NULL ? -1 : 0;
+            Py_XDECREF(out);
+        }
         }
         if (r < 0 || result == 0) goto out;
     }

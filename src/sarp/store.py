@@ -595,7 +595,7 @@ class WriteTxn(WriteLogic):
         none), a new holder's id (None when every id is taken and one must be
         reclaimed), the transaction's ``put`` and ``delete`` (called with a table),
         the ``segments`` and ``blocks`` tables, and a ``blocks`` cursor's ``put``,
-        ``set_key`` and ``delete`` (a deferred batch's writes, in key order)."""
+        ``set_key`` and ``pop`` (a deferred batch's writes, in key order)."""
         blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
         txn = self.txn
         blocks = txn.cursor(db=blocks_db)
@@ -613,7 +613,7 @@ class WriteTxn(WriteLogic):
             blocks_db,
             blocks.put,
             blocks.set_key,
-            blocks.delete,
+            blocks.pop,
         )
 
     def nested(self) -> WriteTxn:

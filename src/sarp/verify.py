@@ -89,7 +89,7 @@ def _native_module():
     return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
 
 
-_NATIVE_ABI = 8
+_NATIVE_ABI = 9
 _native = _native_module()
 NATIVE = _native is not None  # is the match step in C?
 
