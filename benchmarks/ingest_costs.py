@@ -7,9 +7,9 @@ and reports:
 
 1. what the stream asks of the ``blocks`` table: blocks stored, how many were new,
    how many left with a deleted segment, removes and the runs they walk;
-2. the same stream applied to sarp directly (chunks of 4,096 events, as in
-   ``bench-events`` (c)), 5 times each way, interleaved: in C (``sarp._native``,
-   what runs), and on the Python reference path with the time inside each part of
+2. the same stream applied to sarp directly (chunks of ``--chunk-events``, by
+   default 16,384 as in ``bench-events`` (c)), 5 times each way, interleaved: in C
+   (``sarp._native``, what runs), and on the Python reference path with the time inside each part of
    the write path (medians, seconds): claiming new blocks, deleting dead segments'
    entries, writing records, the insert walk, the remove runs; and decoding the
    events, in C and in Python;
@@ -27,6 +27,7 @@ docs/performance.md ("Event ingestion") quotes a run.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -38,6 +39,7 @@ from sarp import packing, store
 from sarp.bench import ingest
 from sarp.bench.run import load_requests
 from sarp.serving import events
+from sarp.serving.subscriber import MAX_BATCH_OPS
 
 PARTS = {
     "claim new blocks": (store.WriteTxn, "claim_blocks"),
@@ -99,7 +101,8 @@ def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> dict[str, float]:
     worth at a time, as an undeferred batch writes them) and in key order through one
     cursor (as a deferred batch does: ``put``, ``set_key`` and ``delete``)."""
     rng = np.random.default_rng(0)
-    env = lmdb.open(tempfile.mkdtemp(prefix="sarp-costs-"), map_size=1 << 32, sync=False,
+    folder = tempfile.mkdtemp(prefix="sarp-costs-")
+    env = lmdb.open(folder, map_size=1 << 32, sync=False,
                     metasync=False, max_dbs=2)
     db = env.open_db(b"blocks")
 
@@ -139,6 +142,7 @@ def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> dict[str, float]:
             costs["sorted delete"].append(1e6 * (time.perf_counter() - started) / ops)
             txn.abort()
     env.close()
+    shutil.rmtree(folder, ignore_errors=True)
     return {kind: statistics.median(v) for kind, v in costs.items()}
 
 
@@ -153,7 +157,8 @@ def tail_costs(sizes=(16, 256, 1000), rounds: int = 5, steps: int = 500) -> dict
                    for kind in ("append", "remove", "batched append", "batched remove")}
     for _ in range(rounds):
         for size in sizes:
-            with sarp.open(tempfile.mkdtemp(prefix="sarp-tail-"), durability="nosync") as ix:
+            folder = tempfile.mkdtemp(prefix="sarp-tail-")
+            with sarp.open(folder, durability="nosync") as ix:
                 chain = rng.integers(1, 2**63, size, dtype=np.int64).view(np.uint64)
                 for h in range(4):
                     ix.insert(chain, holder=f"w{h}")
@@ -181,6 +186,7 @@ def tail_costs(sizes=(16, 256, 1000), rounds: int = 5, steps: int = 500) -> dict
                     for h in reversed(batched):
                         b.remove([h], holder="w0")
                 costs[size, "batched remove"].append(time.perf_counter() - started)
+            shutil.rmtree(folder, ignore_errors=True)
     return {key: 1e6 * statistics.median(values) / steps for key, values in costs.items()}
 
 
@@ -188,10 +194,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", default=None)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunk-events", type=int, default=MAX_BATCH_OPS)
     args = parser.parse_args()
     label, requests = load_requests(args.trace, 1, None, mix_ids=True)
     stream, _ = ingest.record(requests, 8, 10_000)
-    chunks = ingest.ops_of(stream)
+    chunks = ingest.ops_of(stream, args.chunk_events)
     num_events = sum(len(c) for c in chunks)
     shape = stream_shape(chunks)
     print(f"{label}: {num_events:,} events; {shape['stored']:,} blocks stored, "

@@ -541,3 +541,57 @@ def test_serves_collector_setting_is_put_back():
     with collector_tuned():
         assert gc.get_threshold()[0] == YOUNG_OBJECTS and gc.get_freeze_count() > 0
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_a_backlog_is_committed_in_growing_batches_and_the_wait_resets_once_caught_up(
+        index, monkeypatch):
+    # Each message takes 1 ms on a clock of the test's. While the socket never runs
+    # dry the subscriber is behind, so each commit may wait twice as long as the last
+    # (20, 40, 80, then 160 ms at most): a backlog drains in fewer, bigger
+    # transactions. Once the socket has run dry, a commit waits 20 ms again.
+    from sarp.serving import subscriber as module
+
+    class Clock:
+        now = 1000.0
+
+        def monotonic(self) -> float:
+            return self.now
+
+        def time(self) -> float:
+            return time.time()
+
+    clock = Clock()
+    monkeypatch.setattr(module, "time", clock)
+    eng = engine("e", capacity=5000)
+    commits: list[int] = []
+    try:
+        sub = subscribe(index, eng, on_commit=lambda fps: commits.append(len(fps)))
+        handle = sub._on_message
+
+        def one_ms_each(key, frames):
+            clock.now += 0.001
+            return handle(key, frames)
+
+        sub._on_message = one_ms_each
+        rng = random.Random(11)
+        for _ in range(500):
+            eng.serve([rng.getrandbits(63) for _ in range(3)])
+        time.sleep(0.5)  # everything waits in the SUB socket
+        while sub.last_seq.get("e", -1) < 499:
+            sub.poll(100)
+        assert sum(commits) == 500
+        sizes = commits[:5]
+        assert [round(s, -1) for s in sizes] == [20, 40, 80, 160, 160], commits
+        assert sub._batch_ms == module.MAX_BATCH_MS
+        assert held(index, eng.holder) == set(eng.cache)
+        commits.clear()
+        for _ in range(60):
+            eng.serve([rng.getrandbits(63) for _ in range(3)])
+        time.sleep(0.3)
+        while sub.last_seq.get("e", -1) < 559:
+            sub.poll(100)
+        assert round(commits[0], -1) == 20, commits  # caught up: 20 ms again
+        assert held(index, eng.holder) == set(eng.cache)
+        sub.close()
+    finally:
+        eng.publisher.close()

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="offered events/s, comma-separated")
     be.add_argument("--rate-s", type=float, default=3.0, help="seconds offered per rate")
     be.add_argument("--repeat", type=int, default=3, help="backlog and direct runs (medians)")
+    be.add_argument("--chunk-events", type=int, default=None,
+                    help="events per transaction in the direct apply (default: what sarp "
+                    "serve commits at most in one while it catches up, 16,384)")
     be.add_argument("--workdir", default=None)
     be.add_argument("--json", type=Path, default=None)
     be.add_argument("--plot", type=Path, default=None)

@@ -13,9 +13,11 @@ encodings (vLLM 0.11 and 0.33 in turn).  Then:
     events/s, and the p50/p99 lag from publish to committed; the threshold is the
     highest offered rate with achieved >= 95% of offered and p99 lag <= 100 ms;
 (c) **baselines**: the same stream's operations applied directly (no sockets) to
-    memory-dict, lmdb-per-block and sarp, in chunks of 4,096 events (one
-    transaction each for the on-disk ones), each through its event applier
-    (sarp's is the one ``sarp serve`` runs: decoded hashes are not checked again);
+    memory-dict, lmdb-per-block and sarp, in chunks of ``--chunk-events`` (by
+    default the subscriber's ``MAX_BATCH_OPS``, what ``sarp serve`` commits at most
+    in one transaction while it catches up), one transaction each for the on-disk
+    ones, each through its event applier (sarp's is the one ``sarp serve`` runs:
+    decoded hashes are not checked again);
 (d) the index is compared with the engines' caches at the end of (a).
 """
 
@@ -36,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 
-CHUNK_EVENTS = 4096
 TS = struct.Struct(">d")
 
 
@@ -253,8 +254,8 @@ def offered(stream_path: str, engines: int, rate: float, seconds: float,
 # -- (c) direct appliers ----------------------------------------------------------------------
 
 
-def ops_of(stream) -> list[list[tuple]]:
-    """The stream as index operations, in chunks of about ``CHUNK_EVENTS`` events."""
+def ops_of(stream, chunk_events: int) -> list[list[tuple]]:
+    """The stream as index operations, in chunks of about ``chunk_events`` events."""
     from ..serving.events import Cleared, Removed, Stored, decode
 
     chunks, ops = [], []
@@ -267,7 +268,7 @@ def ops_of(stream) -> list[list[tuple]]:
                 ops.append(("remove", e.block_hashes, holder, e.medium))
             elif isinstance(e, Cleared):
                 ops.append(("clear", holder, None))
-        if len(ops) >= CHUNK_EVENTS:
+        if len(ops) >= chunk_events:
             chunks.append(ops)
             ops = []
     if ops:
@@ -303,7 +304,11 @@ def run(args) -> int:
 
 
 def _run(args, work: str) -> int:
+    from ..serving.subscriber import MAX_BATCH_OPS
     from .run import load_requests
+
+    if args.chunk_events is None:
+        args.chunk_events = MAX_BATCH_OPS
 
     label, requests = load_requests(args.trace, args.split, args.limit_requests,
                                     mix_ids=True)
@@ -352,7 +357,8 @@ def _run(args, work: str) -> int:
           if p["achieved_events_per_s"] >= 0.95 * p["offered_events_per_s"]
           and p["lag_p99_ms"] <= 100]
     result["threshold_events_per_s"] = max(ok) if ok else 0
-    chunks = ops_of(stream)
+    chunks = ops_of(stream, args.chunk_events)
+    result["chunk_events"] = args.chunk_events
     result["baselines"] = {}
     order = ["sarp", "memory-dict", "lmdb-per-block"]
     runs = {name: [] for name in order}

@@ -66,8 +66,9 @@ STATE_FILE = "subscriber.json"
 STATE_VERSION = 2
 END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
-MAX_BATCH_OPS = 4096  # events applied in one index transaction, at most
-MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit
+MAX_BATCH_OPS = 16384  # events applied in one index transaction, at most
+MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit,
+MAX_CATCH_UP_MS = 160.0  # ... doubled up to this while the sockets never run dry
 ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 _PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
 
@@ -218,6 +219,7 @@ class Subscriber:
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
         self._applier = Applier(index)
         self._queued_since: float | None = None
+        self._batch_ms = MAX_BATCH_MS  # the wait now allowed (longer while catching up)
         self._on_commit = on_commit  # called with the fingerprints of each commit's batches
         self._queued_fps: list[Fingerprint] = []
         self.stats = {key: SourceStats() for key in self.sources}
@@ -311,6 +313,7 @@ class Subscriber:
                 else:
                     still.append((sock, key))
             waiting = still
+        self._batch_ms = MAX_BATCH_MS  # the sockets ran dry: caught up
         for sock in [sock for sock in self._probes if sock in ready]:
             self._on_probe_answer(sock)
         self._check_liveness()
@@ -341,7 +344,13 @@ class Subscriber:
         if self._queued_since is None:
             return
         waited_ms = 1000 * (time.monotonic() - self._queued_since)
-        if self._applier.pending_ops >= MAX_BATCH_OPS or waited_ms >= MAX_BATCH_MS:
+        if waited_ms >= self._batch_ms:
+            # Messages kept coming for that long without the sockets running dry: we
+            # are behind, and a bigger batch catches up faster (more of what one
+            # engine stores and another evicts meets inside it, never written).
+            self.flush()
+            self._batch_ms = min(2 * self._batch_ms, MAX_CATCH_UP_MS)
+        elif self._applier.pending_ops >= MAX_BATCH_OPS:
             self.flush()
 
     def catch_up(self) -> int:
