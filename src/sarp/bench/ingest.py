@@ -27,6 +27,7 @@ import json
 import math
 import mmap
 import multiprocessing as mp
+import os
 import platform
 import shutil
 import statistics
@@ -78,6 +79,11 @@ class StreamFile:
         return len(self.engines)
 
     def close(self) -> None:
+        # On disk before the sweep: hundreds of MB written back while a rate is
+        # offered would stall it (the built-in stream's 5,000 events/s showed p99 lags
+        # of 150-230 ms)
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         np.savez(f"{self.path}.npz", offsets=np.array(self.offsets, np.int64),
                  engines=np.array(self.engines, np.int32),
