@@ -543,24 +543,26 @@ def test_serves_collector_setting_is_put_back():
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
-def test_a_backlog_is_committed_in_growing_batches_and_the_wait_resets_once_caught_up(
-        index, monkeypatch):
-    # Each message takes 1 ms on a clock of the test's. While the socket never runs
-    # dry the subscriber is behind, so each commit may wait twice as long as the last
-    # (20, 40, 80, then 160 ms at most): a backlog drains in fewer, bigger
-    # transactions. Once the socket has run dry, a commit waits 20 ms again.
+class _Clock:
+    """The subscriber's clock in a test: ``monotonic`` moves only when the test moves it;
+    ``time`` runs ``skew_s`` ahead of the real clock (how old batches look)."""
+
+    def __init__(self, skew_s: float) -> None:
+        self.now, self.skew_s = 1000.0, skew_s
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time() + self.skew_s
+
+
+def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[int], Subscriber]:
+    """500 batches queued before the subscriber reads, each message taking 1 ms on
+    its clock; then, caught up, 60 more. The batches per commit of each part."""
     from sarp.serving import subscriber as module
 
-    class Clock:
-        now = 1000.0
-
-        def monotonic(self) -> float:
-            return self.now
-
-        def time(self) -> float:
-            return time.time()
-
-    clock = Clock()
+    clock = _Clock(skew_s)
     monkeypatch.setattr(module, "time", clock)
     eng = engine("e", capacity=5000)
     commits: list[int] = []
@@ -579,19 +581,39 @@ def test_a_backlog_is_committed_in_growing_batches_and_the_wait_resets_once_caug
         time.sleep(0.5)  # everything waits in the SUB socket
         while sub.last_seq.get("e", -1) < 499:
             sub.poll(100)
-        assert sum(commits) == 500
-        sizes = commits[:5]
-        assert [round(s, -1) for s in sizes] == [20, 40, 80, 160, 160], commits
-        assert sub._batch_ms == module.MAX_BATCH_MS
+        backlog = list(commits)
+        assert sum(backlog) == 500
+        assert sub._batch_ms == module.MAX_BATCH_MS  # the socket ran dry
         assert held(index, eng.holder) == set(eng.cache)
         commits.clear()
+        clock.skew_s = -1.0  # from now on batches are fresh
         for _ in range(60):
             eng.serve([rng.getrandbits(63) for _ in range(3)])
         time.sleep(0.3)
         while sub.last_seq.get("e", -1) < 559:
             sub.poll(100)
-        assert round(commits[0], -1) == 20, commits  # caught up: 20 ms again
         assert held(index, eng.holder) == set(eng.cache)
         sub.close()
+        return backlog, commits, sub
     finally:
         eng.publisher.close()
+
+
+def test_a_backlog_of_fresh_batches_is_committed_in_growing_batches(index, monkeypatch):
+    # Batches that look fresh (the engine's clock behind ours), but the socket never
+    # runs dry: the subscriber is behind all the same, so each commit may wait twice
+    # as long as the last (20, 40, then 80 ms at most). Once the socket has run dry,
+    # a commit waits 20 ms again.
+    backlog, caught_up, _ = drain_backlog(index, monkeypatch, skew_s=-1.0)
+    assert [round(s, -1) for s in backlog[:5]] == [20, 40, 80, 80, 80], backlog
+    assert round(caught_up[0], -1) == 20, caught_up
+
+
+def test_a_backlog_of_old_batches_is_committed_in_big_batches_from_the_first(
+        index, monkeypatch):
+    # Batches published more than BEHIND_S (1 s) ago, as after a restart: the first
+    # commit already waits the longest (80 ms); caught up, with fresh batches, 20 ms
+    # again.
+    backlog, caught_up, _ = drain_backlog(index, monkeypatch, skew_s=2.0)
+    assert [round(s, -1) for s in backlog[:3]] == [80, 80, 80], backlog
+    assert round(caught_up[0], -1) == 20, caught_up

@@ -191,7 +191,8 @@ class SimEngine:
         if evicted:
             events.append(("removed", evicted, self.medium))
         if events:
-            payload = encode_batch(events, dp_rank=self.dp_rank, style=style)
+            payload = encode_batch(events, ts=time.time(), dp_rank=self.dp_rank,
+                                   style=style)  # stamped as engines stamp their batches
             self.publisher.publish(payload, drop=drop)
         self.requests += 1
         return hits

@@ -68,7 +68,8 @@ END_OF_REPLAY = -1
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 MAX_BATCH_OPS = 16384  # events applied in one index transaction, at most
 MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit,
-MAX_CATCH_UP_MS = 160.0  # ... doubled up to this while the sockets never run dry
+MAX_CATCH_UP_MS = 80.0  # ... doubled up to this while the sockets never run dry,
+BEHIND_S = 1.0  # ... and this at once for a batch published longer ago than this
 ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 _PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
 
@@ -542,6 +543,10 @@ class Subscriber:
             self._queued_fps.append(fp)
         if self._queued_since is None:
             self._queued_since = time.monotonic()
+        if ts and time.time() - ts > BEHIND_S:
+            # Published that long ago (by the engine's clock: a skewed one only moves
+            # this choice): we are behind, so batch for throughput from now on.
+            self._batch_ms = MAX_CATCH_UP_MS
 
     # -- continuity --------------------------------------------------------------------------
 
