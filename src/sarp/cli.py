@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     default=[2000, 5000, 10000, 15000, 20000, 25000, 30000, 40000, 50000],
                     help="offered events/s, comma-separated")
     be.add_argument("--rate-s", type=float, default=3.0, help="seconds offered per rate")
-    be.add_argument("--repeat", type=int, default=3, help="backlog and direct runs (medians)")
+    be.add_argument("--repeat", type=int, default=5, help="backlog and direct runs (medians)")
     be.add_argument("--chunk-events", type=int, default=None,
                     help="events per transaction in the direct apply (default: what sarp "
                     "serve commits at most in one while it catches up, 16,384)")

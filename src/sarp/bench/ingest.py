@@ -7,7 +7,7 @@ encodings (vLLM 0.11 and 0.33 in turn).  Then:
 (a) **backlog**: the whole stream is published over loopback ZeroMQ to a real
     :class:`~sarp.serving.subscriber.Subscriber` that is not reading yet; the clock
     runs from its first poll until everything is applied; at ``nosync`` and at
-    ``sync``; events/s and blocks/s;
+    ``sync``, interleaved; events/s and blocks/s;
 (b) **offered rate**: a publisher process offers the stream at a sweep of rates
     (each batch stamped with its publish time, as engines stamp ``ts``); achieved
     events/s, and the p50/p99 lag from publish to committed; the threshold is the
@@ -329,9 +329,11 @@ def _run(args, work: str) -> int:
                     "machine": {"platform": platform.platform(),
                                 "python": platform.python_version()}}
     result["backlog"] = {}
-    for durability in ("nosync", "sync"):
-        runs = [backlog(stream, args.engines, caches, durability, work)
-                for _ in range(args.repeat)]
+    drains: dict[str, list[dict]] = {"nosync": [], "sync": []}
+    for _ in range(args.repeat):  # interleaved: nosync, sync, nosync, sync, ...
+        for durability, runs in drains.items():
+            runs.append(backlog(stream, args.engines, caches, durability, work))
+    for durability, runs in drains.items():
         best = {k: statistics.median(r[k] for r in runs)
                 for k in ("events_per_s", "blocks_per_s", "seconds")}
         best["runs"] = runs
