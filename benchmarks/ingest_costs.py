@@ -99,7 +99,8 @@ def stream_shape(chunks) -> dict[str, int]:
 def lmdb_costs(table_keys: int, ops: int, rounds: int = 5) -> dict[str, float]:
     """Median µs per key of no-overwrite puts and of deletes, in random order (a claim's
     worth at a time, as an undeferred batch writes them) and in key order through one
-    cursor (as a deferred batch does: ``put``, ``set_key`` and ``delete``)."""
+    cursor (``put``, and ``set_key`` then ``delete``: a deferred batch does the same
+    two steps in one ``pop`` call)."""
     rng = np.random.default_rng(0)
     folder = tempfile.mkdtemp(prefix="sarp-costs-")
     env = lmdb.open(folder, map_size=1 << 32, sync=False,
