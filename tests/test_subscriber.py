@@ -557,7 +557,7 @@ class _Clock:
         return time.time() + self.skew_s
 
 
-def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[int], Subscriber]:
+def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[int]]:
     """500 batches queued before the subscriber reads, each message taking 1 ms on
     its clock; then, caught up, 60 more. The batches per commit of each part."""
     from sarp.serving import subscriber as module
@@ -594,7 +594,7 @@ def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[in
             sub.poll(100)
         assert held(index, eng.holder) == set(eng.cache)
         sub.close()
-        return backlog, commits, sub
+        return backlog, commits
     finally:
         eng.publisher.close()
 
@@ -604,7 +604,7 @@ def test_a_backlog_of_fresh_batches_is_committed_in_growing_batches(index, monke
     # runs dry: the subscriber is behind all the same, so each commit may wait twice
     # as long as the last (20, 40, then 80 ms at most). Once the socket has run dry,
     # a commit waits 20 ms again.
-    backlog, caught_up, _ = drain_backlog(index, monkeypatch, skew_s=-1.0)
+    backlog, caught_up = drain_backlog(index, monkeypatch, skew_s=-1.0)
     assert [round(s, -1) for s in backlog[:5]] == [20, 40, 80, 80, 80], backlog
     assert round(caught_up[0], -1) == 20, caught_up
 
@@ -614,6 +614,6 @@ def test_a_backlog_of_old_batches_is_committed_in_big_batches_from_the_first(
     # Batches published more than BEHIND_S (1 s) ago, as after a restart: the first
     # commit already waits the longest (80 ms); caught up, with fresh batches, 20 ms
     # again.
-    backlog, caught_up, _ = drain_backlog(index, monkeypatch, skew_s=2.0)
+    backlog, caught_up = drain_backlog(index, monkeypatch, skew_s=2.0)
     assert [round(s, -1) for s in backlog[:3]] == [80, 80, 80], backlog
     assert round(caught_up[0], -1) == 20, caught_up
