@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                        "ports of rank 0 + r (as vLLM and SGLang bind them); holders NAME#r")
     serve.add_argument("--replay-idle-timeout-s", type=float, default=5.0,
                        help="a replay that delivers nothing for this long is over")
+    serve.add_argument("--replay-budget-s", type=float, default=60.0,
+                       help="one replay attempt may take this long; one over it clears the "
+                       "engine's holders and is retried with backoff")
+    serve.add_argument("--max-frame-bytes", type=int, default=64 << 20,
+                       help="frames from engines larger than this are dropped before they "
+                       "are received (the connection is dropped and made again)")
     serve.add_argument("--probe-after-s", type=float, default=30.0,
                        help="ask an engine that has sent nothing for this long whether it is "
                        "there (on its replay endpoint); 0: never")
@@ -70,6 +76,17 @@ def main(argv: list[str] | None = None) -> int:
                        "gone: its holders are cleared")
     serve.add_argument("--http", default=None, metavar="HOST:PORT",
                        help="also answer POST /v1/match, GET /metrics, /healthz, /readyz")
+    serve.add_argument("--http-token-file", default=None, metavar="FILE",
+                       help="a file holding a bearer token that every endpoint but /healthz "
+                       "and /readyz asks for; needed to bind beyond loopback")
+    serve.add_argument("--http-allow-unauthenticated", action="store_true",
+                       help="bind beyond loopback without a token (behind a proxy that "
+                       "authenticates and terminates TLS)")
+    serve.add_argument("--http-request-timeout-s", type=float, default=10.0,
+                       help="a request's headers and body must arrive within this (else the "
+                       "connection is closed)")
+    serve.add_argument("--http-idle-timeout-s", type=float, default=30.0,
+                       help="a keep-alive connection with nothing asked is closed after this")
     serve.add_argument("--http-workers", type=int, default=2,
                        help="HTTP worker processes, each with a readonly open of the index")
     serve.add_argument("--hash-scheme", default="vllm-sha256-cbor",

@@ -198,9 +198,12 @@ def _decode_common(payload: bytes) -> Batch | None:
 
     Cost: a few method calls per field, none per token.
     """
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
-    unpacker.feed(payload)
     try:
+        # sized to the payload: the default 100 MiB buffer raised BufferFull outside
+        # any handler on a larger frame, which stopped serve
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False,
+                                    max_buffer_size=max(len(payload), 1))
+        unpacker.feed(payload)
         if payload[0] not in _ARRAY_TYPES:
             return None
         size = unpacker.read_array_header()
@@ -386,27 +389,35 @@ class ApplyStats:
     seconds: float = 0.0  # time spent applying
 
 
-class _RateLimitedLog:
-    """One warning per (holder, kind) at first sight, then at most one per interval."""
+class RateLimitedLog:
+    """Warnings about faults from outside, one per (who, kind) at first sight and then
+    at most one per ``interval_s``, each saying how many were held back since.
 
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
+    Cost: a dict lookup per warning.
+
+    >>> RateLimitedLog(log).warn("e0", "bad_frame", "sarp: e0 sent a bad frame")
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger, self.interval_s = logger, interval_s
         self._last: dict[tuple[str, str], float] = {}
         self._suppressed: Counter = Counter()
 
-    def warn(self, holder: str, kind: str, reason: str) -> None:
-        key, now = (holder, kind), time.monotonic()
+    def warn(self, who: str, kind: str, message: str) -> None:
+        key, now = (who, kind), time.monotonic()
         last = self._last.get(key)
         if last is not None and now - last < self.interval_s:
             self._suppressed[key] += 1
             return
+        if len(self._last) > 100_000:  # a stream of new names must not grow it for ever
+            self._last.clear()
         more = self._suppressed.pop(key, 0)
         self._last[key] = now
-        log.warning("sarp: %s: skipped a bad event (%s): %s%s", holder, kind, reason,
-                    f" ({more} more like it since the last report)" if more else "")
+        self.logger.warning("%s%s", message,
+                            f" ({more} more like it since the last report)" if more else "")
 
 
-_bad_event_log = _RateLimitedLog()
+_bad_event_log = RateLimitedLog(log)
 
 
 def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None, *,
@@ -533,6 +544,7 @@ class Applier:
     def _settle(self, ops: list[tuple], meta: list, result) -> None:
         failed = dict(result.failed)
         fallback: list[tuple] = []
+        media: dict[str, list[str]] = {}  # a holder's media, read once
         for i, (op, (stats, holder, kind)) in enumerate(zip(ops, meta, strict=True)):
             exc = failed.get(i)
             if exc is None:
@@ -543,13 +555,21 @@ class Applier:
                 else:
                     stats.clears += 1
                     stats.blocks_removed += result.removed_per_op[i]
-            elif isinstance(exc, ParentNotFoundError):
-                stats.skipped_orphans += 1
+            elif kind == "store":
+                if isinstance(exc, ParentNotFoundError):
+                    stats.skipped_orphans += 1
+                else:
+                    _bad(stats, holder, "chain_conflict" if isinstance(exc, ChainConflictError)
+                         else "rejected", str(exc))
+                # A refused store's hashes may name other blocks than the index's (hashes
+                # the engine did not chain), and a later store may hang under them: the
+                # holder lets go of them, so nothing can be claimed below them.
+                if holder not in media:
+                    media[holder] = self._media_of(holder)
+                fallback.extend(("remove", op[1], holder, medium) for medium in media[holder])
             else:
-                _bad(stats, holder, "chain_conflict" if isinstance(exc, ChainConflictError)
-                     else "rejected", str(exc))
-                if kind != "store":
-                    fallback.append(("clear", holder, None))
+                _bad(stats, holder, "rejected", str(exc))
+                fallback.append(("clear", holder, None))
         if fallback:
             self.index.apply_batch(fallback)
 
@@ -565,7 +585,7 @@ class Applier:
 
 def _bad(stats: ApplyStats, holder: str, kind: str, reason: str) -> None:
     stats.bad_events[kind] += 1
-    _bad_event_log.warn(holder, kind, reason)
+    _bad_event_log.warn(holder, kind, f"sarp: {holder}: skipped a bad event ({kind}): {reason}")
 
 
 def encode_batch(

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import math
@@ -64,6 +66,14 @@ log = logging.getLogger("sarp.http")
 STATUS_FILE = "serve-status.json"
 STATUS_FRESH_S = 10.0  # /readyz wants a writer heartbeat at most this old
 MAX_BODY_BYTES = 8 << 20  # 1M hashes as JSON text
+# Work one request may ask for: 262,144 blocks is 4M tokens at block size 16, past any
+# context an engine serves, and hashing that many in the vLLM schemes takes about a
+# second (off the event loop: /healthz is answered meanwhile).
+MAX_REQUEST_BLOCKS = 1 << 18
+MAX_REQUEST_CHAINS = 4096
+HEARTBEAT_S = 0.1  # a worker's loop stamps its slot this often
+STALE_S = 1.0  # a worker stamped longer ago gets no new connections ...
+HUNG_S = 5.0  # ... and is killed and replaced after this
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 
@@ -79,6 +89,10 @@ class HttpConfig:
     seed: str | None = None
     block_size: int | None = None
     status_dir: str | None = None  # where the writer's status file is (default: the index)
+    token: str | None = None  # the bearer token every endpoint but the probes asks for
+    request_timeout_s: float = 10.0  # a request's headers and body arrive within this
+    answer_timeout_s: float = 30.0  # ... and its answer goes out within this
+    idle_timeout_s: float = 30.0  # a keep-alive connection with nothing asked is closed
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -121,6 +135,11 @@ class ConnectionDealer:
         except OSError as exc:
             raise ValueError(f"--http {host}:{port}: cannot listen there ({exc}); pick a free "
                              "port, or stop what holds it") from exc
+        import multiprocessing
+
+        # each worker's event loop stamps its slot (CLOCK_MONOTONIC is one clock for
+        # every process); a slot stamped longer ago than STALE_S is dealt nothing
+        self.heartbeats = multiprocessing.get_context("spawn").RawArray("d", workers)
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                  for _ in range(workers)]
         self._ours = [a for a, _ in pairs]
@@ -148,8 +167,7 @@ class ConnectionDealer:
             with conn, self._lock:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while self._live:
-                    k = self._live[self._next % len(self._live)]
-                    self._next += 1
+                    k = self._pick()
                     try:
                         socket.send_fds(self._ours[k], [b"c"], [conn.fileno()])
                         break
@@ -159,6 +177,20 @@ class ConnectionDealer:
                         self._live.remove(k)
                 else:
                     log.error("sarp: no HTTP worker is left; connection refused")
+
+    def _pick(self) -> int:
+        """The next live worker in turn whose loop stamped its slot lately (one that
+        stopped answering, SIGSTOP or a long request, gets nothing new); any live one
+        when none did."""
+        now = time.monotonic()
+        for _ in range(len(self._live)):
+            k = self._live[self._next % len(self._live)]
+            self._next += 1
+            if now - self.heartbeats[k] <= STALE_S:
+                return k
+        k = self._live[self._next % len(self._live)]
+        self._next += 1
+        return k
 
     def renew(self, k: int) -> socket.socket:
         """A new socket pair for worker slot ``k``, whose process is gone; returns the
@@ -194,6 +226,7 @@ class HttpService:
     """
 
     RESTART_EVERY_S = 5.0
+    STARTUP_S = 30.0  # a new worker's first stamp may take this long (imports, the open)
 
     def __init__(self, dealer: ConnectionDealer, config: HttpConfig) -> None:
         import multiprocessing
@@ -203,10 +236,13 @@ class HttpService:
         self.procs = [self._spawn(k, end) for k, end in enumerate(dealer.worker_ends)]
         self._last_start = [time.monotonic()] * len(self.procs)
         self.restarts = 0
+        self.hung = 0  # workers killed for missing their heartbeat
         dealer.start()
 
     def _spawn(self, k: int, end: socket.socket):
-        proc = self._ctx.Process(target=worker_main, args=(self.config, end),
+        self.dealer.heartbeats[k] = 0.0
+        proc = self._ctx.Process(target=worker_main,
+                                 args=(self.config, end, self.dealer.heartbeats, k),
                                  name=f"sarp-http-{k}", daemon=True)
         proc.start()
         return proc
@@ -215,6 +251,14 @@ class HttpService:
         """Restart the workers that died since the last call."""
         now = time.monotonic()
         for k, proc in enumerate(self.procs):
+            beat = self.dealer.heartbeats[k]  # 0 until its loop runs
+            stamp = beat if beat > 0 else self._last_start[k] + self.STARTUP_S
+            if proc.is_alive() and now - stamp > HUNG_S:
+                log.error("sarp: HTTP worker %d (pid %s) has not answered for %.0f s; "
+                          "killing it", k, proc.pid, now - self.dealer.heartbeats[k])
+                self.hung += 1
+                proc.kill()
+                proc.join(timeout=5)
             if proc.is_alive() or now - self._last_start[k] < self.RESTART_EVERY_S:
                 continue
             log.error("sarp: HTTP worker %d (pid %s) died with exit code %s; starting another",
@@ -276,9 +320,14 @@ def read_status(index_path: Path) -> dict | None:
 class BadRequest(ValueError):
     """A request the service refuses: ``field`` names what is wrong."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
         super().__init__(message)
-        self.field = field
+        self.field, self.status = field, status
+
+
+def _too_many(field: str, count: int) -> BadRequest:
+    return BadRequest(field, f"{field} has {count} blocks; one request may ask for at most "
+                             f"{MAX_REQUEST_BLOCKS} (split it, or send fewer tokens)", 413)
 
 
 def parse_match(body: bytes, config: HttpConfig) -> dict:
@@ -322,19 +371,29 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
                                          "requests")
     if "block_hashes" in obj:
         out["hashes"] = _hash_array(obj["block_hashes"], "block_hashes")
+        if out["hashes"].size > MAX_REQUEST_BLOCKS:
+            raise _too_many("block_hashes", out["hashes"].size)
         return out
     if "requests" in obj:
         chains = obj["requests"]
         if not isinstance(chains, list) or not chains:
             raise BadRequest("requests", "requests must be a non-empty array of block_hashes "
                                          f"arrays, e.g. [[1, 2], [3]]; got {_show(chains)}")
+        if len(chains) > MAX_REQUEST_CHAINS:
+            raise BadRequest("requests", f"requests has {len(chains)} chains; send at most "
+                                         f"{MAX_REQUEST_CHAINS} in one call", 413)
         out["chains"] = [_hash_array(c, f"requests[{i}]") for i, c in enumerate(chains)]
+        total = sum(c.size for c in out["chains"])
+        if total > MAX_REQUEST_BLOCKS:
+            raise _too_many("requests", total)
         return out
     tokens = _int_list(obj["token_ids"], "token_ids", 0, 0xFFFFFFFF)
     size = block_size or config.block_size
     if size is None:
         raise BadRequest("block_size", "token_ids need a block_size (in the request, or "
                                        "sarp serve --block-size)")
+    if len(tokens) // size > MAX_REQUEST_BLOCKS:
+        raise _too_many("token_ids", len(tokens) // size)
     try:
         out["hashes"] = hash_blocks(tokens, size, scheme=config.scheme, seed=config.seed)
     except ValueError as exc:
@@ -343,7 +402,10 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
     return out
 
 
-_FAST_HEAD = re.compile(rb'\s*\{\s*"block_hashes"\s*:\s*\[')
+# JSON's own whitespace only: a regex ``\s`` also takes \x0b and \x0c, which the
+# general parse refuses (30,192 bodies answered differently; tests/test_hardening.py)
+_WS = rb"[ \t\n\r]*"
+_FAST_HEAD = re.compile(_WS + rb'\{' + _WS + rb'"block_hashes"' + _WS + rb':' + _WS + rb'\[')
 
 
 def _with_fast_block_hashes(body: bytes) -> dict | None:
@@ -421,10 +483,12 @@ def _show(value: object) -> str:
 # -- the worker -----------------------------------------------------------------------------
 
 
-def worker_main(config: HttpConfig, channel: socket.socket) -> None:
+def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
+                slot: int = 0) -> None:
     """One HTTP worker process: a readonly open of the index, and an aiohttp server
     for the connections serve's :class:`ConnectionDealer` passes over ``channel``.
-    It stops at SIGTERM or SIGINT, or when serve closes (or loses) its end."""
+    Its loop stamps ``heartbeats[slot]`` every ``HEARTBEAT_S``.  It stops at SIGTERM
+    or SIGINT, or when serve closes (or loses) its end."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
     import uvloop
 
@@ -433,25 +497,105 @@ def worker_main(config: HttpConfig, channel: socket.socket) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     index = sarp.open(config.index_path, readonly=True)
     try:
-        uvloop.run(_serve_dealt(make_app(index, config), channel))
+        uvloop.run(_serve_dealt(make_app(index, config), channel, heartbeats, slot))
     finally:
         index.close()
 
 
-async def _serve_dealt(app, channel: socket.socket) -> None:
+class _Guard(asyncio.Protocol):
+    """Wraps aiohttp's protocol for one connection to bound its time: headers and body
+    within ``request_timeout_s`` of their first byte, an answer within
+    ``answer_timeout_s``, and no more than ``idle_timeout_s`` between requests
+    (:class:`HttpConfig`).  aiohttp has only the last (its keep-alive timeout), and
+    half-sent requests held connections for ever.  :func:`_sweep` enforces them."""
+
+    def __init__(self, inner, guards: dict, config: HttpConfig) -> None:
+        self.inner, self.guards, self.config = inner, guards, config
+        self.transport = None
+        self.pending_since: float | None = None  # first byte of a request not yet answered
+        self.inflight_since: float | None = None  # handler running since
+        self.last_activity = time.monotonic()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.guards[transport] = self
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        self.last_activity = now
+        if self.pending_since is None and self.inflight_since is None:
+            self.pending_since = now
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.guards.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def started(self) -> None:
+        self.pending_since, self.inflight_since = None, time.monotonic()
+
+    def answered(self) -> None:
+        self.inflight_since, self.last_activity = None, time.monotonic()
+
+    def expired(self, now: float) -> str | None:
+        config = self.config
+        if self.inflight_since is not None:
+            return "answer" if now - self.inflight_since > config.answer_timeout_s else None
+        if self.pending_since is not None:
+            return "request" if now - self.pending_since > config.request_timeout_s else None
+        return "idle" if now - self.last_activity > config.idle_timeout_s else None
+
+
+async def _sweep(guards: dict, closed, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        now = time.monotonic()
+        for transport, guard in list(guards.items()):
+            why = guard.expired(now)
+            if why is not None:
+                closed.labels(why).inc()
+                guards.pop(transport, None)
+                transport.abort()
+
+
+async def _heartbeat(heartbeats, slot: int) -> None:
+    while True:
+        heartbeats[slot] = time.monotonic()
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def _serve_dealt(app, channel: socket.socket, heartbeats=None, slot: int = 0) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    config: HttpConfig = app["config"]
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=config.idle_timeout_s)
     await runner.setup()
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, done.set)
     adopting: set[asyncio.Task] = set()
+    guards: dict = app["guards"]
+    every_s = min(1.0, config.request_timeout_s / 4, config.idle_timeout_s / 4)
+    chores = [loop.create_task(_sweep(guards, app["closed"], every_s))]
+    if heartbeats is not None:
+        chores.append(loop.create_task(_heartbeat(heartbeats, slot)))
 
     async def adopt(conn: socket.socket) -> None:
         try:
-            await loop.connect_accepted_socket(runner.server, conn)
+            await loop.connect_accepted_socket(
+                lambda: _Guard(runner.server(), guards, config), conn)
         except OSError:  # the client left before we got to it
             conn.close()
 
@@ -477,6 +621,8 @@ async def _serve_dealt(app, channel: socket.socket) -> None:
     try:
         await done.wait()
     finally:
+        for chore in chores:
+            chore.cancel()
         loop.remove_reader(channel.fileno())
         channel.close()
         await runner.cleanup()
@@ -502,20 +648,68 @@ def make_app(index, config: HttpConfig):
                         buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1))
     path = Path(config.status_dir or config.index_path)
 
-    def refuse(field: str, message: str) -> web.Response:
+    closed = Counter("sarp_http_connections_closed", "connections closed for taking too "
+                     "long: to send a request, to be answered, or idle", ["reason"])
+    guards: dict = {}
+    # Hashing token ids (Python, about 4 us a block in the vLLM schemes) and parsing
+    # large bodies run here, so the event loop answers /healthz meanwhile; one thread,
+    # so that a burst of them queues instead of crowding the core.
+    offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sarp-parse")
+    token = config.token.encode() if config.token else None
+
+    def refuse(field: str, message: str, status: int = 400) -> web.Response:
         rejected.inc()
-        return web.json_response({"error": message, "field": field}, status=400)
+        return web.json_response({"error": message, "field": field}, status=status)
+
+    @web.middleware
+    async def guarded(request: web.Request, handler):
+        guard = guards.get(request.transport)
+        if guard is not None:
+            guard.started()
+        try:
+            if token is not None and request.path not in ("/healthz", "/readyz"):
+                sent = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(sent.encode(), b"Bearer " + token):
+                    return web.json_response(
+                        {"error": "send the token of --http-token-file as 'Authorization: "
+                                  "Bearer TOKEN'", "field": "Authorization"}, status=401)
+            length = request.content_length
+            if length is not None and length > MAX_BODY_BYTES:
+                # refused before a byte of the body is read; the connection closes
+                response = refuse("body", f"Content-Length {length} is over "
+                                          f"{MAX_BODY_BYTES} bytes; send fewer hashes", 413)
+                response.force_close()
+                return response
+            return await handler(request)
+        except web.HTTPException as exc:
+            # aiohttp's own refusals (404, 405, 413 ...) in the shape of ours
+            field = "path" if exc.status == 404 else "method" if exc.status == 405 \
+                else "body"
+            response = web.json_response({"error": f"{exc.reason}: {request.method} "
+                                                   f"{request.path}", "field": field},
+                                         status=exc.status, headers=_allow(exc))
+            if exc.status == 413:
+                response.force_close()
+            return response
+        finally:
+            if guard is not None:
+                guard.answered()
 
     async def match(request: web.Request) -> web.Response:
         started = time.perf_counter()
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return refuse("body", f"the body is over {MAX_BODY_BYTES} bytes; send fewer hashes")
+            return refuse("body", f"the body is over {MAX_BODY_BYTES} bytes; send fewer hashes",
+                          413)
         try:
-            kwargs = parse_match(body, config)
+            if len(body) > OFFLOAD_BYTES or b'"token_ids"' in body:
+                kwargs = await asyncio.get_running_loop().run_in_executor(
+                    offload, parse_match, body, config)
+            else:
+                kwargs = parse_match(body, config)
         except BadRequest as exc:
-            return refuse(exc.field, str(exc))
+            return refuse(exc.field, str(exc), exc.status)
         if "chains" in kwargs:
             chains = kwargs.pop("chains")
             live = [i for i, c in enumerate(chains) if c.size]
@@ -551,7 +745,8 @@ def make_app(index, config: HttpConfig):
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guarded])
+    app["guards"], app["closed"], app["config"] = guards, closed, config
     app.router.add_post("/v1/match", match)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -560,6 +755,12 @@ def make_app(index, config: HttpConfig):
 
 
 _NOTHING = {"matched_blocks": 0, "instances": []}
+OFFLOAD_BYTES = 64 << 10  # bodies parsed off the event loop from this size
+
+
+def _allow(exc) -> dict:
+    allow = exc.headers.get("Allow") if exc.headers else None
+    return {"Allow": allow} if allow else {}
 
 
 def _answer(m, scores) -> dict:
@@ -577,6 +778,10 @@ class _StatusCollector:
                  ("probes", "liveness probes sent to silent engines"),
                  ("gone", "engines taken as gone (no answer to a probe; holders cleared)"),
                  ("bad_payloads", "batches that could not be decoded"),
+                 ("disconnects", "live connections dropped (engine gone, or a frame over "
+                                 "--max-frame-bytes)"),
+                 ("failed_replays", "replays over budget or without their end (holders "
+                                    "cleared, retried with backoff)"),
                  ("bad_frames", "frames dropped (bad sequence or shape)"))
 
     def __init__(self, path: Path, index) -> None:

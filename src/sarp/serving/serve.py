@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .subscriber import Source, Subscriber
+from .subscriber import ReplayBudget, Source, Subscriber
 
 log = logging.getLogger("sarp.serve")
 
@@ -69,13 +69,19 @@ def run(args: argparse.Namespace) -> int:
 
         if args.http_workers < 1:
             raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
+        host, port = parse_address(args.http)
+        args.http_token = _http_token(args, host)
         # listen before the index opens: a port in use stops serve with nothing changed
-        dealer = ConnectionDealer(*parse_address(args.http), args.http_workers)
-    stop = {"now": False}
+        dealer = ConnectionDealer(host, port, args.http_workers)
+    stop = {"now": False, "looping": False}
 
     def on_signal(signum, _frame) -> None:
         log.info("signal %d: stopping after the current batch", signum)
         stop["now"] = True
+        if not stop["looping"]:
+            # opening the index, waiting for a lease, starting workers: nothing is
+            # half-applied there, so stop at once (SIGTERM within 2 s in every state)
+            raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -104,7 +110,9 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
         subscriber = Subscriber(index, sources,
                                 replay_idle_timeout_s=args.replay_idle_timeout_s,
                                 probe_after_s=args.probe_after_s or None,
-                                dead_after_s=args.dead_after_s)
+                                dead_after_s=args.dead_after_s,
+                                max_frame_bytes=args.max_frame_bytes,
+                                replay_budget=ReplayBudget(seconds=args.replay_budget_s))
         service = _start_http(args, dealer, status_dir) if http else None
         try:
             with collector_tuned():
@@ -129,7 +137,12 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
     with_status = path is not None
     if with_status:
         write_status(path, subscriber, caught_up=False, started=started)
-    subscriber.catch_up()
+    stop["looping"] = True  # from here a signal only sets the flag: the loop stops
+    if stop["now"]:
+        return
+    # The start-up checks run as jobs the polls feed: an engine whose replay is slow
+    # or hostile delays only itself, and SIGTERM is seen within one poll.
+    subscriber.start_catch_up()
     last_snapshot = last_report = last_status = time.monotonic()
     try:
         while not stop["now"]:
@@ -140,8 +153,9 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 last_snapshot = now
             if with_status and now - last_status >= STATUS_EVERY_S:
                 if service is not None:
-                    service.check()  # a worker that died is replaced
-                write_status(path, subscriber, caught_up=True, started=started,
+                    service.check()  # a worker that died or hangs is replaced
+                write_status(path, subscriber, caught_up=subscriber.caught_up,
+                             started=started,
                              worker_restarts=service.restarts if service else 0)
                 last_status = now
             if now - last_report >= args.report_every_s:
@@ -160,13 +174,56 @@ def _report(subscriber: Subscriber) -> None:
                  dict(s["applied"]["bad_events"]) or "none")
 
 
+def _http_token(args, host: str) -> str | None:
+    """The bearer token of ``--http-token-file``; refuses to serve beyond loopback
+    without one unless ``--http-allow-unauthenticated`` says so."""
+    token = None
+    if args.http_token_file:
+        try:
+            token = Path(args.http_token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--http-token-file {args.http_token_file}: cannot read it "
+                             f"({exc.strerror}); give a readable file holding the token") from None
+        if not token or any(c.isspace() for c in token):
+            raise ValueError(f"--http-token-file {args.http_token_file}: write one token "
+                             "(no spaces) in it, e.g. the output of: openssl rand -hex 32")
+    if token is None and not _loopback(host):
+        if not args.http_allow_unauthenticated:
+            raise ValueError(
+                f"--http {args.http}: this binds beyond loopback, where anyone who can reach "
+                "the port could read the index and /metrics; pass --http-token-file FILE "
+                "(clients send 'Authorization: Bearer TOKEN'), or "
+                "--http-allow-unauthenticated behind a proxy that checks callers")
+        log.warning("serving HTTP on %s without authentication (--http-allow-unauthenticated)",
+                    args.http)
+    return token
+
+
+def _loopback(host: str) -> bool:
+    """Does ``host`` name only loopback addresses?
+
+    >>> _loopback("127.0.0.1"), _loopback("::1"), _loopback("0.0.0.0")
+    (True, True, False)
+    """
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
 def _start_http(args, dealer, status_dir: str):
     from .http import HttpConfig, HttpService
 
     host, port = dealer.listener.getsockname()[:2]
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
     config = HttpConfig(str(args.index), metrics_dir, scheme=args.hash_scheme,
-                        seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir)
+                        seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir,
+                        token=args.http_token, request_timeout_s=args.http_request_timeout_s,
+                        idle_timeout_s=args.http_idle_timeout_s)
     service = HttpService(dealer, config)
     log.info("HTTP on %s:%d with %d worker processes", host, port, len(service.procs))
     return service

@@ -26,11 +26,14 @@ was applied, and continuity is *proven*, not assumed:
 * the live stream of one engine only goes forward: a sequence at or below the last
   one seen live means a new engine, handled as above.
 
-Replays are read to their end marker with a deadline per message, not per replay,
-so a long replay is never cut off while it is still delivering.  A frame with a
-negative sequence, or one the engine's own buffer does not know, is a bad frame:
-counted and dropped.  A batch that cannot be decoded is a lost batch (the holders
-are cleared); a bad event inside a readable batch is skipped (:func:`sarp.serving.events.apply`).
+A replay never blocks the loop: it runs as the source's job (:class:`_Job`), fed by
+:meth:`Subscriber.poll` as its frames arrive, while the other sources are followed;
+frames are applied as they come, with a deadline per useful frame and a budget per
+attempt (:class:`ReplayBudget`).  An attempt over budget, or without its end marker,
+clears the source and is retried after a backoff.  A frame with a negative sequence,
+or one the engine's own buffer does not know, is a bad frame: counted and dropped.
+A batch that cannot be decoded is a lost batch (the holders are cleared); a bad event
+inside a readable batch is skipped (:func:`sarp.serving.events.apply`).
 
 An engine that dies stops publishing, but so does one that is idle.  So a source
 with a replay endpoint that has sent nothing for ``probe_after_s`` is asked on it
@@ -52,13 +55,13 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .events import Applier, ApplyStats, BadEvent, Batch, decode, holder_name
+from .events import Applier, ApplyStats, BadEvent, Batch, RateLimitedLog, decode, holder_name
 
 log = logging.getLogger("sarp.subscriber")
 
@@ -73,6 +76,68 @@ BEHIND_S = 1.0  # ... and this at once for a batch published longer ago than thi
 ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 _NOBLOCK = int(zmq.NOBLOCK)
 _PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
+MAX_FRAME_BYTES = 64 << 20  # a frame over this is never received (vLLM's are KiB to MiB)
+REPLAY_MESSAGES = 256  # replay messages a job takes per poll before the others' turn
+POLL_MESSAGES = 65_536  # live messages one poll takes at most before the jobs' turn
+FIRST_RETRY_S, MAX_RETRY_S = 1.0, 60.0  # backoff after a failed replay, doubling
+REPLAY_RCVHWM = 1_000  # messages queued on our side of a replay (vLLM's ROUTER sends 1,000)
+
+_fault_log = RateLimitedLog(log)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayBudget:
+    """What one replay attempt may take: wall time, frames and bytes received.
+
+    A replay over budget (an endpoint that trickles garbage or never ends) is
+    stopped, the source's holders are cleared, and the replay is tried again after a
+    backoff.  The defaults leave room for an engine's whole buffer: vLLM keeps
+    10,000 batches, and a subscriber takes about 50,000 a second.
+    """
+
+    seconds: float = 60.0
+    frames: int = 2_000_000
+    bytes: int = 4 << 30
+
+
+class _Replay:
+    """One replay request in flight: a DEALER that asked an engine's buffer for every
+    batch from ``start``; ``idle_until`` moves on with each useful frame only."""
+
+    __slots__ = ("sock", "idle_s", "idle_until")
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, start: int, idle_s: float,
+                 max_frame_bytes: int) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.idle_s = idle_s
+        self.heard()
+        try:
+            self.sock.connect(endpoint)
+            self.sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # nowhere to queue it: no answer will come
+            _fault_log.warn(endpoint, "replay_send", f"sarp: replay request to {endpoint} "
+                            f"not sent ({exc})")
+
+    def heard(self) -> None:
+        self.idle_until = time.monotonic() + self.idle_s
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class _Job:
+    """A source's work that waits on its replay endpoint: a generator that yields the
+    :class:`_Replay` it waits on and is sent each message (None: the wait ran out)."""
+
+    __slots__ = ("key", "gen", "until", "startup", "replay", "frames", "bytes")
+
+    def __init__(self, key: str, gen, until: float, startup: bool) -> None:
+        self.key, self.gen, self.until, self.startup = key, gen, until, startup
+        self.replay: _Replay | None = None
+        self.frames = self.bytes = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +243,8 @@ class SourceStats:
     bad_frames: int = 0
     rank_mismatches: int = 0
     probes: int = 0  # liveness probes sent after a silence
+    disconnects: int = 0  # live connections dropped (engine gone, or a frame too large)
+    failed_replays: int = 0  # replays over budget or without their end (cleared, retried)
     gone: int = 0  # times a probe went unanswered and the holders were cleared
     applied: ApplyStats = field(default_factory=ApplyStats)
 
@@ -191,6 +258,12 @@ class Subscriber:
     applied (for measuring publish-to-applied lag).  ``probe_after_s`` (None: never)
     and ``dead_after_s``: when a silent engine is asked whether it is still there,
     and how long it has to answer before its holders are cleared.
+    ``max_frame_bytes``: a frame larger than this is never received (libzmq drops the
+    connection, which reconnects; counted in ``disconnects``).  ``replay_budget``:
+    what one replay attempt may take (:class:`ReplayBudget`).
+
+    A replay never blocks the loop: it runs as the source's job, fed by :meth:`poll`
+    as its frames arrive, while every other source is followed.
 
     Cost: one index write per event; a replay round trip per continuity check.
     """
@@ -205,7 +278,14 @@ class Subscriber:
         on_commit=None,
         probe_after_s: float | None = 30.0,
         dead_after_s: float = 10.0,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        replay_budget: ReplayBudget | None = None,
     ) -> None:
+        if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) \
+                or max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes={max_frame_bytes!r}; pass an int >= 1024")
+        self.max_frame_bytes = max_frame_bytes
+        self.replay_budget = replay_budget or ReplayBudget()
         keys = [s.key for s in sources]
         if len(set(keys)) != len(keys):
             raise ValueError(f"sources must be distinct, got {keys}")
@@ -239,16 +319,22 @@ class Subscriber:
         self._heard = {key: now for key in self.sources}  # last frame or answer from each
         self._probes: dict[zmq.Socket, tuple[str, float]] = {}  # asked, and when
         self._gone: set[str] = set()  # taken as gone: cleared, still asked now and then
+        self._jobs: dict[str, _Job] = {}  # sources waiting on their replay endpoint
+        self._retry_at: dict[str, float] = {}  # sources whose replay failed: when to retry
+        self._backoff: dict[str, float] = {}  # the next wait after another failure
         self._subs: dict[zmq.Socket, str] = {}
+        self._sub_of: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
         for source in sources:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sock.connect(source.endpoint)
             self._subs[sock] = source.key
+            self._sub_of[source.key] = sock
             self._monitors[monitor] = source.key
             self._poller.register(monitor, zmq.POLLIN)
             self._poller.register(sock, zmq.POLLIN)
@@ -286,23 +372,26 @@ class Subscriber:
     # -- the loop ----------------------------------------------------------------------------
 
     def poll(self, timeout_ms: int = 100) -> int:
-        """Handle every message that arrives within ``timeout_ms``; return batches applied."""
+        """Handle the messages that arrive within ``timeout_ms`` (live ones, and the
+        replays' of the sources with a job); return batches applied."""
         applied = 0
-        ready = dict(self._poller.poll(timeout_ms))
+        ready = dict(self._poller.poll(self._next_wait_ms(timeout_ms)))
         for monitor, key in self._monitors.items():  # connections first
             if monitor in ready:
                 self._drain_monitor(monitor, key)
-        for key in sorted(self._verify):
+        for key in sorted(self._verify - self._jobs.keys()):
             # A new connection may be a new engine on the same port, whose first
             # batches went out before we were there: check now, not at its next batch.
             self._verify.discard(key)
-            applied += self._resync(key, "reconnected")
+            applied += self._start_job(key, self._resync(key, "reconnected"))
         # Round-robin over the sources with messages waiting, a few from each at a time,
         # so that one source's backlog neither delays the others nor reaches the index
         # long before theirs (a backlog applied in time order churns less: a block one
         # engine evicts while another still holds it keeps its segment).
-        waiting = [(sock.recv, key) for sock, key in self._subs.items() if sock in ready]
-        while waiting:
+        waiting = [(sock.recv, key) for sock, key in self._subs.items()
+                   if sock in ready and key not in self._jobs]
+        budget = POLL_MESSAGES
+        while waiting and budget > 0:
             still = []
             for recv, key in waiting:
                 for _ in range(ROUND_MESSAGES):
@@ -310,17 +399,33 @@ class Subscriber:
                         frames = _recv_message(recv)
                     except zmq.Again:
                         break
+                    budget -= 1
                     applied += self._on_message(key, frames)
                     self._maybe_flush()
+                    if key in self._jobs:
+                        break  # its live stream waits for the replay
                 else:
                     still.append((recv, key))
             waiting = still
-        self._batch_ms = MAX_BATCH_MS  # the sockets ran dry: caught up
+        if not waiting:
+            self._batch_ms = MAX_BATCH_MS  # the sockets ran dry: caught up
+        now = time.monotonic()
+        applied += self._drive_jobs(ready, now) + self._retry_due(now)
         for sock in [sock for sock in self._probes if sock in ready]:
             self._on_probe_answer(sock)
         self._check_liveness()
         self.flush()
         return applied
+
+    @property
+    def caught_up(self) -> bool:
+        """Has every source's start-up check (:meth:`start_catch_up`) ended?"""
+        return not any(job.startup for job in self._jobs.values())
+
+    @property
+    def replaying(self) -> list[str]:
+        """The sources whose live stream waits for a replay now."""
+        return sorted(self._jobs)
 
     def flush(self) -> bool:
         """Commit every queued batch in one index transaction; True if anything was.
@@ -355,13 +460,23 @@ class Subscriber:
         elif self._applier.pending_ops >= MAX_BATCH_OPS:
             self.flush()
 
-    def catch_up(self) -> int:
-        """Prove each engine's continuity from its replay buffer, and apply what we lack.
+    def start_catch_up(self) -> int:
+        """Start proving each engine's continuity from its replay buffer (as jobs that
+        :meth:`poll` feeds, so no engine waits for another's replay); returns the
+        batches applied at once.  :attr:`caught_up` says when they have all ended.
 
         A SUB socket only sees messages published after it connects, so a
         (re)started subscriber asks first instead of waiting for a gap to show.
         """
-        applied = sum(self._resync(key, "start") for key in self.sources)
+        return sum(self._start_job(key, self._resync(key, "start"), startup=True)
+                   for key in self.sources if key not in self._jobs)
+
+    def catch_up(self, should_stop=lambda: False) -> int:
+        """:meth:`start_catch_up`, then poll until every check has ended (or
+        ``should_stop()``); the other sources' live batches are applied meanwhile."""
+        applied = self.start_catch_up()
+        while not self.caught_up and not should_stop():
+            applied += self.poll(50)
         self.flush()
         self.save_state()
         return applied
@@ -377,6 +492,9 @@ class Subscriber:
             self.save_state(durable=True)
 
     def close(self) -> None:
+        for job in list(self._jobs.values()):
+            job.gen.close()  # what it applied stands; its replay socket closes
+            self._end_job(job)
         self.flush()
         self.save_state(durable=True)
         for sock in self._subs:
@@ -447,36 +565,68 @@ class Subscriber:
                 self._connects[key] += 1
                 if self._connects[key] > 1:
                     self._verify.add(key)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                # libzmq drops a connection whose frame is over MAXMSGSIZE before it
+                # allocates it, and does not reconnect after such a protocol error (it
+                # does after the engine goes away): connect again ourselves.
+                self.stats[key].disconnects += 1
+                sock, endpoint = self._sub_of[key], self.sources[key].endpoint
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disconnect(endpoint)
+                sock.connect(endpoint)
+                _fault_log.warn(key, "disconnected",
+                                f"sarp: {key}: connection dropped (the engine went away, or "
+                                f"sent a frame over {self.max_frame_bytes} bytes)")
+
+    def _bad_frame(self, key: str, frames: list[bytes], seq: int | None) -> None:
+        self.stats[key].bad_frames += 1
+        _fault_log.warn(key, "bad_frame", f"sarp: {key} sent a bad frame ({len(frames)} parts"
+                        f"{'' if seq is None else f', sequence {seq}'}); dropped")
 
     def _on_message(self, key: str, frames: list[bytes]) -> int:
+        """One live message: applied at once when it is the next batch in line, else
+        handed to a job that proves continuity from the replay buffer first."""
         parsed = _parse_frames(frames)
         if parsed is None or parsed[0] < 0:
-            self.stats[key].bad_frames += 1
-            log.warning("sarp: %s sent a bad frame (%d parts%s); dropped", key, len(frames),
-                        "" if parsed is None else f", sequence {parsed[0]}")
+            self._bad_frame(key, frames, None if parsed is None else parsed[0])
             return 0
         seq, payload = parsed
         self._heard[key] = time.monotonic()
         self._gone.discard(key)
         live_last = self._live_last.get(key)
+        fp = self.state.get(key)
+        if (live_last is None or seq > live_last) and seq == (0 if fp is None else fp.seq + 1):
+            batch = self._decode(key, seq, payload)
+            if batch is None or fp is None or batch.ts >= fp.ts - TS_SLACK_S:
+                self._live_last[key] = seq
+                ahead = self._ahead[key]
+                if ahead:
+                    for old in [s for s in ahead if s < seq]:
+                        del ahead[old]
+                return self._apply(key, seq, payload, _digest(payload), batch)
+        return self._start_job(key, self._on_message_job(key, seq, payload, live_last))
+
+    def _on_message_job(self, key: str, seq: int, payload: bytes, live_last: int | None):
+        """The live message that needs a replay first (a generator run as a job)."""
         self._live_last[key] = seq
         self._rejected = False
         ahead = self._ahead[key]
         applied = 0
         if live_last is not None and seq <= live_last:
             # One engine's PUB stream only goes forward: this is a new engine.
-            applied += self._resync(key, f"live sequence went back from {live_last} to {seq}",
-                                    known_restart=True)
+            applied += (yield from self._resync(
+                key, f"live sequence went back from {live_last} to {seq}", known_restart=True))
         else:
             for old in [s for s in ahead if s < seq]:
                 del ahead[old]
-        applied += self._on_live(key, seq, payload)
+        applied += yield from self._on_live(key, seq, payload)
         if self._rejected and live_last is not None:
             self._live_last[key] = live_last  # a bad frame does not move the live stream
         return applied
 
-    def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False) -> int:
-        """Place one live batch against the fingerprint; check continuity when in doubt."""
+    def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False):
+        """Place one live batch against the fingerprint; check continuity when in doubt
+        (a generator: the checks wait on the replay endpoint)."""
         stats = self.stats[key]
         fp = self.state.get(key)
         expected = 0 if fp is None else fp.seq + 1
@@ -488,26 +638,26 @@ class Subscriber:
             if checked:
                 stats.duplicates += 1  # older than what a proven replay applied
                 return 0
-            return self._resync(key, f"sequence {seq} is not the batch applied as {seq}") + \
-                self._on_live(key, seq, payload, checked=True)
+            applied = yield from self._resync(key, f"sequence {seq} is not the batch applied "
+                                                   f"as {seq}")
+            return applied + (yield from self._on_live(key, seq, payload, checked=True))
         if seq > expected:
             if not checked:
                 stats.gaps += 1
-                applied, newest = self._resync_newest(key, f"gap: {expected}..{seq - 1} missing")
+                applied, newest = yield from self._resync_newest(
+                    key, f"gap: {expected}..{seq - 1} missing")
                 if newest is not None and newest < seq:
-                    stats.bad_frames += 1  # the engine's own buffer never had it
                     self._rejected = True
-                    log.warning("sarp: %s sent sequence %d beyond its buffer's newest %d; "
-                                "dropped", key, seq, newest)
+                    self._bad_frame(key, [payload], seq)  # the engine's buffer never had it
                     return applied
-                return applied + self._on_live(key, seq, payload, checked=True)
+                return applied + (yield from self._on_live(key, seq, payload, checked=True))
             self._give_up_gap(key, expected, seq)
         batch = self._decode(key, seq, payload)
         if (batch is not None and fp is not None and not checked
                 and batch.ts < fp.ts - TS_SLACK_S):
-            return self._resync(key, f"batch {seq} is {fp.ts - batch.ts:.1f} s older than "
-                                     f"batch {fp.seq}") + \
-                self._on_live(key, seq, payload, checked=True)
+            applied = yield from self._resync(
+                key, f"batch {seq} is {fp.ts - batch.ts:.1f} s older than batch {fp.seq}")
+            return applied + (yield from self._on_live(key, seq, payload, checked=True))
         return self._apply(key, seq, payload, digest, batch)
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
@@ -515,7 +665,7 @@ class Subscriber:
             return decode(payload)
         except BadEvent as exc:
             self.stats[key].bad_payloads += 1
-            log.warning("sarp: %s seq %d: %s", key, seq, exc)
+            _fault_log.warn(key, "bad_payload", f"sarp: {key} seq {seq}: {exc}")
             return None
 
     def _apply(self, key: str, seq: int, payload: bytes, digest: int,
@@ -549,14 +699,125 @@ class Subscriber:
             # this choice): we are behind, so batch for throughput from now on.
             self._batch_ms = MAX_CATCH_UP_MS
 
+    # -- jobs: what waits on a replay endpoint -------------------------------------------------
+
+    def _start_job(self, key: str, gen, startup: bool = False) -> int:
+        """Run ``gen`` (a generator that yields the :class:`_Replay` it waits on) as
+        the source's job: its live stream is not read until the job ends, and the
+        other sources go on meanwhile.  Returns the batches applied before its first
+        wait."""
+        job = _Job(key, gen, time.monotonic() + self.replay_budget.seconds, startup)
+        self._jobs[key] = job
+        with contextlib.suppress(KeyError):
+            self._poller.unregister(self._sub_of[key])
+        return self._step(job, None)
+
+    def _step(self, job: _Job, frames: list[bytes] | None) -> int:
+        """Resume a job with a message from its replay (None: its wait ran out)."""
+        old = job.replay
+        try:
+            job.replay = job.gen.send(frames)
+        except StopIteration as done:
+            self._end_job(job)
+            return done.value or 0
+        if job.replay is not old:
+            if old is not None:
+                self._poller.unregister(old.sock)
+            self._poller.register(job.replay.sock, zmq.POLLIN)
+        return 0  # what it applies is counted when it ends
+
+    def _end_job(self, job: _Job) -> None:
+        if job.replay is not None:
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(job.replay.sock)
+            job.replay.close()
+            job.replay = None
+        self._jobs.pop(job.key, None)
+        self._poller.register(self._sub_of[job.key], zmq.POLLIN)
+        if job.startup and self.caught_up:
+            self.flush()
+            self.save_state()  # every source checked: subscriber.json says so
+
+    def _abort_job(self, job: _Job, reason: str) -> None:
+        """Stop a job that went over its budget: the source is cleared and retried later."""
+        job.gen.close()  # its replay socket closes in the generator's finally
+        self._end_job(job)
+        self._replay_failed(job.key, reason)
+
+    def _drive_jobs(self, ready: dict, now: float) -> int:
+        """Feed each job what its replay sent (a bounded number of messages each), or
+        its timeout; stop the jobs over budget."""
+        applied = 0
+        budget = self.replay_budget
+        for job in list(self._jobs.values()):
+            replay = job.replay
+            if replay is None:
+                continue
+            if replay.sock in ready:
+                recv = replay.sock.recv
+                for _ in range(REPLAY_MESSAGES):
+                    try:
+                        frames = _recv_message(recv)
+                    except zmq.Again:
+                        break
+                    job.frames += 1
+                    job.bytes += sum(len(f) for f in frames)
+                    applied += self._step(job, frames)
+                    if job.replay is not replay:
+                        break
+            elif now >= replay.idle_until:
+                applied += self._step(job, None)
+            if self._jobs.get(job.key) is not job:
+                continue
+            over = ("seconds" if now > job.until else "frames" if job.frames > budget.frames
+                    else "bytes" if job.bytes > budget.bytes else None)
+            if over is not None:
+                self._abort_job(job, f"its replay went over its budget of {over} "
+                                     f"({budget.seconds:g} s, {budget.frames} frames, "
+                                     f"{budget.bytes} bytes)")
+        return applied
+
+    def _next_wait_ms(self, timeout_ms: int) -> int:
+        """``timeout_ms``, or less when a job's replay runs out of time sooner."""
+        if not self._jobs and not self._retry_at:
+            return timeout_ms
+        now = time.monotonic()
+        soonest = min([job.replay.idle_until for job in self._jobs.values()
+                       if job.replay is not None] + [job.until for job in self._jobs.values()]
+                      + list(self._retry_at.values()) + [now + timeout_ms / 1000])
+        return max(0, min(timeout_ms, int(1000 * (soonest - now)) + 1))
+
+    def _retry_due(self, now: float) -> int:
+        """Start the replays whose backoff after a failure is over."""
+        applied = 0
+        for key in [k for k, at in self._retry_at.items() if at <= now and k not in self._jobs]:
+            del self._retry_at[key]
+            applied += self._start_job(key, self._retry_job(key))
+        return applied
+
+    def _retry_job(self, key: str):
+        # what was applied since the failure rests on a clear: start over from the buffer
+        self._forget(key, "retrying its replay")
+        applied, _ = yield from self._resync_newest(key, "retry after a failed replay")
+        return applied
+
+    def _replay_failed(self, key: str, reason: str) -> None:
+        """Clear the source and ask its buffer again after a backoff (doubling to
+        ``MAX_RETRY_S``); until then it is followed as a source without a replay."""
+        self.stats[key].failed_replays += 1
+        self._forget(key, reason)
+        backoff = self._backoff.get(key, FIRST_RETRY_S)
+        self._retry_at[key] = time.monotonic() + backoff
+        self._backoff[key] = min(2 * backoff, MAX_RETRY_S)
+
     # -- continuity --------------------------------------------------------------------------
 
-    def _resync(self, key: str, reason: str, known_restart: bool = False) -> int:
-        return self._resync_newest(key, reason, known_restart)[0]
+    def _resync(self, key: str, reason: str, known_restart: bool = False):
+        return (yield from self._resync_newest(key, reason, known_restart))[0]
 
-    def _resync_newest(self, key: str, reason: str,
-                       known_restart: bool = False) -> tuple[int, int | None]:
-        """Prove continuity from the replay buffer and apply what follows, or start over.
+    def _resync_newest(self, key: str, reason: str, known_restart: bool = False):
+        """Prove continuity from the replay buffer and apply what follows, or start over
+        (a generator).
 
         Returns the batches applied and the newest sequence the engine's buffer
         holds (None when unknown).
@@ -568,22 +829,26 @@ class Subscriber:
             stats.restarts += 1
             self._forget(key, reason)
             fp = None
-        if source.replay_endpoint is None:
+        if source.replay_endpoint is None or key in self._retry_at:
             if fp is not None or self._holds_anything(key):
                 stats.unrecoverable_gaps += 1
-                self._forget(key, f"{reason}; no replay endpoint to prove continuity")
+                why = "no replay endpoint" if source.replay_endpoint is None \
+                    else "its replay failed, and is retried later"
+                self._forget(key, f"{reason}; {why} to prove continuity")
             return 0, None
-        back = 1 if fp is not None and fp.prev_digest is not None and fp.seq > 0 else 0
-        frames, complete = self._fetch(key, 0 if fp is None else fp.seq - back)
-        if fp is not None:
-            if _proves(frames, fp, back):
-                frames = frames[1 + back:]  # proven: the engine still has what we applied
-            elif not frames and not complete:
+        if fp is None:
+            if self._holds_anything(key):
+                self._forget(key, f"{reason}: nothing recorded proves what the index holds")
+            outcome, applied, newest = yield from self._replay(key, 0, None)
+        else:
+            back = 1 if fp.prev_digest is not None and fp.seq > 0 else 0
+            outcome, applied, newest = yield from self._replay(key, fp.seq - back, (fp, back))
+            if outcome == "silent":
                 stats.unrecoverable_gaps += 1
-                self._forget(key, f"{reason}: the replay endpoint did not answer")
-                return 0, None
-            else:
-                if frames and frames[0][0] == fp.seq - back or (complete and not frames):
+                self._replay_failed(key, f"{reason}: the replay endpoint did not answer")
+                return applied, None
+            if outcome in ("unproven", "empty"):
+                if outcome == "empty" or newest == fp.seq - back:
                     stats.restarts += 1
                     why = "engine restarted"
                 else:
@@ -591,79 +856,91 @@ class Subscriber:
                     why = "its buffer no longer reaches back"
                 self._forget(key, f"{reason}: continuity after batch {fp.seq} not proven "
                                   f"({why})")
-                frames, complete = self._fetch(key, 0)
-        elif self._holds_anything(key):
-            self._forget(key, f"{reason}: nothing recorded proves what the index holds")
-        newest = None
-        if complete:
-            newest = frames[-1][0] if frames else (fp.seq if key in self.state else -1)
-        return self._apply_replayed(key, frames), newest
-
-    def _apply_replayed(self, key: str, frames: list[tuple[int, bytes]]) -> int:
-        applied = 0
-        for seq, payload in frames:
+                outcome, applied, newest = yield from self._replay(key, 0, None)
+        if outcome != "ended":
+            self._replay_failed(key, f"{reason}: the replay ended without its end marker")
+            return applied, None
+        self._backoff.pop(key, None)
+        if newest is None:
             fp = self.state.get(key)
-            expected = 0 if fp is None else fp.seq + 1
-            if seq < expected:
-                continue
-            if seq > expected:
-                self._give_up_gap(key, expected, seq)
-            digest = _digest(payload)
-            applied += self._apply(key, seq, payload, digest, self._decode(key, seq, payload))
-            self._ahead[key][seq] = digest
-            self.stats[key].replayed += 1
-            self._maybe_flush()
-        return applied
+            newest = fp.seq if fp is not None else -1
+        return applied, newest
 
-    def _fetch(self, key: str, start: int) -> tuple[list[tuple[int, bytes]], bool]:
-        """Every batch the engine's buffer holds from ``start``, and whether it ended.
+    def _replay(self, key: str, start: int, proof: tuple[Fingerprint, int] | None):
+        """Ask the engine's buffer for every batch from ``start`` and apply each as it
+        arrives (a generator); with ``proof``, its first frames must carry the
+        batches the fingerprint names before anything is applied.
 
-        A replay that arrives with a hole (the engine's ROUTER dropped frames at its
-        send high-water mark, 1,000 in vLLM 0.11), or that stops before its end marker
-        (dropped the same way, or a slow engine), is asked again from where it stopped,
-        for as long as each answer makes progress.
+        Returns ``(outcome, applied, newest)``: ``"ended"`` (the end marker came;
+        newest is the last sequence sent, None if none), ``"empty"`` (the end marker
+        before any frame of a proof), ``"unproven"`` (the first frames prove nothing;
+        newest is the first one's sequence), ``"silent"`` (no answer) or
+        ``"stopped"`` (no end marker).  A replay that arrives with a hole (the
+        engine's ROUTER dropped frames at its send high-water mark, 1,000 in vLLM
+        0.11), or that goes quiet before its end, is asked again from the first batch
+        missing, as long as each answer makes progress; a frame of the wrong shape or
+        out of order is a bad frame and does not count as progress.
         """
-        frames, complete = self._fetch_once(key, start)
+        stats = self.stats[key]
+        applied, last, head = 0, None, []
+        ask_from, first_ask = start, True
         while True:
-            hole = next((i for i in range(1, len(frames))
-                         if frames[i][0] != frames[i - 1][0] + 1), None)
-            if hole is None and (complete or not frames):
-                return frames, complete
-            resume = frames[hole - 1][0] + 1 if hole is not None else frames[-1][0] + 1
-            more, more_complete = self._fetch_once(key, resume)
-            if hole is None:  # it stopped without its end marker: ask for the rest
-                if not more and not more_complete:
-                    return frames, False  # no answer at all: the engine is gone
-                frames, complete = frames + more, more_complete
-                continue
-            if not more or more[0][0] != resume:
-                return frames, complete  # the buffer no longer has it: a real gap
-            # Progress: the first hole moved on by at least one batch.
-            frames, complete = frames[:hole] + more, more_complete
-
-    def _fetch_once(self, key: str, start: int) -> tuple[list[tuple[int, bytes]], bool]:
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        frames: list[tuple[int, bytes]] = []
-        idle_ms = max(1, int(1000 * self.replay_idle_timeout_s))
-        try:
-            dealer.connect(self.sources[key].replay_endpoint)
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while dealer.poll(idle_ms):
-                parsed = _parse_frames(dealer.recv_multipart())
-                self._heard[key] = time.monotonic()  # an answer: the engine is there
-                if parsed is None:
-                    continue
-                if parsed[0] == END_OF_REPLAY:
-                    return frames, True
-                if parsed[0] >= start and (not frames or parsed[0] > frames[-1][0]):
-                    frames.append(parsed)
-            log.warning("sarp: replay from %s went %.1f s without a frame; taking %d batches",
-                        key, self.replay_idle_timeout_s, len(frames))
-            return frames, False
-        finally:
-            dealer.close(linger=0)
+            replay = _Replay(self._ctx, self.sources[key].replay_endpoint, ask_from,
+                             self.replay_idle_timeout_s, self.max_frame_bytes)
+            progress = False
+            try:
+                while True:
+                    frames = yield replay
+                    if frames is None:
+                        break  # went quiet
+                    parsed = _parse_frames(frames)
+                    if parsed is None:
+                        self._bad_frame(key, frames, None)
+                        continue
+                    seq, payload = parsed
+                    if seq == END_OF_REPLAY:
+                        if proof is not None:
+                            return ("unproven" if head else "empty"), applied, \
+                                head[0][0] if head else None
+                        return "ended", applied, last
+                    if seq < ask_from or (last is not None and seq <= last):
+                        self._bad_frame(key, frames, seq)
+                        continue
+                    replay.heard()
+                    self._heard[key] = time.monotonic()  # an answer: the engine is there
+                    if proof is not None:
+                        head.append((seq, payload))
+                        last = seq
+                        if len(head) < 1 + proof[1]:
+                            continue
+                        if not _proves(head, *proof):
+                            return "unproven", applied, head[0][0]
+                        proof, progress = None, True
+                        continue
+                    fp = self.state.get(key)
+                    expected = 0 if fp is None else fp.seq + 1
+                    if seq > expected and not (ask_from == expected and not progress):
+                        ask_from = expected  # a hole: ask again from it
+                        break
+                    last, progress = seq, True
+                    if seq < expected:
+                        continue
+                    if seq > expected:  # asked from it, and the buffer no longer has it
+                        self._give_up_gap(key, expected, seq)
+                    digest = _digest(payload)
+                    applied += self._apply(key, seq, payload, digest,
+                                           self._decode(key, seq, payload))
+                    self._ahead[key][seq] = digest
+                    stats.replayed += 1
+                    self._maybe_flush()
+            finally:
+                replay.close()
+            if not progress:
+                return ("silent" if first_ask and last is None else "stopped"), applied, last
+            if frames is None:
+                fp = self.state.get(key)
+                ask_from = 0 if fp is None else fp.seq + 1
+            first_ask = False
 
     def _give_up_gap(self, key: str, missing_from: int, got: int) -> None:
         """Events ``missing_from .. got-1`` are gone: forget the engine, start over."""
@@ -672,7 +949,7 @@ class Subscriber:
 
     def _forget(self, key: str, reason: str) -> None:
         """Clear the source's holders: the index may know less than the engine, never more."""
-        log.warning("sarp: %s: %s; clearing its holders", key, reason)
+        _fault_log.warn(key, "cleared", f"sarp: {key}: {reason}; clearing its holders")
         self.flush()  # what was queued before this happened goes first
         for instance in self._instances(key):
             self.index.clear(instance)
@@ -692,8 +969,27 @@ class Subscriber:
         return any(self.index.blocks_of(inst).size for inst in self._instances(key))
 
     def summary(self) -> dict[str, dict]:
-        return {key: {**asdict(s), "last_seq": self.last_seq.get(key)}
+        """Each source's counters as plain values (JSON-ready), with its last sequence.
+
+        Not ``dataclasses.asdict``: it rebuilds a ``Counter`` from ``(key, value)``
+        pairs, which counts the pairs, and ``json.dumps`` then refuses the tuple keys
+        (a single bad event stopped ``serve --http``; tests/test_hardening.py).
+        """
+        return {key: {**_plain(s), "last_seq": self.last_seq.get(key)}
                 for key, s in self.stats.items()}
+
+
+def _plain(obj) -> dict:
+    """A dataclass's fields, nested dataclasses and counters as plain dicts."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Counter):
+            value = {str(k): int(v) for k, v in value.items()}
+        elif hasattr(value, "__dataclass_fields__"):
+            value = _plain(value)
+        out[f.name] = value
+    return out
 
 
 def _proves(frames: list[tuple[int, bytes]], fp: Fingerprint, back: int) -> bool:

@@ -1,0 +1,394 @@
+"""Faults from outside that must never stop ``sarp serve`` nor make it claim more than
+the engines hold (issue 23): real ``sarp serve`` processes, real ZeroMQ sockets on
+loopback, hostile engines played by threads of this process.  Each test names the
+numbered item of the issue it holds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from servekit import Serve, call, match, metrics, source_metric
+
+import sarp
+from sarp.serving.cluster import EnginePublisher, SimEngine
+from sarp.serving.events import apply, decode, encode_batch
+
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def chain(rng: random.Random, n: int = 4) -> list[int]:
+    return [rng.getrandbits(63) for _ in range(n)]
+
+
+class HostileEngine:
+    """A PUB that publishes one batch at sequence 5 (so it needs a replay) and a replay
+    ROUTER that answers every request with frames for ever and never its end: some of
+    the wrong shape, most well-shaped with growing sequences and payloads that are
+    not event batches, ``frame_bytes`` each."""
+
+    def __init__(self, frame_bytes: int = 16 << 10) -> None:
+        ctx = zmq.Context.instance()
+        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frame_bytes = frame_bytes
+        self.requests = 0
+        self.sent = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        clients: list[bytes] = []
+        seq = 0
+        junk = b"\xc1" * self.frame_bytes  # 0xc1 is never valid msgpack
+        while self._running:
+            if self.router.poll(2):
+                frames = self.router.recv_multipart()
+                clients.append(frames[0])
+                self.requests += 1
+                if self.requests == 1:  # the live batch that asks for a replay
+                    self.pub.send_multipart([b"", (5).to_bytes(8, "big"), encode_batch(
+                        [("stored", [1, 2], None, "GPU")], ts=time.time())])
+            for client in clients[-4:]:
+                seq += 1
+                with_shape = seq % 4 != 0
+                parts = [client, b"", seq.to_bytes(8, "big"), junk] if with_shape \
+                    else [client, b"garbage"]
+                try:
+                    self.router.send_multipart(parts, zmq.NOBLOCK)
+                    self.sent += 1
+                except zmq.Again:
+                    pass
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=5)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def healthy_engine(name: str) -> SimEngine:
+    return SimEngine(name, 2000, EnginePublisher(zmq.Context.instance()))
+
+
+def spec(name: str, pub) -> str:
+    return f"{name}={pub.endpoint},{pub.replay_endpoint}"
+
+
+def held_by(port: int, hashes: list[int], instance: str) -> int:
+    status, body = match(port, {"block_hashes": hashes})
+    assert status == 200, body
+    return next((s["matched_blocks"] for s in body["instances"]
+                 if s["instance"] == instance), 0)
+
+
+def test_item1_a_bad_event_is_counted_and_serve_http_goes_on(tmp_path):
+    eng = healthy_engine("good")
+    try:
+        with Serve(tmp_path / "ix", [spec("good", eng.publisher)]) as serve:
+            serve.wait_ready()
+            # vLLM 0.33's own publisher sent this: a store with a repeated hash
+            eng.publisher.publish(encode_batch([("stored", [5, 6, 5], None, "GPU"),
+                                                ("stored", [7, 8], None, "GPU")],
+                                               ts=time.time(), dp_rank=0))
+            serve.wait_for(lambda: held_by(serve.port, [7, 8], "good#0") == 2,
+                           what="the good store")
+            time.sleep(1.5)  # several status writes, each with the bad event's count
+            assert serve.alive()
+            got = metrics(serve.port)
+            key = ("sarp_source_bad_events_total",
+                   (("kind", "repeated_hash"), ("source", "good")))
+            assert got.get(key) == 1.0, sorted(k for k in got if "bad" in k[0])
+            assert held_by(serve.port, [5, 6], "good#0") == 0  # the bad store: not applied
+    finally:
+        eng.publisher.close()
+
+
+def test_item7_a_hostile_replay_endpoint_stalls_nobody_and_sigterm_stops_serve(tmp_path):
+    rng = random.Random(7)
+    good = healthy_engine("good")
+    bad = HostileEngine()
+    try:
+        serve = Serve(tmp_path / "ix", [spec("good", good.publisher), spec("bad", bad)],
+                      "--replay-budget-s", "3", "--replay-idle-timeout-s", "1")
+        with serve:
+            serve.wait_ready()
+            # The hostile endpoint trickles for as long as it is asked; meanwhile every
+            # batch of the healthy engine reaches the index.
+            for i in range(20):
+                c = chain(rng)
+                good.serve(c)
+                serve.wait_for(lambda c=c: held_by(serve.port, c, "good#0") == len(c),
+                               timeout_s=10, what=f"the healthy engine's batch {i}")
+                time.sleep(0.25)
+            assert bad.requests >= 1 and bad.sent > 100
+            serve.wait_for(lambda: source_metric(serve.port, "failed_replays", "bad") >= 1,
+                           timeout_s=20, what="the hostile replay counted as failed")
+            assert source_metric(serve.port, "bad_frames", "bad") > 0
+            assert held_by(serve.port, [1, 2], "bad") == 0  # nothing unproven claimed
+            assert serve.peak_rss_bytes() < 600 << 20
+            bad.requests = 0
+            serve.wait_for(lambda: bad.requests >= 1, timeout_s=20,
+                           what="the failed replay retried after its backoff")
+            took_s = serve.stop()
+        assert serve.proc.returncode == 0
+        assert took_s < 5, took_s  # within one poll of the loop, replay or not
+    finally:
+        good.publisher.close()
+        bad.close()
+
+
+def test_item8_a_frame_over_the_limit_is_dropped_before_it_is_received(tmp_path):
+    eng = healthy_engine("e")
+    try:
+        with Serve(tmp_path / "ix", [spec("e", eng.publisher)],
+                   "--max-frame-bytes", str(1 << 20), "--replay-idle-timeout-s", "1") as serve:
+            serve.wait_ready()
+            eng.serve([11, 12])
+            serve.wait_for(lambda: held_by(serve.port, [11, 12], "e#0") == 2, what="11, 12")
+            before = serve.peak_rss_bytes()
+            big = encode_batch([("stored", [21, 22], None, "GPU")], ts=time.time(), dp_rank=0)
+            big = msgpack.packb([time.time(), [{"type": "BlockStored", "block_hashes": [21],
+                                                "parent_block_hash": None,
+                                                "extra_keys": b"x" * (48 << 20)}], 0])
+            eng.publisher.publish(big)
+            rng = random.Random(8)
+
+            def later_batch_applied() -> bool:
+                c = chain(rng)
+                eng.serve(c)
+                time.sleep(0.2)
+                return held_by(serve.port, c, "e#0") == len(c)
+
+            serve.wait_for(later_batch_applied, timeout_s=30, what="a batch after the big one")
+            assert serve.alive()
+            assert source_metric(serve.port, "disconnects", "e") >= 1
+            assert held_by(serve.port, [21], "e#0") == 0
+            assert serve.peak_rss_bytes() - before < 24 << 20  # the 48 MiB never landed
+    finally:
+        eng.publisher.close()
+
+
+def test_item8_the_python_decoder_takes_a_frame_over_msgpacks_default_buffer():
+    # 101 MiB: over the Unpacker's default 100 MiB buffer, which raised BufferFull
+    payload = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [3],
+                                    "parent_block_hash": None,
+                                    "extra_keys": b"x" * (101 << 20)}]])
+    batch = decode(payload)
+    assert batch.events[0].block_hashes.tolist() == [3]
+
+
+@pytest.mark.parametrize("same_batch", [True, False])
+def test_item9_a_refused_store_lets_nothing_hang_under_its_hashes(tmp_path, same_batch):
+    """Hashes the engine does not chain: ``[Y]`` stored after X, then ``[Y]`` as a root
+    (refused: a chain conflict), then ``[Z]`` after Y.  The engine holds X, Y for the
+    query X, Y, Z; the index may answer less, never 3."""
+    x, y, z = 11, 22, 33
+    events = [("stored", [x], None, "GPU"), ("stored", [y], x, "GPU"),
+              ("stored", [y], None, "GPU"), ("stored", [z], y, "GPU")]
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        if same_batch:
+            stats = apply(index, "e", decode(encode_batch(events)))
+            conflicts = stats.bad_events["chain_conflict"]
+        else:
+            conflicts = sum(apply(index, "e", decode(encode_batch([e]))).bad_events[
+                "chain_conflict"] for e in events)
+        assert conflicts == 1
+        assert index.match([x, y, z]).by_holder.get("e", 0) <= 2
+        assert index.check() == []
+
+
+# -- the HTTP side ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(tmp_path):
+    """sarp serve --http (2 workers, short connection timeouts) following one engine."""
+    eng = healthy_engine("e")
+    eng.serve([11, 12, 13])
+    serve = Serve(tmp_path / "ix", [spec("e", eng.publisher)], "--hash-scheme",
+                  "vllm-sha256-cbor", "--hash-seed", "0", "--http-request-timeout-s", "1",
+                  "--http-idle-timeout-s", "2")
+    try:
+        serve.wait_ready()
+        serve.wait_for(lambda: held_by(serve.port, [11, 12, 13], "e#0") == 3, what="a chain")
+        yield serve
+    finally:
+        serve.stop()
+        eng.publisher.close()
+
+
+def worker_pids(pid: int) -> set[int]:
+    """serve's HTTP workers (its spawned children, not multiprocessing's tracker)."""
+    out = set()
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                out.add(int(child))
+    return out
+
+
+def healthz_all_answered(port: int, probes: int, timeout_s: float) -> list[str]:
+    """Probe /healthz ``probes`` times; the failures (each bounded by ``timeout_s``)."""
+    failures = []
+    for _ in range(probes):
+        try:
+            status, _ = call(port, "GET", "/healthz", timeout_s=timeout_s)
+            if status != 200:
+                failures.append(str(status))
+        except OSError as exc:
+            failures.append(repr(exc))
+        time.sleep(0.1)
+    return failures
+
+
+def test_item2_large_token_requests_are_bounded_and_hashed_off_the_loop(served):
+    port = served.port
+    huge = b'{"token_ids": [' + b"1," * ((4 << 20) - 32) + b'1], "block_size": 1}'  # 8 MiB
+    status, body = call(port, "POST", "/v1/match", huge, timeout_s=30)
+    assert status == 413 and body["field"] == "token_ids", body
+    # The most one request may hash: 262,144 blocks of one token, vLLM's scheme, two at
+    # once while /healthz is probed (before, two of these stopped the service 11.6 s)
+    biggest = json.dumps({"token_ids": list(range(1 << 18)), "block_size": 1}).encode()
+    answers: list = []
+    threads = [threading.Thread(target=lambda: answers.append(
+        call(port, "POST", "/v1/match", biggest, timeout_s=60)[0])) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    failures = healthz_all_answered(port, 6, timeout_s=1.0)
+    for t in threads:
+        t.join(timeout=60)
+    assert answers == [200, 200]
+    assert failures == []
+
+
+def test_item3_a_stopped_worker_is_dealt_nothing_and_replaced(served):
+    pids = worker_pids(served.pid)
+    assert len(pids) == 2
+    stopped = min(pids)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        time.sleep(2.0)  # its heartbeat goes stale
+        for i in range(20):  # new connections: each answered, none dealt to the stopped one
+            status, body = match(served.port, {"block_hashes": [11, 12, 13]}, timeout_s=3)
+            assert status == 200 and body["matched_blocks"] == 3, (i, body)
+        served.wait_for(lambda: stopped not in worker_pids(served.pid)
+                        and len(worker_pids(served.pid)) == 2, timeout_s=30,
+                        what="the stopped worker replaced")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)
+    assert match(served.port, {"block_hashes": [11]})[1]["matched_blocks"] == 1
+
+
+def raw(port: int, data: bytes, timeout_s: float = 5.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+
+
+def test_item4_an_oversize_length_is_refused_at_once_and_slow_clients_are_cut(served):
+    head = (b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1099511627776\r\n\r\n")
+    answer = raw(served.port, head + b'{"block_hashes": [')
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 413 " in status_line, answer[:200]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["field"] == "body"
+    idle = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(100)]
+    half = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(40)]
+    for s in half:
+        s.sendall(b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Le")
+    deadline = time.monotonic() + 20
+    for s in idle + half:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        assert s.recv(100) == b""  # closed by serve (a timeout here would raise)
+        s.close()
+    got = metrics(served.port)
+    assert got[("sarp_http_connections_closed_total", (("reason", "idle"),))] >= 1
+    assert got[("sarp_http_connections_closed_total", (("reason", "request"),))] >= 1
+    assert match(served.port, {"block_hashes": [11]})[1]["matched_blocks"] == 1
+
+
+def test_item5_every_error_has_the_json_shape(served):
+    status, body = call(served.port, "GET", "/nowhere")
+    assert status == 404 and body["field"] == "path" and body["error"]
+    status, body = call(served.port, "GET", "/v1/match")
+    assert status == 405 and body["field"] == "method" and body["error"]
+
+
+def test_item5_beyond_loopback_needs_a_token_and_a_token_is_checked(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sarp.cli", "serve", "--index",
+                          str(tmp_path / "ix"), "--source", "e=tcp://127.0.0.1:9",
+                          "--http", "0.0.0.0:9"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--http-token-file" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "ix").exists()
+    (tmp_path / "token").write_text("s3cret-token\n")
+    eng = healthy_engine("e")
+    try:
+        with Serve(tmp_path / "ix", [spec("e", eng.publisher)], "--http-token-file",
+                   str(tmp_path / "token")) as serve:
+            serve.wait_ready()  # /readyz and /healthz ask for no token
+            body = json.dumps({"block_hashes": [1]}).encode()
+            status, answer = call(serve.port, "POST", "/v1/match", body)
+            assert status == 401 and answer["field"] == "Authorization"
+            assert call(serve.port, "GET", "/metrics")[0] == 401
+            status, answer = call(serve.port, "POST", "/v1/match", body,
+                                  headers={"Authorization": "Bearer s3cret-token"})
+            assert status == 200 and answer["matched_blocks"] == 0
+    finally:
+        eng.publisher.close()
+
+
+def test_item6_the_c_parse_answers_as_the_general_one_on_every_body(monkeypatch):
+    from sarp.serving import http as http_mod
+
+    if http_mod._u64_array is None:
+        pytest.skip("sarp._native is not built: there is no C parse to compare")
+    config = http_mod.HttpConfig("ix", "m")
+    rng = random.Random(6)
+    spaces = [b"", b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b"\xa0", b"  \n"]
+
+    def outcome(body: bytes):
+        try:
+            kw = http_mod.parse_match(body, config)
+        except http_mod.BadRequest as exc:
+            return ("refused", exc.field, exc.status)
+        return ("ok", kw["hashes"].tolist(), kw.get("block_size"))
+
+    bodies = []
+    for _ in range(3000):
+        ws = rng.choices(spaces, weights=[8, 4, 2, 2, 2, 1, 1, 1, 2], k=6)
+        hashes = b",".join(str(rng.choice([0, 1, 2**64 - 1, -1, rng.getrandbits(63)])).encode()
+                           + rng.choice(spaces) for _ in range(rng.randrange(0, 5)))
+        tail = rng.choice([b"", b', "block_size": 16', b', "x": 1', b",", b"]"])
+        bodies.append(ws[0] + b"{" + ws[1] + b'"block_hashes"' + ws[2] + b":" + ws[3] + b"["
+                      + hashes + b"]" + tail + ws[4] + b"}" + ws[5])
+    fast = [outcome(b) for b in bodies]
+    taken = sum(http_mod._with_fast_block_hashes(b) is not None for b in bodies)
+    monkeypatch.setattr(http_mod, "_u64_array", None)  # the general parse only
+    general = [outcome(b) for b in bodies]
+    assert taken > 300  # the C path ran on many of them
+    assert [i for i, (a, b) in enumerate(zip(fast, general, strict=True)) if a != b] == []
