@@ -81,18 +81,8 @@ class Serve:
         return self.proc.poll() is None
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise AssertionError(f"sarp serve exited {self.proc.returncode}: "
-                                     f"{self.log.read_text()[-3000:]}")
-            try:
-                if call(self.port, "GET", "/readyz", timeout_s=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"sarp serve never got ready: {self.log.read_text()[-3000:]}")
+        self.wait_for(lambda: call(self.port, "GET", "/readyz", timeout_s=2)[0] == 200,
+                      timeout_s, what="/readyz")
 
     def wait_for(self, done, timeout_s: float = 30.0, what: str = "") -> None:
         deadline = time.monotonic() + timeout_s

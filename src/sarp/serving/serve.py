@@ -65,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
     sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
     dealer = None
     if args.http:
-        from .http import ConnectionDealer, parse_address
+        from .http import ConnectionDealer, access_token, parse_address
 
         if args.http_workers < 1:
             raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
         host, port = parse_address(args.http)
-        args.http_token = _http_token(args, host)
+        args.http_token = access_token(args.http, args.http_token_file,
+                                       args.http_allow_unauthenticated)
         # listen before the index opens: a port in use stops serve with nothing changed
         dealer = ConnectionDealer(host, port, args.http_workers)
     stop = {"now": False, "looping": False}
@@ -172,47 +173,6 @@ def _report(subscriber: Subscriber) -> None:
                  s["last_seq"], s["batches"], s["gaps"], s["replayed"],
                  s["restarts"], s["gone"], s["bad_payloads"], s["bad_frames"],
                  dict(s["applied"]["bad_events"]) or "none")
-
-
-def _http_token(args, host: str) -> str | None:
-    """The bearer token of ``--http-token-file``; refuses to serve beyond loopback
-    without one unless ``--http-allow-unauthenticated`` says so."""
-    token = None
-    if args.http_token_file:
-        try:
-            token = Path(args.http_token_file).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"--http-token-file {args.http_token_file}: cannot read it "
-                             f"({exc.strerror}); give a readable file holding the token") from None
-        if not token or any(c.isspace() for c in token):
-            raise ValueError(f"--http-token-file {args.http_token_file}: write one token "
-                             "(no spaces) in it, e.g. the output of: openssl rand -hex 32")
-    if token is None and not _loopback(host):
-        if not args.http_allow_unauthenticated:
-            raise ValueError(
-                f"--http {args.http}: this binds beyond loopback, where anyone who can reach "
-                "the port could read the index and /metrics; pass --http-token-file FILE "
-                "(clients send 'Authorization: Bearer TOKEN'), or "
-                "--http-allow-unauthenticated behind a proxy that checks callers")
-        log.warning("serving HTTP on %s without authentication (--http-allow-unauthenticated)",
-                    args.http)
-    return token
-
-
-def _loopback(host: str) -> bool:
-    """Does ``host`` name only loopback addresses?
-
-    >>> _loopback("127.0.0.1"), _loopback("::1"), _loopback("0.0.0.0")
-    (True, True, False)
-    """
-    import ipaddress
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 def _start_http(args, dealer, status_dir: str):

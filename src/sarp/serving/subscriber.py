@@ -599,10 +599,7 @@ class Subscriber:
             batch = self._decode(key, seq, payload)
             if batch is None or fp is None or batch.ts >= fp.ts - TS_SLACK_S:
                 self._live_last[key] = seq
-                ahead = self._ahead[key]
-                if ahead:
-                    for old in [s for s in ahead if s < seq]:
-                        del ahead[old]
+                self._drop_ahead(key, seq)
                 return self._apply(key, seq, payload, _digest(payload), batch)
         return self._start_job(key, self._on_message_job(key, seq, payload, live_last))
 
@@ -610,19 +607,24 @@ class Subscriber:
         """The live message that needs a replay first (a generator run as a job)."""
         self._live_last[key] = seq
         self._rejected = False
-        ahead = self._ahead[key]
         applied = 0
         if live_last is not None and seq <= live_last:
             # One engine's PUB stream only goes forward: this is a new engine.
             applied += (yield from self._resync(
                 key, f"live sequence went back from {live_last} to {seq}", known_restart=True))
         else:
-            for old in [s for s in ahead if s < seq]:
-                del ahead[old]
+            self._drop_ahead(key, seq)
         applied += yield from self._on_live(key, seq, payload)
         if self._rejected and live_last is not None:
             self._live_last[key] = live_last  # a bad frame does not move the live stream
         return applied
+
+    def _drop_ahead(self, key: str, seq: int) -> None:
+        """Forget the replayed batches the live stream has passed."""
+        ahead = self._ahead[key]
+        if ahead:
+            for old in [s for s in ahead if s < seq]:
+                del ahead[old]
 
     def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False):
         """Place one live batch against the fingerprint; check continuity when in doubt
