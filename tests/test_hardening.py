@@ -392,3 +392,124 @@ def test_item6_the_c_parse_answers_as_the_general_one_on_every_body(monkeypatch)
     general = [outcome(b) for b in bodies]
     assert taken > 300  # the C path ran on many of them
     assert [i for i, (a, b) in enumerate(zip(fast, general, strict=True)) if a != b] == []
+
+
+# -- records that pass their checksum but lie (item 14) ----------------------------------------
+
+
+def test_item14_a_holder_named_twice_in_a_record_is_damage_on_both_paths():
+    import numpy as np
+
+    from sarp import verify
+    from sarp.errors import CorruptRecordError
+    from sarp.segment import Segment
+
+    for nh in (2, 40):  # pair by pair in C, and through its bitmap
+        ids = np.arange(1, nh + 1, dtype=np.uint16)
+        ids[-1] = ids[0]
+        seg = Segment(7, 0, None, np.array([5, 6, 7], np.uint64), ids,
+                      np.ones((nh, 3), np.uint8))
+        record, query = seg.encode(), np.array([5, 6, 7], "<u8").tobytes()
+        with pytest.raises(CorruptRecordError, match="appears twice") as python_error:
+            verify.examine_py(7, record, query, 0, None)
+        with pytest.raises(CorruptRecordError) as either:
+            verify.examine(7, record, query, 0, None)
+        assert str(either.value) == str(python_error.value)
+        if verify.NATIVE:
+            assert verify._native.examine(record, query, 0, 0, False) < 0
+
+
+def test_item14_a_start_past_the_query_gets_zero_blocks_on_both_paths():
+    import numpy as np
+
+    from sarp import verify
+    from sarp.segment import Segment
+
+    seg = Segment(3, 4, 99, np.array([5, 6], np.uint64), np.array([1], np.uint16),
+                  np.ones((1, 2), np.uint8))
+    record, query = seg.encode(), np.array([1, 2], "<u8").tobytes()  # 2 blocks, start 4
+    expected = verify.examine_py(3, record, query, 4, 99)
+    assert expected == (0, 0, [1], [0])
+    if verify.NATIVE:
+        assert verify._native.examine(record, query, 4, 99, True) == expected
+
+
+_HEAD_LIES = r"""
+import sys, sarp
+with sarp.open(sys.argv[1], durability="nosync") as index:
+    index.insert([1, 2], holder="e")
+    index.directory.add(99, index.directory.lookup(1))  # names segment 1 for hash 99
+    try:
+        index.insert([99], holder="e")
+        print("inserted")
+    except sarp.CorruptRecordError as exc:
+        print("refused:", exc)
+    print(index.match([1, 2]).by_holder)
+"""
+
+
+@pytest.mark.parametrize("pure", ["", "1"])
+def test_item14_an_insert_sent_to_a_record_of_another_head_refuses_instead_of_looping(
+        tmp_path, pure):
+    env = {**os.environ, "SARP_PURE_PYTHON": pure} if pure else \
+        {k: v for k, v in os.environ.items() if k != "SARP_PURE_PYTHON"}
+    out = subprocess.run([sys.executable, "-c", _HEAD_LIES, str(tmp_path / "ix")], env=env,
+                         capture_output=True, text=True, timeout=60)  # it looped for ever
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused: segment") and "named for first hash 99" in lines[0]
+    assert lines[1] == "{'e': 2}"
+
+
+# -- errors at the store boundary (item 13) --------------------------------------------------
+
+
+def test_item13_a_damaged_meta_counter_is_a_sarp_error(tmp_path):
+    import lmdb
+
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        index.insert([1, 2], holder="e")
+    env = lmdb.open(str(tmp_path / "ix"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"next_seg_id", b"\x01\x02\x03", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(sarp.SarpError, match="next_seg_id"), \
+            sarp.open(tmp_path / "ix", durability="nosync") as index:
+        index.insert([7, 8], holder="e")
+
+
+def test_item13_a_folder_the_system_refuses_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for path in (tmp_path / "a-file" / "ix", Path("/proc/sarp-ix")):
+        out = subprocess.run([sys.executable, "-m", "sarp.cli", "serve", "--index", str(path),
+                              "--source", "e=tcp://127.0.0.1:9"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr and str(path) in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_item13_valkey_errors_reach_callers_as_sarp_errors():
+    import valkey
+    from test_valkey import shared_server
+
+    server = shared_server()
+    url = server.url("wrongtype")
+    with sarp.open(url, durability="nosync") as index:
+        index.insert([1, 2], holder="e")
+    with valkey.Valkey(port=server.port) as client:
+        client.delete(b"sarp:{wrongtype}:seg")
+        client.set(b"sarp:{wrongtype}:seg", b"not a hash")  # another program's key
+    with pytest.raises(sarp.SarpError, match="refused a command"), \
+            sarp.open(url, readonly=True) as reader:
+        reader.match([1, 2])
+    # an outage at close: the index was open, Valkey goes away, close() still returns
+    own = type(server)()
+    try:
+        index = sarp.open(own.url("outage"), durability="nosync")
+        index.insert([3], holder="e")
+        own.stop()
+        with contextlib.suppress(sarp.SarpError):  # valkey's own errors are not allowed
+            index.close()
+    finally:
+        own.stop()

@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"sarp serve: {exc}", file=sys.stderr)
             return 2
+        except OSError as exc:  # a path the system refuses, wherever it was met
+            print(f"sarp serve: {exc.filename or ''}: {exc.strerror or exc}; check the path "
+                  "and that this user may use it", file=sys.stderr)
+            return 2
     if args.command == "workingset":
         from .workingset.cli import run
 

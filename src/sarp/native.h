@@ -28,7 +28,7 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *arg);
  * kept for the tails split off that segment */
 #define SEG_ID_STRIDE 8
 
-enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4 };
+enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4, BAD_HOLDERS = -5 };
 
 static inline uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -53,6 +53,25 @@ static inline Layout record_sections(Py_ssize_t n, Py_ssize_t nh, uint8_t flags)
     return L;
 }
 
+/* Does a record name a holder id twice (segment.layout refuses it too: a walk would
+ * count that holder's rows differently in C and in Python)?  A few ids pair by pair,
+ * more through a bitmap of every u16. */
+static inline int repeated_holders(const uint8_t *ids, Py_ssize_t nh) {
+    if (nh <= 16) {
+        for (Py_ssize_t i = 1; i < nh; i++)
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (u16_at(ids + 2 * i) == u16_at(ids + 2 * j)) return 1;
+        return 0;
+    }
+    uint64_t seen[1024] = {0};
+    for (Py_ssize_t i = 0; i < nh; i++) {
+        uint16_t id = u16_at(ids + 2 * i);
+        if (seen[id >> 6] >> (id & 63) & 1) return 1;
+        seen[id >> 6] |= (uint64_t)1 << (id & 63);
+    }
+    return 0;
+}
+
 /* Check a record (size, checksum, magic and version, layout; segment.layout): 0 with
  * `L` filled, or a negative BAD_* code. */
 static inline int record_layout(const uint8_t *r, Py_ssize_t size, Layout *L) {
@@ -60,7 +79,8 @@ static inline int record_layout(const uint8_t *r, Py_ssize_t size, Layout *L) {
     if (XXH3_64bits(r, (size_t)(size - 8)) != u64_at(r + size - 8)) return BAD_CHECKSUM;
     if (r[0] != 'S' || r[1] != 'G' || r[2] != RECORD_VERSION) return BAD_MAGIC;
     *L = record_sections(u16_at(r + 4), u16_at(r + 6), r[3]);
-    return L->size == size ? 0 : BAD_SIZE;
+    if (L->size != size) return BAD_SIZE;
+    return L->nh > 1 && repeated_holders(r + L->holders_at, L->nh) ? BAD_HOLDERS : 0;
 }
 
 /* A big-endian 8-byte key (store.py's `_U64`: byte order is numeric order). */

@@ -749,6 +749,12 @@ static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *paren
         if (!found) break;
         seg = touched_get(b, sid);
         if (seg == NULL) goto out;
+        if (seg->n == 0 || seg->hashes[0] != chain[i]) {
+            /* named for a head it does not start with: the walk would ask again for
+             * ever; Python's walk raises the CorruptRecordError that says so */
+            result = OP_TO_PYTHON;
+            goto out;
+        }
         int want_root = i == 0 && !has_parent;
         uint64_t want_parent = i ? chain[i - 1] : parent;
         if ((want_root ? !seg->is_root : (seg->is_root || seg->parent != want_parent))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ChainConflictError, ParentNotFoundError
+from .errors import ChainConflictError, CorruptRecordError, ParentNotFoundError
 from .filters import HolderSegments
 from .segment import Segment, writable
 from .store import WriteTxn
@@ -278,6 +278,11 @@ class Packer:
             if seg_id is None:
                 break
             seg = touched.get(seg_id)
+            if not seg.hashes.size or int(seg.hashes[0]) != head:
+                # the walk would ask for the same head again, for ever
+                raise CorruptRecordError(f"segment {seg_id}: named for first hash {head}, "
+                                         f"but it starts with "
+                                         f"{int(seg.hashes[0]) if seg.hashes.size else 'nothing'}")
             if seg.parent != (int(chain[i - 1]) if i else parent) or seg.start_pos != start_pos + i:
                 return False  # a conflict: the general path names it
             off = -1

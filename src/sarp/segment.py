@@ -182,6 +182,9 @@ def layout(seg_id: int, record: bytes) -> tuple[int, int, int, int, int | None, 
     expected = meta_off + (8 * nh * n if flags & HAS_META else 0) + 8
     if expected != size:
         raise CorruptRecordError(f"segment {seg_id}: {size} bytes, layout says {expected}")
+    if nh > 1 and len(set(struct.unpack_from(f"<{nh}H", record, hid_off))) != nh:
+        # a holder named twice: its rows would be read differently by each walk
+        raise CorruptRecordError(f"segment {seg_id}: a holder id appears twice")
     return (flags, n, nh, start_pos, None if flags & IS_ROOT else parent, hid_off, pres_off,
             meta_off)
 

@@ -76,6 +76,22 @@ def hash_keys(hashes: np.ndarray) -> list[bytes]:
 _OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
 
 
+def counter_value(raw: bytes | None, name: str, where) -> int:
+    """A meta counter's stored value (8 bytes big-endian); 0 when absent (a counter
+    added after the index was made); ``DamagedIndexError`` naming it when it is not 8
+    bytes (``struct.error`` reached callers before).
+
+    >>> counter_value(None, "segments", "ix"), counter_value(b"\\0" * 7 + b"\\x05", "n", "ix")
+    (0, 5)
+    """
+    if raw is None:
+        return 0
+    if len(raw) != _U64.size:
+        raise DamagedIndexError(f"{where}: meta counter {name!r} is {len(raw)} bytes, not 8; "
+                                "the index is damaged: sarp repair can salvage its records")
+    return _U64.unpack(raw)[0]
+
+
 def _block_items(hashes: np.ndarray, seg_id: int,
                  first_offset: int) -> Iterator[tuple[bytes, bytes]]:
     """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on.
@@ -125,8 +141,12 @@ class Store:
             _check_readable(self.path)
         else:
             _check_path(self.path, create)
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = _take_lock(self.path / LOCK_FILE)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                self._lock_fd = _take_lock(self.path / LOCK_FILE)
+            except OSError as exc:  # a read-only disk, a file in the way, no permission
+                raise ValueError(f"{self.path}: cannot create or lock the index folder "
+                                 f"({exc.strerror}); pass a folder this user can write")from None
         try:
             check_data_file(self.path / "data.mdb")
         except BaseException:
@@ -209,7 +229,7 @@ class Store:
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
 
     def _check_version(self, raw: bytes) -> None:
-        (self.format_version,) = _U64.unpack(raw)
+        self.format_version = counter_value(raw, "format_version", self.path)
         if self.format_version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{self.path}: on-disk format {self.format_version} is newer than this "
@@ -311,7 +331,7 @@ class Store:
 
     def counter(self, name: str) -> int:
         with self._begin() as txn:
-            return _U64.unpack(txn.get(name.encode(), db=self.meta_db))[0]
+            return counter_value(txn.get(name.encode(), db=self.meta_db), name, self.path)
 
     def num_segments(self) -> int:
         with self._begin() as txn:
@@ -402,7 +422,7 @@ class ReadTxn:
 
     def counter(self, name: str) -> int:
         raw = self._txn.get(name.encode(), db=self._store.meta_db)
-        return 0 if raw is None else _U64.unpack(raw)[0]  # 0: a counter added later
+        return counter_value(raw, name, self._store.path)
 
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
@@ -684,7 +704,7 @@ class WriteTxn(WriteLogic):
 
     def counter(self, name: str) -> int:
         raw = self.txn.get(name.encode(), db=self._store.meta_db)
-        return 0 if raw is None else _U64.unpack(raw)[0]
+        return counter_value(raw, name, self._store.path)
 
 
 def _check_path(path: Path, create: bool) -> None:

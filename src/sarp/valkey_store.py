@@ -67,6 +67,7 @@ from .store import (
     FORMAT_VERSION,
     WriteLogic,
     _checked_name,
+    counter_value,
     hash_keys,
 )
 
@@ -234,6 +235,9 @@ class ValkeyStore:
             how = " over TLS" if self.settings["ssl"] else ""
             raise StoreError(f"{url}: cannot reach Valkey{how} ({exc}); is the server up"
                              f"{', and serving TLS' if how else ''}?") from exc
+        except valkey.exceptions.ValkeyError as exc:
+            self.close()
+            raise _refused(url, "opening", exc) from exc
         except BaseException:
             self.close()
             raise
@@ -290,7 +294,7 @@ class ValkeyStore:
 
     def _check_version(self) -> None:
         raw = self.client.hget(self.keys["meta"], b"format_version")
-        version = _U64.unpack(raw)[0]
+        version = counter_value(raw, "format_version", self.path)
         if version > FORMAT_VERSION:
             raise FormatVersionError(f"{self.path}: format {version} is newer than this "
                                      f"sarp's {FORMAT_VERSION}; upgrade sarp to open it")
@@ -304,13 +308,16 @@ class ValkeyStore:
             self._renewer = None
         client = getattr(self, "client", None)
         if client is not None:
-            if self._lease_value is not None and not self._lost.is_set():
-                with contextlib.suppress(valkey.exceptions.ValkeyError):  # else it expires
+            # Valkey may be gone: what is unreleased expires with the lease
+            with contextlib.suppress(valkey.exceptions.ValkeyError):
+                if self._lease_value is not None and not self._lost.is_set():
                     self._renew(keys=[self.keys["lease"]], args=[self._lease_value, 0])
-            if self._match_conn is not None:
-                self._match_conn.disconnect()
-                self._match_conn = None
-            client.close()
+            with contextlib.suppress(valkey.exceptions.ValkeyError):
+                if self._match_conn is not None:
+                    self._match_conn.disconnect()
+            self._match_conn = None
+            with contextlib.suppress(valkey.exceptions.ValkeyError):
+                client.close()
             self.client = None
         self._lease_value = None
 
@@ -331,12 +338,15 @@ class ValkeyStore:
             result = fn(w)
         except _UNREACHABLE as exc:
             raise StoreError(f"{self.path}: write failed ({exc}); nothing was written") from exc
+        except valkey.exceptions.ValkeyError as exc:
+            raise _refused(self.path, "writing (nothing was written)", exc) from exc
         w.commit()
         return result
 
     def counter(self, name: str) -> int:
-        raw = self.client.hget(self.keys["meta"], name.encode())
-        return 0 if raw is None else _U64.unpack(raw)[0]
+        with ValkeyReadTxn(self):  # its exit turns Valkey's errors into StoreError
+            raw = self.client.hget(self.keys["meta"], name.encode())
+        return counter_value(raw, name, self.path)
 
     def hmget(self, key: bytes, fields: list[bytes]) -> list:
         """``HMGET`` on a connection kept for the match path (the Index's lock makes its
@@ -407,6 +417,14 @@ class ValkeyStore:
                              "been applied: reopen to see the stored state") from exc
 
 
+def _refused(where, doing: str, exc: Exception) -> StoreError:
+    """A command Valkey answered with an error: a key of the namespace holds another
+    type (``WRONGTYPE``), a command the server refuses, ..."""
+    return StoreError(f"{where}: Valkey refused a command while {doing} ({exc}); if a key "
+                      "of the namespace holds something else, another program uses the "
+                      "namespace: give sarp a namespace of its own")
+
+
 def _aof_enabled(client) -> bool:
     try:
         return bool(int(client.info("persistence").get("aof_enabled", 0)))
@@ -455,6 +473,8 @@ class ValkeyReadTxn:
         if exc_type is not None and issubclass(exc_type, _UNREACHABLE):
             raise StoreError(f"{self._store.path}: reading failed ({exc}); is Valkey up?") \
                 from exc
+        if exc_type is not None and issubclass(exc_type, valkey.exceptions.ValkeyError):
+            raise _refused(self._store.path, "reading", exc) from exc
 
     def record(self, seg_id: int) -> bytes | None:
         self.reads += 1
@@ -476,7 +496,7 @@ class ValkeyReadTxn:
         if self._meta is None:  # one round trip per transaction, on first use
             self._meta = self._c.hgetall(self._store.keys["meta"])
         raw = self._meta.get(name.encode())
-        return 0 if raw is None else _U64.unpack(raw)[0]
+        return counter_value(raw, name, self._store.path)
 
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         start = f"{seq + 1}-0"
@@ -548,7 +568,7 @@ class ValkeyWriteTxn(WriteLogic):
             if self._meta is None:
                 self._meta = self._c.hgetall(self._store.keys["meta"])
             raw = self._meta.get(key)
-        return 0 if raw is None else _U64.unpack(raw)[0]
+        return counter_value(raw, name, self._store.path)
 
     def set_counter(self, name: str, value: int) -> None:
         self._put("meta", name.encode(), _U64.pack(value))

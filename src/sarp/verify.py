@@ -54,7 +54,7 @@ def examine_py(
     _, n, nh, start_pos, rec_parent, holders_at, presence_at, _ = layout(seg_id, record)
     if start_pos != start or rec_parent != parent:
         return None
-    m = min(n, len(query_bytes) // 8 - start)
+    m = max(0, min(n, len(query_bytes) // 8 - start))  # 0 past the query's end, as in C
     ours = record[_HASHES_AT : _HASHES_AT + 8 * m]
     theirs = query_bytes[8 * start : 8 * (start + m)]
     same = m if ours == theirs else _equal_prefix(ours, theirs)
