@@ -513,3 +513,107 @@ def test_item13_valkey_errors_reach_callers_as_sarp_errors():
             index.close()
     finally:
         own.stop()
+
+
+# -- Valkey: a reset server, a trimmed log, a stalled server (items 10-12) ---------------------
+
+
+def _chains(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.getrandbits(63) for _ in range(4)] for _ in range(n)]
+
+
+def test_item10_a_reader_across_a_valkey_reset_names_the_new_holders(tmp_path):
+    from sarp.bench.valkey_server import ValkeyServer
+
+    server = ValkeyServer()
+    port = server.port
+    url = server.url("reset")
+    chains = _chains(10, 30)
+    try:
+        writer = sarp.open(url, durability="nosync")
+        for c in chains:
+            writer.insert(c, holder="old")
+        reader = sarp.open(url, readonly=True)
+        assert reader.match(chains[0]).by_holder == {"old": 4}
+        writer.close()
+        server.stop()
+        server = ValkeyServer(port=port)  # back empty, on the same port
+        with sarp.open(url, durability="nosync") as again:  # the same writes, other holder
+            for c in chains:
+                again.insert(c, holder="new")
+            # the new index's counters stand where the old one's did when the reader
+            # last caught up: only its id tells them apart
+            for c in chains:
+                assert reader.match(c).by_holder == {"new": 4}
+        assert reader.stats()["index_reloads"] == 1
+        reader.close()
+    finally:
+        server.stop()
+
+
+def test_item11_a_log_trimmed_by_another_client_makes_readers_reload(tmp_path):
+    import valkey
+    from test_valkey import shared_server
+
+    server = shared_server()
+    url = server.url("trimmed")
+    chains = _chains(11, 60)
+    with sarp.open(url, durability="nosync") as writer:
+        for c in chains[:20]:
+            writer.insert(c, holder="w")
+        with sarp.open(url, readonly=True) as reader:
+            assert all(reader.match(c).num_blocks == 4 for c in chains[:20])
+            for c in chains[20:]:
+                writer.insert(c, holder="w")
+            with valkey.Valkey(port=server.port) as client:
+                # not sarp's doing: exactly, not approximately (which trims whole nodes)
+                client.xtrim(b"sarp:{trimmed}:log", maxlen=5, approximate=False)
+            problems = writer.check()
+            assert any(p.startswith("log: entries") for p in problems), problems
+            assert sum(reader.match(c).num_blocks == 4 for c in chains) == 60
+            assert reader.stats()["log_holes"] == 1
+            assert reader.check() == [p for p in problems if p.startswith("log:")]
+
+
+def test_item12_a_standby_waits_out_a_stalled_server_and_the_old_writer_is_told(tmp_path):
+    from sarp.bench.valkey_server import ValkeyServer
+    from sarp.errors import LeaseLostError
+
+    server = ValkeyServer()
+    url = server.url("stall")
+    try:
+        writer = sarp.open(url, durability="nosync", lease_s=2)
+        writer.insert([1, 2], holder="a")
+        standby: dict = {}
+
+        def take_over() -> None:
+            try:
+                standby["index"] = sarp.open(url, durability="nosync", lease_s=2,
+                                             wait_for_lease_s=60)
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                standby["error"] = exc
+
+        thread = threading.Thread(target=take_over)
+        thread.start()
+        time.sleep(0.5)  # the standby is waiting
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)  # the writer's lease runs out while the server is stopped
+            with pytest.raises(LeaseLostError):
+                writer.insert([3], holder="a")
+            time.sleep(10)  # past the clients' 10 s socket timeout: the standby retries
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        thread.join(timeout=60)
+        assert "error" not in standby, standby.get("error")
+        new = standby["index"]
+        assert new.match([1, 2]).by_holder == {"a": 2}
+        new.insert([1, 2, 5], holder="b")
+        with pytest.raises(LeaseLostError):
+            writer.insert([4], holder="a")
+        with contextlib.suppress(sarp.SarpError):
+            writer.close()
+        new.close()
+    finally:
+        server.stop()

@@ -59,6 +59,7 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
         expected_blocks.clear()
     for h, want in expected_blocks.items():
         problems.append(f"blocks table: {h} missing, stored in segment {want[0]} at {want[1]}")
+    _check_log(r, problems)
     got = directory.entries()
     for h in sorted(got.keys() | expected_directory.keys()):
         if got.get(h) != expected_directory.get(h):
@@ -74,6 +75,21 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
                 f"missing {sorted(want - have)[:5]}"
             )
     return problems
+
+
+def _check_log(r: ReadTxn, problems: list[str]) -> None:
+    """The log runs on without a hole from what was trimmed to the newest sequence (a
+    reader behind a hole would miss those changes; it reloads when it meets one)."""
+    trimmed, newest = r.counter("log_trimmed_upto"), r.counter("next_seq")
+    expect = trimmed + 1
+    for seq, _, _ in r.log_since(trimmed):
+        if seq != expect:
+            problems.append(f"log: entries {expect}..{seq - 1} are missing (trimmed up to "
+                            f"{trimmed}, newest {newest})")
+        expect = seq + 1
+    if expect <= newest:
+        problems.append(f"log: entries {expect}..{newest} are missing (trimmed up to "
+                        f"{trimmed})")
 
 
 def _guarded(entries, problems: list[str]):

@@ -64,6 +64,11 @@ _U64_LE = struct.Struct("<Q")
 _LONG_CHAIN = 256  # blocks: match_many walks longer chains one at a time
 
 
+class _LogHole(Exception):
+    """Entries are missing from the log after the watermark: memory cannot be brought
+    up to date from it (a reader reloads, a writer's open rebuilds)."""
+
+
 @dataclass(slots=True)
 class _Counters:
     inserts: int = 0
@@ -82,6 +87,8 @@ class _Counters:
     batched_ops: int = 0  # operations they carried
     snapshot_reloads: int = 0  # a reader found the log trimmed past it and reloaded
     reader_rebuilds: int = 0  # ... and had no usable snapshot: rebuilt in memory
+    log_holes: int = 0  # a reader found entries missing from the log, and reloaded
+    index_reloads: int = 0  # a reader found the index created anew, and reloaded
 
 
 def open(  # noqa: A001 - the public name the design asks for
@@ -316,7 +323,14 @@ class Index:
         self.directory, self.holders = snap.directory, snap.holders
         self.recovered_from = "snapshot"
         self._watermark = snap.watermark
-        self.replayed_changes = self._replay_log(r)
+        try:
+            self.replayed_changes = self._replay_log(r)
+        except _LogHole as exc:
+            self.recovered_from, self.recovery_reason = "rebuild", str(exc)
+            (log.info if self.readonly else log.warning)(
+                "sarp: %s: %s; rebuilding the directory from the segments", self.path, exc)
+            self._rebuild(r)
+            return
         self._counters.changes_since_snapshot = self.replayed_changes
 
     def _drop_damaged_holders(self) -> None:
@@ -348,21 +362,28 @@ class Index:
         """Apply the log entries after the watermark, as of ``r``; return how many.
 
         A segment logged several times is re-read once: replaying reads its state as
-        of ``r``, which is the same for every entry of it.
+        of ``r``, which is the same for every entry of it.  Entries run on from the
+        watermark without a hole; one missing (a stream trimmed by another client)
+        raises :class:`_LogHole` before memory changes, and the caller reloads.
         """
         # segment id -> every first hash logged for it: an id can name another chain
         # once its segment is gone (a tail's id is taken again)
         latest: dict[int, list[int]] = {}
-        count = 0
+        count, last = 0, self._watermark
         for seq, seg_id, first_hash in r.log_since(self._watermark):
+            if seq != last + 1:
+                raise _LogHole(f"log entry {last + 1} is missing (the next is {seq})")
             logged = latest.pop(seg_id, [])  # keep the order of last mention
             if first_hash not in logged:
                 logged.append(first_hash)
             latest[seg_id] = logged
-            self._watermark = seq
+            last = seq
             count += 1
+        newest = r.counter("next_seq")
+        if last < newest:
+            raise _LogHole(f"log entries {last + 1}..{newest} are missing")
         self._replay(r, latest)
-        self._watermark = max(self._watermark, r.counter("next_seq"))
+        self._watermark = max(last, newest)
         return count
 
     def _replay(self, r: ReadTxn, latest: dict[int, list[int]]) -> None:
@@ -398,31 +419,60 @@ class Index:
     def _catch_up(self, r: ReadTxn) -> bool:
         """A reader: bring memory to the state of ``r``.  False: retry with a newer ``r``.
 
-        Cost: one counter read when nothing changed; else one segment read per
-        changed segment, or a snapshot load when the writer trimmed the log past us.
+        Cost: two meta reads (the index id, the log's counter) when nothing changed;
+        else one segment read per changed segment, or a snapshot load when the writer
+        trimmed the log past us, the log has a hole, or the index was created anew.
         """
+        index_id = r.index_id()
+        renewed = index_id != self._store.index_id
         seq = r.counter("next_seq")
-        if seq == self._watermark:
+        if seq == self._watermark and not renewed:
             return True
-        if _holders_version(r) != self._holders_seen:
+        if renewed or _holders_version(r) != self._holders_seen:
             self._load_holders(r.holder_names())
             self._holders_seen = _holders_version(r)
-        trimmed = r.counter("log_trimmed_upto")
-        if trimmed > self._watermark:
-            try:
-                snap = self._store.load_snapshot()
-            except snapshots.SnapshotUnusable:
-                snap = None
-            if snap is not None and snap.watermark > seq:
-                return False  # a snapshot newer than this transaction: take a newer one
-            if snap is None or self._stale_reason(snap, r):
-                self._rebuild(r)  # in memory only
-                self._counters.reader_rebuilds += 1
-                return True
-            self.directory, self.holders = snap.directory, snap.holders
-            self._watermark = snap.watermark
-            self._counters.snapshot_reloads += 1
-        self._replay_log(r)
+        if renewed:
+            # Made anew under us (a Valkey that restarted empty and was written again):
+            # its counters can land where ours stood, so they prove nothing.
+            log.warning("sarp: %s was created anew since this reader caught up; reloading",
+                        self.path)
+            old_id, self._store.index_id = self._store.index_id, index_id
+            if not self._reload(r, seq):
+                self._store.index_id = old_id  # the next attempt sees it anew again
+                return False
+            self._counters.index_reloads += 1
+            return True
+        if r.counter("log_trimmed_upto") > self._watermark:
+            return self._reload(r, seq)
+        try:
+            self._replay_log(r)
+        except _LogHole as exc:
+            log.warning("sarp: %s: %s; reloading", self.path, exc)
+            self._counters.log_holes += 1
+            return self._reload(r, seq)
+        return True
+
+    def _reload(self, r: ReadTxn, seq: int) -> bool:
+        """A reader: memory from the snapshot and the log after it, or a rebuild in
+        memory when the snapshot cannot be used.  False: retry with a newer ``r``."""
+        try:
+            snap = self._store.load_snapshot()
+        except snapshots.SnapshotUnusable:
+            snap = None
+        if snap is not None and snap.watermark > seq:
+            return False  # a snapshot newer than this transaction: take a newer one
+        if snap is None or self._stale_reason(snap, r):
+            self._rebuild(r)  # in memory only
+            self._counters.reader_rebuilds += 1
+            return True
+        self.directory, self.holders = snap.directory, snap.holders
+        self._watermark = snap.watermark
+        self._counters.snapshot_reloads += 1
+        try:
+            self._replay_log(r)
+        except _LogHole:
+            self._rebuild(r)
+            self._counters.reader_rebuilds += 1
         return True
 
     def _read(self, query: np.ndarray | None = None) -> contextlib.AbstractContextManager[ReadTxn]:
@@ -444,9 +494,10 @@ class Index:
                 if query is not None and r.prefetch is not None:
                     ids = self.directory.lookup_many(query)
                     r.prefetch(ids[ids >= 0], with_counters=True)
-                seen = (self._watermark, self._holders_seen)
+                seen = (self._watermark, self._holders_seen, self._counters.index_reloads)
                 if self._catch_up(r):
-                    if r.prefetch is not None and seen != (self._watermark, self._holders_seen):
+                    now = (self._watermark, self._holders_seen, self._counters.index_reloads)
+                    if r.prefetch is not None and seen != now:
                         # A remote store's reads are separate commands: read again, so
                         # that the records come from the same atomic read as the
                         # counters this memory is now current with.

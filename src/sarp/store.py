@@ -424,6 +424,11 @@ class ReadTxn:
         raw = self._txn.get(name.encode(), db=self._store.meta_db)
         return counter_value(raw, name, self._store.path)
 
+    def index_id(self) -> bytes | None:
+        """The id the index was created with, as of this transaction."""
+        raw = self._txn.get(b"index_id", db=self._store.meta_db)
+        return None if raw is None else bytes(raw)
+
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
         cur = self._txn.cursor(db=self._store.log_db)

@@ -207,6 +207,7 @@ class ValkeyStore:
         self.keys = {name: f"sarp:{{{ns}}}:{name}".encode()
                      for name in ("meta", "seg", "blk", "hold", "log", "snap", "lease", "fence")}
         self._lease_value: bytes | None = None
+        self._lease_until = 0.0  # monotonic time the lease runs out, as of its last renewal
         self._aof = False
         self._lost = threading.Event()
         self._stop = threading.Event()
@@ -247,10 +248,22 @@ class ValkeyStore:
     def _take_lease(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
         while True:
-            fence = self.client.incr(self.keys["fence"])
-            value = f"{fence}:{uuid.uuid4().hex}".encode()
-            if self.client.set(self.keys["lease"], value, nx=True, px=self.lease_ms):
+            try:
+                fence = self.client.incr(self.keys["fence"])
+                value = f"{fence}:{uuid.uuid4().hex}".encode()
+                asked = time.monotonic()  # the server sets it at this time or later
+                taken = self.client.set(self.keys["lease"], value, nx=True, px=self.lease_ms)
+            except _UNREACHABLE as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                # a stalled or restarting server: a standby waits it out (it gave up here)
+                log.warning("sarp: %s: Valkey did not answer while waiting for the lease "
+                            "(%s); trying again", self.path, exc)
+                time.sleep(0.2)
+                continue
+            if taken:
                 self._lease_value = value
+                self._lease_until = asked + self.lease_ms / 1000
                 break
             if time.monotonic() >= deadline:
                 holder = self.client.get(self.keys["lease"])
@@ -266,6 +279,7 @@ class ValkeyStore:
 
     def _keep_lease(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
+            asked = time.monotonic()
             try:
                 held = self._renew(keys=[self.keys["lease"]],
                                    args=[self._lease_value, self.lease_ms])
@@ -277,8 +291,13 @@ class ValkeyStore:
                           self.path)
                 self._lost.set()
                 return
+            self._lease_until = asked + self.lease_ms / 1000
 
     def _check_lease(self) -> None:
+        if not self._lost.is_set() and time.monotonic() > self._lease_until:
+            # not renewed within its time (the server stalled, or this process did): the
+            # server has let it go, and another writer may hold it now
+            self._lost.set()
         if self._lost.is_set():
             raise LeaseLostError(f"{self.path}: this writer lost its lease (another writer "
                                  "took over, or it was paused past the lease); reopen")
@@ -337,6 +356,7 @@ class ValkeyStore:
         try:
             result = fn(w)
         except _UNREACHABLE as exc:
+            self._check_lease()  # the lease ran out meanwhile: say that, not a timeout
             raise StoreError(f"{self.path}: write failed ({exc}); nothing was written") from exc
         except valkey.exceptions.ValkeyError as exc:
             raise _refused(self.path, "writing (nothing was written)", exc) from exc
@@ -413,6 +433,7 @@ class ValkeyStore:
                                      "index is unchanged") from exc
             raise StoreError(f"{self.path}: write failed: {exc}") from exc
         except _UNREACHABLE as exc:
+            self._check_lease()  # a write that outlived the lease is a lost lease
             raise StoreError(f"{self.path}: write failed ({exc}); it may or may not have "
                              "been applied: reopen to see the stored state") from exc
 
@@ -493,10 +514,18 @@ class ValkeyReadTxn:
         return self._c.hmget(self._store.keys["seg"], [_U64.pack(s) for s in seg_ids])
 
     def counter(self, name: str) -> int:
+        raw = self._meta_fields().get(name.encode())
+        return counter_value(raw, name, self._store.path)
+
+    def index_id(self) -> bytes | None:
+        """The id the index was created with, as of this transaction (a server that
+        restarted empty and was written again has another one)."""
+        return self._meta_fields().get(b"index_id")
+
+    def _meta_fields(self) -> dict[bytes, bytes]:
         if self._meta is None:  # one round trip per transaction, on first use
             self._meta = self._c.hgetall(self._store.keys["meta"])
-        raw = self._meta.get(name.encode())
-        return counter_value(raw, name, self._store.path)
+        return self._meta
 
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         start = f"{seq + 1}-0"
