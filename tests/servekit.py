@@ -58,7 +58,7 @@ class Serve:
     """One ``sarp serve`` process; ``http`` is its port when started with HTTP."""
 
     def __init__(self, index: Path | str, sources: list[str], *extra: str,
-                 http: bool = True, workers: int = 2) -> None:
+                 http: bool = True, workers: int = 2, log: Path | None = None) -> None:
         self.index = str(index)
         self.port = free_port() if http else None
         cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", self.index,
@@ -69,7 +69,7 @@ class Serve:
             cmd += ["--http", f"127.0.0.1:{self.port}", "--http-workers", str(workers)]
         cmd += list(extra)
         self.cmd = cmd
-        self.log = Path(self.index + ".serve.log")
+        self.log = Path(log or (self.index + ".serve.log"))
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(cmd, stderr=self._log_file, stdout=self._log_file)
 

@@ -617,3 +617,36 @@ def test_item12_a_standby_waits_out_a_stalled_server_and_the_old_writer_is_told(
         new.close()
     finally:
         server.stop()
+
+
+def test_serve_on_valkey_outlives_a_valkey_restart_and_ends_equal_to_the_engine(tmp_path):
+    from sarp.bench.valkey_server import ValkeyServer
+
+    server = ValkeyServer(aof=True, folder=tmp_path / "valkey")
+    port, url = server.port, server.url("outage")
+    eng = healthy_engine("e")
+    rng = random.Random(12)
+    roots = [chain(rng, 3) for _ in range(5)]
+    try:
+        with Serve(url, [spec("e", eng.publisher)], "--lease-s", "10",
+                   log=tmp_path / "serve.log") as serve:
+            serve.wait_ready()
+            for i in range(120):
+                eng.serve(rng.choice(roots) + chain(rng, 3))
+                if i == 40:
+                    server.stop()  # its AOF holds what was acknowledged
+                if i == 60:
+                    server = ValkeyServer(aof=True, folder=tmp_path / "valkey", port=port)
+                time.sleep(0.02)
+            held = set(eng.cache)
+
+            def equal() -> bool:
+                with sarp.open(url, readonly=True) as reader:
+                    return set(reader.blocks_of("e#0").tolist()) == held
+
+            serve.wait_for(equal, timeout_s=60, what="the index equal to the engine's cache")
+            assert serve.alive()
+            assert metrics(serve.port).get(("sarp_store_errors_total", ()), 0) >= 1
+    finally:
+        eng.publisher.close()
+        server.stop()

@@ -70,6 +70,7 @@ class ValkeyServer:
     def __init__(self, *, aof: bool = False, cluster: bool = False, folder: Path | None = None,
                  port: int | None = None, password: str | None = None) -> None:
         self.port = port or free_port(with_bus=cluster)
+        self._own_folder = folder is None  # a folder given is kept (a restart reads it)
         self.folder = Path(folder or tempfile.mkdtemp(prefix="sarp-valkey-"))
         self.folder.mkdir(parents=True, exist_ok=True)
         cmd = [binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -98,7 +99,8 @@ class ValkeyServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self._own_folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> ValkeyServer:
         return self

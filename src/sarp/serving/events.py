@@ -477,6 +477,10 @@ class Applier:
     def pending_ops(self) -> int:
         return len(self._ops)
 
+    def discard(self) -> None:
+        """Drop everything queued (a write failed: the batches are asked for again)."""
+        self._ops, self._meta, self._batches = [], [], []
+
     def add(self, source: str, batch: Batch, stats: ApplyStats, *,
             dp_rank: int | None = None) -> None:
         """Queue a decoded batch's events (nothing is written until :meth:`flush`)."""

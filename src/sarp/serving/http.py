@@ -58,6 +58,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
 from ..verify import native_u64_array as _u64_array
 
@@ -346,7 +347,8 @@ def write_status(index_path: Path, subscriber, *, caught_up: bool, started: floa
                         "seconds_since_last_applied": None if last is None else now - last}
     status = {"pid": os.getpid(), "started": started, "heartbeat": now,
               "caught_up": caught_up, "sources": sources,
-              "http_worker_restarts": worker_restarts}
+              "http_worker_restarts": worker_restarts,
+              "store_errors": getattr(subscriber, "store_errors", 0)}
     tmp = index_path / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps(status))
     os.replace(tmp, index_path / STATUS_FILE)
@@ -726,6 +728,9 @@ def make_app(index, config: HttpConfig):
                 response.force_close()
                 return response
             return await handler(request)
+        except SarpError as exc:  # the store is away (Valkey restarting): say so, go on
+            return web.json_response({"error": f"the index cannot be read now ({exc}); "
+                                               "try again", "field": "index"}, status=503)
         except web.HTTPException as exc:
             # aiohttp's own refusals (404, 405, 413 ...) in the shape of ours
             field = "path" if exc.status == 404 else "method" if exc.status == 405 \
@@ -859,8 +864,11 @@ class _StatusCollector:
         yield GaugeMetricFamily("sarp_ready", "every source caught up since start",
                                 value=1.0 if status.get("caught_up") else 0.0)
         yield CounterMetricFamily("sarp_http_worker_restarts",
-                                  "HTTP workers that died and were replaced",
+                                  "HTTP workers that died or hung and were replaced",
                                   value=status.get("http_worker_restarts", 0))
+        yield CounterMetricFamily("sarp_store_errors",
+                                  "writes to the index that failed and were retried",
+                                  value=status.get("store_errors", 0))
         stats = self.index.stats()
         for name in ("segments", "blocks", "directory_entries", "memory_bytes", "disk_bytes"):
             yield GaugeMetricFamily(f"sarp_index_{name}", f"index {name.replace('_', ' ')}",

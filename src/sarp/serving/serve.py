@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import StoreError
 from .subscriber import ReplayBudget, Source, Subscriber
 
 log = logging.getLogger("sarp.serve")
@@ -114,6 +115,12 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
                                 dead_after_s=args.dead_after_s,
                                 max_frame_bytes=args.max_frame_bytes,
                                 replay_budget=ReplayBudget(seconds=args.replay_budget_s))
+        if http:
+            # what a killed serve left says it was caught up: the workers must not
+            # answer /readyz from it before this serve has checked the engines
+            from .http import write_status
+
+            write_status(Path(status_dir), subscriber, caught_up=False, started=time.time())
         service = _start_http(args, dealer, status_dir) if http else None
         try:
             with collector_tuned():
@@ -150,7 +157,11 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             subscriber.poll(100)
             now = time.monotonic()
             if now - last_snapshot >= args.snapshot_every_s:
-                index.snapshot()
+                try:
+                    index.snapshot()
+                except StoreError as exc:  # the store is away: the next period tries again
+                    log.warning("snapshot failed (%s); trying again in %g s", exc,
+                                args.snapshot_every_s)
                 last_snapshot = now
             if with_status and now - last_status >= STATUS_EVERY_S:
                 if service is not None:
@@ -163,7 +174,10 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 _report(subscriber)
                 last_report = now
     finally:
-        subscriber.save_state(durable=True)
+        try:
+            subscriber.save_state(durable=True)
+        except StoreError as exc:  # re-applying from the last saved state is harmless
+            log.warning("could not save the engines' fingerprints at stop (%s)", exc)
 
 
 def _report(subscriber: Subscriber) -> None:

@@ -61,6 +61,7 @@ import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..errors import StoreError
 from .events import Applier, ApplyStats, BadEvent, Batch, RateLimitedLog, decode, holder_name
 
 log = logging.getLogger("sarp.subscriber")
@@ -80,6 +81,7 @@ MAX_FRAME_BYTES = 64 << 20  # a frame over this is never received (vLLM's are Ki
 REPLAY_MESSAGES = 256  # replay messages a job takes per poll before the others' turn
 POLL_MESSAGES = 65_536  # live messages one poll takes at most before the jobs' turn
 FIRST_RETRY_S, MAX_RETRY_S = 1.0, 60.0  # backoff after a failed replay, doubling
+STORE_RETRY_S, MAX_STORE_RETRY_S = 0.25, 5.0  # ... and after a failed write to the index
 REPLAY_RCVHWM = 1_000  # messages queued on our side of a replay (vLLM's ROUTER sends 1,000)
 
 _fault_log = RateLimitedLog(log)
@@ -319,6 +321,10 @@ class Subscriber:
         self._heard = {key: now for key in self.sources}  # last frame or answer from each
         self._probes: dict[zmq.Socket, tuple[str, float]] = {}  # asked, and when
         self._gone: set[str] = set()  # taken as gone: cleared, still asked now and then
+        self._unchecked: set[str] = set()  # sources whose start-up check has not ended
+        self.store_errors = 0  # writes to the index that failed (and were retried)
+        self._store_retry_at = 0.0
+        self._store_backoff = STORE_RETRY_S
         self._jobs: dict[str, _Job] = {}  # sources waiting on their replay endpoint
         self._retry_at: dict[str, float] = {}  # sources whose replay failed: when to retry
         self._backoff: dict[str, float] = {}  # the next wait after another failure
@@ -373,7 +379,45 @@ class Subscriber:
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Handle the messages that arrive within ``timeout_ms`` (live ones, and the
-        replays' of the sources with a job); return batches applied."""
+        replays' of the sources with a job); return batches applied.
+
+        A write to the index that fails (``StoreError``: Valkey restarting, a full disk)
+        stops nothing: what was not committed is dropped, every source is proven again
+        from its last committed batch once a write goes through, and until then the
+        messages wait in their sockets (retried after 0.25 s, doubling to 5 s).
+        """
+        now = time.monotonic()
+        if now < self._store_retry_at:
+            time.sleep(min(timeout_ms / 1000, self._store_retry_at - now))
+            return 0
+        try:
+            applied = self._poll(timeout_ms)
+        except StoreError as exc:
+            self._store_failed(exc)
+            return 0
+        self._store_backoff = STORE_RETRY_S
+        return applied
+
+    def _store_failed(self, exc: StoreError) -> None:
+        """Drop what was not committed; prove every source again from what was."""
+        self.store_errors += 1
+        _fault_log.warn("index", "store_error", f"sarp: writing to the index failed ({exc});"
+                        f" trying again in {self._store_backoff:g} s, then every engine is "
+                        "proven again from its last committed batch")
+        for job in list(self._jobs.values()):
+            job.gen.close()
+            self._end_job(job, saving=False)
+        self._applier.discard()
+        self.state = dict(self._committed)
+        self._dirty.clear()
+        self._queued_since, self._queued_fps = None, []
+        for ahead in self._ahead.values():
+            ahead.clear()
+        self._verify.update(self.sources)
+        self._store_retry_at = time.monotonic() + self._store_backoff
+        self._store_backoff = min(2 * self._store_backoff, MAX_STORE_RETRY_S)
+
+    def _poll(self, timeout_ms: int) -> int:
         applied = 0
         ready = dict(self._poller.poll(self._next_wait_ms(timeout_ms)))
         for monitor, key in self._monitors.items():  # connections first
@@ -383,7 +427,8 @@ class Subscriber:
             # A new connection may be a new engine on the same port, whose first
             # batches went out before we were there: check now, not at its next batch.
             self._verify.discard(key)
-            applied += self._start_job(key, self._resync(key, "reconnected"))
+            applied += self._start_job(key, self._resync(key, "reconnected"),
+                                       startup=key in self._unchecked)
         # Round-robin over the sources with messages waiting, a few from each at a time,
         # so that one source's backlog neither delays the others nor reaches the index
         # long before theirs (a backlog applied in time order churns less: a block one
@@ -420,7 +465,7 @@ class Subscriber:
     @property
     def caught_up(self) -> bool:
         """Has every source's start-up check (:meth:`start_catch_up`) ended?"""
-        return not any(job.startup for job in self._jobs.values())
+        return not self._unchecked
 
     @property
     def replaying(self) -> list[str]:
@@ -468,6 +513,7 @@ class Subscriber:
         A SUB socket only sees messages published after it connects, so a
         (re)started subscriber asks first instead of waiting for a gap to show.
         """
+        self._unchecked.update(self.sources)
         return sum(self._start_job(key, self._resync(key, "start"), startup=True)
                    for key in self.sources if key not in self._jobs)
 
@@ -494,7 +540,7 @@ class Subscriber:
     def close(self) -> None:
         for job in list(self._jobs.values()):
             job.gen.close()  # what it applied stands; its replay socket closes
-            self._end_job(job)
+            self._end_job(job, saving=False)
         self.flush()
         self.save_state(durable=True)
         for sock in self._subs:
@@ -728,7 +774,7 @@ class Subscriber:
             self._poller.register(job.replay.sock, zmq.POLLIN)
         return 0  # what it applies is counted when it ends
 
-    def _end_job(self, job: _Job) -> None:
+    def _end_job(self, job: _Job, saving: bool = True) -> None:
         if job.replay is not None:
             with contextlib.suppress(KeyError):
                 self._poller.unregister(job.replay.sock)
@@ -736,6 +782,10 @@ class Subscriber:
             job.replay = None
         self._jobs.pop(job.key, None)
         self._poller.register(self._sub_of[job.key], zmq.POLLIN)
+        if not saving:
+            return
+        if job.startup:
+            self._unchecked.discard(job.key)
         if job.startup and self.caught_up:
             self.flush()
             self.save_state()  # every source checked: subscriber.json says so
