@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_ARGS ?=
+SOAK_S ?= 120
 
-.PHONY: bench test lint clean
+.PHONY: bench test lint soak clean
 
 # sarp._native (the match walk and the batch write in C) builds with the system's C compiler; without one
 # (or with SARP_USE_ZIG=1) with zig's, from the ziglang wheel. If neither can build it,
@@ -31,6 +32,11 @@ bench: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# serve under every fault at once (docs/design.md, "Faults"), on LMDB, then on Valkey
+soak: $(STAMP)
+	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --json bench-results/soak-lmdb.json
+	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --valkey --json bench-results/soak-valkey.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

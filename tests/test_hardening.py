@@ -23,64 +23,12 @@ import zmq
 from servekit import Serve, call, match, metrics, source_metric
 
 import sarp
-from sarp.serving.cluster import EnginePublisher, SimEngine
+from sarp.serving.cluster import EnginePublisher, HostileEngine, SimEngine
 from sarp.serving.events import apply, decode, encode_batch
-
-END = (-1).to_bytes(8, "big", signed=True)
 
 
 def chain(rng: random.Random, n: int = 4) -> list[int]:
     return [rng.getrandbits(63) for _ in range(n)]
-
-
-class HostileEngine:
-    """A PUB that publishes one batch at sequence 5 (so it needs a replay) and a replay
-    ROUTER that answers every request with frames for ever and never its end: some of
-    the wrong shape, most well-shaped with growing sequences and payloads that are
-    not event batches, ``frame_bytes`` each."""
-
-    def __init__(self, frame_bytes: int = 16 << 10) -> None:
-        ctx = zmq.Context.instance()
-        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-        self.pub.bind("tcp://127.0.0.1:*")
-        self.router.bind("tcp://127.0.0.1:*")
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.frame_bytes = frame_bytes
-        self.requests = 0
-        self.sent = 0
-        self._running = True
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        clients: list[bytes] = []
-        seq = 0
-        junk = b"\xc1" * self.frame_bytes  # 0xc1 is never valid msgpack
-        while self._running:
-            if self.router.poll(2):
-                frames = self.router.recv_multipart()
-                clients.append(frames[0])
-                self.requests += 1
-                if self.requests == 1:  # the live batch that asks for a replay
-                    self.pub.send_multipart([b"", (5).to_bytes(8, "big"), encode_batch(
-                        [("stored", [1, 2], None, "GPU")], ts=time.time())])
-            for client in clients[-4:]:
-                seq += 1
-                with_shape = seq % 4 != 0
-                parts = [client, b"", seq.to_bytes(8, "big"), junk] if with_shape \
-                    else [client, b"garbage"]
-                try:
-                    self.router.send_multipart(parts, zmq.NOBLOCK)
-                    self.sent += 1
-                except zmq.Again:
-                    pass
-
-    def close(self) -> None:
-        self._running = False
-        self._thread.join(timeout=5)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
 
 
 def healthy_engine(name: str) -> SimEngine:
@@ -123,7 +71,7 @@ def test_item1_a_bad_event_is_counted_and_serve_http_goes_on(tmp_path):
 def test_item7_a_hostile_replay_endpoint_stalls_nobody_and_sigterm_stops_serve(tmp_path):
     rng = random.Random(7)
     good = healthy_engine("good")
-    bad = HostileEngine()
+    bad = HostileEngine(zmq.Context.instance())
     try:
         serve = Serve(tmp_path / "ix", [spec("good", good.publisher), spec("bad", bad)],
                       "--replay-budget-s", "3", "--replay-idle-timeout-s", "1")
@@ -650,3 +598,25 @@ def test_serve_on_valkey_outlives_a_valkey_restart_and_ends_equal_to_the_engine(
     finally:
         eng.publisher.close()
         server.stop()
+
+
+# -- the soak, 30 s (make soak runs it for 120 s and also holds /healthz's p99) ----------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["lmdb", "valkey"])
+def test_soak_30s_every_fault_at_once_and_no_false_answer(tmp_path, store):
+    out = subprocess.run([sys.executable, "-m", "sarp.bench.soak", "--seconds", "30",
+                          "--json", str(tmp_path / "soak.json"),
+                          *(["--valkey"] if store == "valkey" else [])],
+                         capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "soak.json").read_text())
+    print(json.dumps(result, indent=1))  # the figures, in the test log
+    assert result["answers_checked"] > 1000
+    assert result["false_answers"] == 0, result["false_samples"]
+    assert result["serve_stopped_by_itself"] == []
+    assert result["stopped_worker_replaced_at_s"] is not None
+    assert result["max_request_errors"] == 0 and result["healthz_failures"] == 0
+    assert result["rss_max_mib"] < 1536
+    assert len(result["restart_to_ready_s"]) == 3
+    assert out.returncode in (0, 1)  # 1: only when a timing (p99) missed; not asserted here

@@ -144,6 +144,57 @@ def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
             time.sleep(0.01)
 
 
+class HostileEngine:
+    """An engine that attacks its subscriber, for fault tests and the soak: a PUB that
+    publishes one batch at sequence 5 (so it needs a replay), and a replay ROUTER that
+    answers every request with frames for ever and never its end: some of the wrong
+    shape, most well-shaped with growing sequences and payloads that are not event
+    batches, ``frame_bytes`` each."""
+
+    def __init__(self, context: zmq.Context, frame_bytes: int = 16 << 10) -> None:
+        ctx = context
+        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frame_bytes = frame_bytes
+        self.requests = 0
+        self.sent = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        clients: list[bytes] = []
+        seq = 0
+        junk = b"\xc1" * self.frame_bytes  # 0xc1 is never valid msgpack
+        while self._running:
+            if self.router.poll(2):
+                frames = self.router.recv_multipart()
+                clients.append(frames[0])
+                self.requests += 1
+                if self.requests == 1:  # the live batch that asks for a replay
+                    self.pub.send_multipart([b"", (5).to_bytes(8, "big"), encode_batch(
+                        [("stored", [1, 2], None, "GPU")], ts=time.time())])
+            for client in clients[-4:]:
+                seq += 1
+                with_shape = seq % 4 != 0
+                parts = [client, b"", seq.to_bytes(8, "big"), junk] if with_shape \
+                    else [client, b"garbage"]
+                try:
+                    self.router.send_multipart(parts, zmq.NOBLOCK)
+                    self.sent += 1
+                except zmq.Again:
+                    pass
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=5)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
 class SimEngine:
     """An engine with an LRU cache of ``capacity_blocks`` blocks that reports KV events.
 

@@ -50,6 +50,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -73,7 +74,8 @@ MAX_BODY_BYTES = 8 << 20  # 1M hashes as JSON text
 MAX_REQUEST_BLOCKS = 1 << 18
 MAX_REQUEST_CHAINS = 4096
 HEARTBEAT_S = 0.1  # a worker's loop stamps its slot this often
-STALE_S = 1.0  # a worker stamped longer ago gets no new connections ...
+SWITCH_INTERVAL_S = 0.001  # the workers' GIL hand-over interval (Python's default: 5 ms)
+STALE_S = 0.5  # a worker stamped longer ago gets no new connections ...
 HUNG_S = 5.0  # ... and is killed and replaced after this
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
@@ -542,6 +544,10 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
     import sarp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # The parse thread (token ids hashed in Python) hands the GIL back to the event loop
+    # every millisecond instead of every 5: /healthz and small matches wait less
+    # behind a maximal request.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     index = sarp.open(config.index_path, readonly=True)
     try:
         uvloop.run(_serve_dealt(make_app(index, config), channel, heartbeats, slot))
@@ -698,11 +704,16 @@ def make_app(index, config: HttpConfig):
     closed = Counter("sarp_http_connections_closed", "connections closed for taking too "
                      "long: to send a request, to be answered, or idle", ["reason"])
     guards: dict = {}
-    # Hashing token ids (Python, about 4 us a block in the vLLM schemes) and parsing
-    # large bodies run here, so the event loop answers /healthz meanwhile; one thread,
-    # so that a burst of them queues instead of crowding the core.
+    # Requests with token ids (hashed in Python, about 4 us a block in the vLLM schemes)
+    # and large bodies are answered here, parse to match, so the event loop answers
+    # /healthz meanwhile; one thread, so that a burst of them queues instead of
+    # crowding the core.
     offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sarp-parse")
     token = config.token.encode() if config.token else None
+    # On Valkey every match waits for the server, and a reader's catch-up may load a
+    # snapshot from it: all of them beside the loop (a thread hop costs a fraction of
+    # the round trip), so /healthz never waits behind one.
+    remote = "://" in config.index_path
 
     def refuse(field: str, message: str, status: int = 400) -> web.Response:
         rejected.inc()
@@ -745,6 +756,20 @@ def make_app(index, config: HttpConfig):
             if guard is not None:
                 guard.answered()
 
+    def answer_of(body: bytes) -> dict:
+        kwargs = parse_match(body, config)
+        if "chains" in kwargs:
+            chains = kwargs.pop("chains")
+            live = [i for i, c in enumerate(chains) if c.size]
+            answers = [_NOTHING] * len(chains)
+            for i, (m, scores) in zip(live, score_many(index, [chains[i] for i in live],
+                                                       **kwargs), strict=True):
+                answers[i] = _answer(m, scores)
+            return {"results": answers}
+        if kwargs["hashes"].size:
+            return _answer(*score_match(index, **kwargs))
+        return _NOTHING  # no full block: nothing can be cached
+
     async def match(request: web.Request) -> web.Response:
         started = time.perf_counter()
         try:
@@ -753,25 +778,14 @@ def make_app(index, config: HttpConfig):
             return refuse("body", f"the body is over {MAX_BODY_BYTES} bytes; send fewer hashes",
                           413)
         try:
-            if len(body) > OFFLOAD_BYTES or b'"token_ids"' in body:
-                kwargs = await asyncio.get_running_loop().run_in_executor(
-                    offload, parse_match, body, config)
+            if remote or len(body) > OFFLOAD_BYTES or b'"token_ids"' in body:
+                # a large request, parsed, hashed and matched beside the event loop
+                answer = await asyncio.get_running_loop().run_in_executor(
+                    offload, answer_of, body)
             else:
-                kwargs = parse_match(body, config)
+                answer = answer_of(body)
         except BadRequest as exc:
             return refuse(exc.field, str(exc), exc.status)
-        if "chains" in kwargs:
-            chains = kwargs.pop("chains")
-            live = [i for i, c in enumerate(chains) if c.size]
-            answers = [_NOTHING] * len(chains)
-            for i, (m, scores) in zip(live, score_many(index, [chains[i] for i in live],
-                                                       **kwargs), strict=True):
-                answers[i] = _answer(m, scores)
-            answer: dict = {"results": answers}
-        elif kwargs["hashes"].size:
-            answer = _answer(*score_match(index, **kwargs))
-        else:  # no full block: nothing can be cached
-            answer = _NOTHING
         response = web.Response(body=orjson.dumps(answer), content_type="application/json")
         latency.observe(time.perf_counter() - started)
         matches.inc()

@@ -322,6 +322,7 @@ class Subscriber:
         self._probes: dict[zmq.Socket, tuple[str, float]] = {}  # asked, and when
         self._gone: set[str] = set()  # taken as gone: cleared, still asked now and then
         self._unchecked: set[str] = set()  # sources whose start-up check has not ended
+        self._clean: set[str] = set()  # cleared, and nothing of theirs applied since
         self.store_errors = 0  # writes to the index that failed (and were retried)
         self._store_retry_at = 0.0
         self._store_backoff = STORE_RETRY_S
@@ -729,6 +730,7 @@ class Subscriber:
         if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
         self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank)
+        self._clean.discard(key)
         stats.batches += 1
         self._advance(key, seq, digest, batch.ts)
         return 1
@@ -1002,9 +1004,11 @@ class Subscriber:
     def _forget(self, key: str, reason: str) -> None:
         """Clear the source's holders: the index may know less than the engine, never more."""
         _fault_log.warn(key, "cleared", f"sarp: {key}: {reason}; clearing its holders")
-        self.flush()  # what was queued before this happened goes first
-        for instance in self._instances(key):
-            self.index.clear(instance)
+        if key not in self._clean:  # (a stream of bad batches clears once, not per batch)
+            self.flush()  # what was queued before this happened goes first
+            for instance in self._instances(key):
+                self.index.clear(instance)
+            self._clean.add(key)
         for table in (self.state, self._committed, self._dirty):
             table.pop(key, None)
         self._ahead[key].clear()
