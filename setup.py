@@ -1,6 +1,6 @@
 """The C extension of the match walk and the batch write (``sarp._native``);
 everything else is in pyproject.toml.  The extension is optional: without a C
-compiler the build skips it and sarp runs its Python path (``sarp.verify.NATIVE``
+compiler the build skips it and sarp runs its Python path (``sarp.native.AVAILABLE``
 says which)."""
 
 from setuptools import Extension, setup
@@ -9,8 +9,9 @@ setup(
     ext_modules=[
         Extension(
             "sarp._native",
-            sources=["src/sarp/_native.c", "src/sarp/native_pack.c",
-                     "src/sarp/native_events.c"],
+            # each C file beside the Python it mirrors (src/sarp/native.h lists them)
+            sources=["src/sarp/native.c", "src/sarp/verify.c", "src/sarp/packing.c",
+                     "src/sarp/serving/events.c", "src/sarp/serving/http.c"],
             depends=["src/sarp/native.h", "src/sarp/vendor/xxhash.h"],
             extra_compile_args=["-O2"],
             optional=True,

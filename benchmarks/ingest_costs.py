@@ -35,16 +35,16 @@ import time
 import lmdb
 import numpy as np
 
-from sarp import packing, store
+from sarp import native, packing, store_lmdb
 from sarp.bench import ingest
 from sarp.bench.run import load_requests
 from sarp.serving import events
 from sarp.serving.subscriber import MAX_BATCH_OPS
 
 PARTS = {
-    "claim new blocks": (store.WriteTxn, "claim_blocks"),
-    "delete dead segments": (store.WriteTxn, "delete_segment"),
-    "write records": (store.WriteTxn, "put_segment"),
+    "claim new blocks": (store_lmdb.LmdbWriteTxn, "claim_blocks"),
+    "delete dead segments": (store_lmdb.LmdbWriteTxn, "delete_segment"),
+    "write records": (store_lmdb.LmdbWriteTxn, "put_segment"),
     "insert walk (all of it)": (packing.Packer, "_walk_insert"),
     "remove runs (all of it)": (packing.Packer, "_remove_runs"),
     "flush (all of it)": (packing.Touched, "flush"),
@@ -217,26 +217,22 @@ def main() -> None:
     for part, (cls, name) in PARTS.items():
         timed(spent, part, cls, name)
     deleted = {"blocks": 0}
-    inner_delete = store.WriteTxn.delete_segment
+    inner_delete = store_lmdb.LmdbWriteTxn.delete_segment
 
     def counting_delete(self, seg):
         deleted["blocks"] += seg.hashes.size
         return inner_delete(self, seg)
 
-    store.WriteTxn.delete_segment = counting_delete
+    store_lmdb.LmdbWriteTxn.delete_segment = counting_delete
     totals, parts = {"C": [], "Python": []}, {p: [] for p in PARTS}
-    native = packing.native_pack_batch
     for _ in range(args.rounds):  # interleaved: C, Python, C, Python, ...
         totals["C"].append(ingest.direct("sarp", chunks, tempfile.gettempdir())["seconds"])
         for part in spent:
             spent[part] = 0.0
         deleted["blocks"] = 0
-        packing.native_pack_batch = None
-        try:
+        with native.forced("python"):
             totals["Python"].append(
                 ingest.direct("sarp", chunks, tempfile.gettempdir())["seconds"])
-        finally:
-            packing.native_pack_batch = native
         for part, seconds in spent.items():
             parts[part].append(seconds)
     for way in ("C", "Python"):

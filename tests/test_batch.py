@@ -184,8 +184,9 @@ def engine_like_ops(seed: int, count: int) -> list[tuple]:
 @pytest.mark.parametrize("seed", range(8))
 def test_the_walking_write_path_equals_the_general_one(tmp_path, monkeypatch, seed):
     """Inserts that follow segments from the parent and removes that follow runs give
-    exactly what looking every block up gives: same refusals, holdings, counts, layout."""
-    from sarp import store
+    exactly what looking every block up gives: same refusals, holdings, counts, layout.
+    Both runs are Python's (the C batch has its own test against these)."""
+    from sarp import native, packing
 
     ops = engine_like_ops(seed, 500)
     chunks = []
@@ -195,10 +196,10 @@ def test_the_walking_write_path_equals_the_general_one(tmp_path, monkeypatch, se
         chunks.append(ops[start : start + rng.randrange(1, 40)])
 
     def run(path, walking: bool):
-        monkeypatch.setattr(store.WriteTxn, "LOCAL_LOOKUPS", walking)
-        with sarp.open(path, durability="nosync", segment_blocks=rng_blocks) as index:
-            if not walking:
-                index._packer.heads = None
+        monkeypatch.setattr(packing, "WALKING", walking)
+        taken = dict(packing.TAKEN)
+        with sarp.open(path, durability="nosync", segment_blocks=rng_blocks) as index, \
+                native.forced("python"), native.Tally() as tally:
             refused, removed, start = [], [], 0
             for chunk in chunks:
                 result = index.apply_batch(chunk)
@@ -209,7 +210,13 @@ def test_the_walking_write_path_equals_the_general_one(tmp_path, monkeypatch, se
                     for h in ("a#0", "b#0", "c#1") for m in ("GPU", "CPU")}
             stats = {k: index.stats()[k] for k in ("segments", "blocks", "directory_entries")}
             assert index.check() == []
-            return refused, removed, held, stats
+        took = {k: packing.TAKEN[k] - taken[k] for k in taken}
+        assert tally.c("pack_batch") == 0 and tally.python("pack_batch") > 0
+        if walking:
+            assert took["walk_insert"] > 0 and took["run_remove"] > 0, took
+        else:
+            assert took["walk_insert"] == took["run_remove"] == 0, took
+        return refused, removed, held, stats
 
     rng_blocks = random.Random(seed).choice([1, 3, 8, 64])
     walked = run(tmp_path / "walk", True)

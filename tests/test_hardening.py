@@ -328,10 +328,11 @@ def test_item5_beyond_loopback_needs_a_token_and_a_token_is_checked(tmp_path):
 
 
 def test_item6_the_c_parse_answers_as_the_general_one_on_every_body(monkeypatch):
+    from sarp import native
     from sarp.serving import http as http_mod
 
-    if http_mod._u64_array is None:
-        pytest.skip("sarp._native is not built: there is no C parse to compare")
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}: there is no C parse to compare")
     config = http_mod.HttpConfig("ix", "m")
     rng = random.Random(6)
     spaces = [b"", b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c", b"\xa0", b"  \n"]
@@ -351,10 +352,12 @@ def test_item6_the_c_parse_answers_as_the_general_one_on_every_body(monkeypatch)
         tail = rng.choice([b"", b', "block_size": 16', b', "x": 1', b",", b"]"])
         bodies.append(ws[0] + b"{" + ws[1] + b'"block_hashes"' + ws[2] + b":" + ws[3] + b"["
                       + hashes + b"]" + tail + ws[4] + b"}" + ws[5])
-    fast = [outcome(b) for b in bodies]
-    taken = sum(http_mod._with_fast_block_hashes(b) is not None for b in bodies)
-    monkeypatch.setattr(http_mod, "_u64_array", None)  # the general parse only
-    general = [outcome(b) for b in bodies]
+    with native.forced("c"):
+        fast = [outcome(b) for b in bodies]
+        taken = sum(http_mod._with_fast_block_hashes(b) is not None for b in bodies)
+    with native.forced("python"), native.Tally() as tally:  # the general parse only
+        general = [outcome(b) for b in bodies]
+    assert tally.c("u64_array") == 0
     assert taken > 300  # the C path ran on many of them
     assert [i for i, (a, b) in enumerate(zip(fast, general, strict=True)) if a != b] == []
 
@@ -365,7 +368,7 @@ def test_item6_the_c_parse_answers_as_the_general_one_on_every_body(monkeypatch)
 def test_item14_a_holder_named_twice_in_a_record_is_damage_on_both_paths():
     import numpy as np
 
-    from sarp import verify
+    from sarp import native, verify
     from sarp.errors import CorruptRecordError
     from sarp.segment import Segment
 
@@ -380,14 +383,15 @@ def test_item14_a_holder_named_twice_in_a_record_is_damage_on_both_paths():
         with pytest.raises(CorruptRecordError) as either:
             verify.examine(7, record, query, 0, None)
         assert str(either.value) == str(python_error.value)
-        if verify.NATIVE:
-            assert verify._native.examine(record, query, 0, 0, False) < 0
+        if native.AVAILABLE:
+            with native.forced("c"):
+                assert native.C.examine(record, query, 0, 0, False) == -5  # BAD_HOLDERS
 
 
 def test_item14_a_start_past_the_query_gets_zero_blocks_on_both_paths():
     import numpy as np
 
-    from sarp import verify
+    from sarp import native, verify
     from sarp.segment import Segment
 
     seg = Segment(3, 4, 99, np.array([5, 6], np.uint64), np.array([1], np.uint16),
@@ -395,8 +399,9 @@ def test_item14_a_start_past_the_query_gets_zero_blocks_on_both_paths():
     record, query = seg.encode(), np.array([1, 2], "<u8").tobytes()  # 2 blocks, start 4
     expected = verify.examine_py(3, record, query, 4, 99)
     assert expected == (0, 0, [1], [0])
-    if verify.NATIVE:
-        assert verify._native.examine(record, query, 4, 99, True) == expected
+    if native.AVAILABLE:
+        with native.forced("c"):
+            assert native.C.examine(record, query, 4, 99, True) == expected
 
 
 _HEAD_LIES = r"""

@@ -338,9 +338,10 @@ def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
     import random
 
     import sarp.serving.http as http_mod
+    from sarp import native
 
-    if http_mod._u64_array is None:
-        pytest.skip("sarp._native was not built: only the general parse runs")
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}: only the general parse runs")
     rng = random.Random(7)
     ints = [0, 1, -1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 10**30]
     pieces = ["1.0", "1e5", "true", "null", '"7"', "01", "-0", "+1", "-", "[1]", "", " "]
@@ -360,11 +361,12 @@ def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
                            '"block_hashes": '])
         bodies.append((head + array + tail + rng.choice(["}", " }", "}x", ""])).encode())
     fast_taken = 0
-    for body in bodies:
-        expected = None
-        with monkeypatch.context() as m:
-            m.setattr(http_mod, "_u64_array", None)
-            expected = _parse_outcome(body)
-        fast_taken += http_mod._with_fast_block_hashes(body) is not None
-        assert _parse_outcome(body) == expected, body
+    with native.Tally() as tally:
+        for body in bodies:
+            with native.forced("python"):
+                expected = _parse_outcome(body)
+            with native.forced("c"):
+                fast_taken += http_mod._with_fast_block_hashes(body) is not None
+                assert _parse_outcome(body) == expected, body
     assert fast_taken > 100  # the fast path was exercised, not only refused
+    assert tally.c("u64_array") >= fast_taken and tally.python("u64_array") >= len(bodies)

@@ -1,15 +1,16 @@
-"""The match step in C (`sarp._native`) against its Python reference, record by record."""
+"""The match step in C (`verify.c`) against its Python reference, record by record;
+each run asserts which path it took (`sarp.native.Tally`)."""
 
 import numpy as np
 import pytest
 
-from sarp import verify
+from sarp import native, verify
 from sarp.errors import CorruptRecordError
 from sarp.segment import Segment
 
 pytestmark = pytest.mark.skipif(
-    not verify.NATIVE, reason="sarp._native was not built (no C compiler at install, or "
-    "SARP_PURE_PYTHON is set); the Python path is what every other test runs then")
+    not native.AVAILABLE, reason=f"sarp._native {native.WHY} (SARP_REQUIRE_NATIVE=1, as "
+    "in CI, makes that a failure); the Python path is what every other test runs then")
 
 
 def _random_record(rng) -> tuple[Segment, bytes]:
@@ -55,9 +56,9 @@ def test_the_c_step_answers_what_the_python_step_answers(seed):
         if len(query) // 8 <= start:
             continue
         expected = verify.examine_py(seg.seg_id, record, query, start, parent)
-        assert verify.examine(seg.seg_id, record, query, start, parent) == expected
-        assert verify._native.examine(record, query, start, parent or 0,
-                                      parent is not None) == expected
+        with native.forced("c"), native.Tally() as t:
+            assert verify.examine(seg.seg_id, record, query, start, parent) == expected
+        assert (t.c("examine"), t.python("examine")) == (1, 0)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -75,19 +76,19 @@ def test_a_damaged_record_raises_what_the_python_step_raises(seed):
         else:
             damaged[int(rng.integers(0, len(damaged)))] ^= 1 << int(rng.integers(0, 8))
         damaged = bytes(damaged)
-        assert verify._native.examine(damaged, query, seg.start_pos, seg.parent or 0,
-                                      seg.parent is not None) < 0
+        with native.forced("c"):
+            code = native.C.examine(damaged, query, seg.start_pos, seg.parent or 0,
+                                    seg.parent is not None)
+        assert code < 0
         with pytest.raises(CorruptRecordError) as python_error:
             verify.examine_py(seg.seg_id, damaged, query, seg.start_pos, seg.parent)
-        with pytest.raises(CorruptRecordError) as c_error:
-            verify.examine(seg.seg_id, damaged, query, seg.start_pos, seg.parent)
-        assert str(c_error.value) == str(python_error.value)
+        # C and Python find the same damage: C's code means what Python's message says
+        assert verify.DAMAGE[code] in str(python_error.value), (code, python_error.value)
 
 
 @pytest.mark.parametrize("segment_blocks", [1, 4, 64])
-def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, monkeypatch, segment_blocks):
+def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_blocks):
     import sarp
-    import sarp.index
 
     rng = np.random.default_rng(segment_blocks)
     chains = [rng.integers(0, 1 << 64, 40, dtype=np.uint64) for _ in range(6)]
@@ -105,10 +106,13 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, monkeypatch, 
             queries = [chain[: rng.integers(1, 41)] for chain in chains]
             queries.append(np.concatenate([chains[0][:12], chains[1][12:20]]))
             for query in queries:
-                got = ix.match(query)
-                monkeypatch.setattr(sarp.index, "native_walk", None)
-                expected = ix.match(query)
-                monkeypatch.undo()
+                with native.forced("c"), native.Tally() as in_c:
+                    got = ix.match(query)
+                with native.forced("python"), native.Tally() as in_python:
+                    expected = ix.match(query)
+                assert (in_c.c("walk"), in_c.python("walk")) == (1, 0)
+                assert (in_python.c("walk"), in_python.c("examine"),
+                        in_python.python("walk")) == (0, 0, 1)
                 assert (got.num_blocks, got.by_holder, got.by_medium, got.storage_reads) == (
                     expected.num_blocks, expected.by_holder, expected.by_medium,
                     expected.storage_reads)
@@ -123,9 +127,11 @@ def test_the_python_path_alone_passes_the_model_test():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    code = ("import sarp.verify as v; assert not v.NATIVE and v.native_walk is None; "
-            "import pytest, sys; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', "
-            "'tests/test_model.py']))")
+    code = ("import sarp.native as n; assert n.C is None; "
+            "import pytest, sys; rc = pytest.main(['-q', '-x', '-p', 'no:cacheprovider', "
+            "'tests/test_model.py']); calls = n.calls(); "
+            "assert all(c == 0 for c, _ in calls.values()), calls; "
+            "assert calls['walk'][1] and calls['pack_batch'][1], calls; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "SARP_PURE_PYTHON": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

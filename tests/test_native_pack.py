@@ -1,5 +1,6 @@
-"""The batch write in C (`sarp._native.pack_batch`) against Packer's Python, byte for byte:
-the same tables on disk, the same answers, the same refusals and errors."""
+"""The batch write in C (`packing.c`) against Packer's Python, byte for byte: the same
+tables on disk, the same answers, the same refusals and errors; each run asserts which
+path it took (`sarp.native.Tally`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,28 @@ import pytest
 from test_batch import engine_like_ops, random_ops
 
 import sarp
-from sarp import packing, verify
+from sarp import native, packing
 from sarp.errors import CorruptRecordError
 
 pytestmark = pytest.mark.skipif(
-    not verify.NATIVE, reason="sarp._native was not built (no C compiler at install, or "
-    "SARP_PURE_PYTHON is set); the Python path is what every other test runs then")
+    not native.AVAILABLE, reason=f"sarp._native {native.WHY} (SARP_REQUIRE_NATIVE=1, as "
+    "in CI, makes that a failure); the Python path is what every other test runs then")
+
+
+class _Spy:
+    """The extension with its ``pack_batch`` watched: (operations done in C or None for
+    a deferred run the table refused, operations, deferred) per call."""
+
+    def __init__(self, real, calls: list) -> None:
+        self._real, self._calls = real, calls
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def pack_batch(self, ctx, ops, *args):
+        out = self._real.pack_batch(ctx, ops, *args)
+        self._calls.append((None if out is None else out[0], len(ops), args[-1]))
+        return out
 
 TABLES = ("segments_db", "blocks_db", "log_db", "holders_db")
 
@@ -31,38 +48,33 @@ def _state(index) -> dict:
     return tables
 
 
-def _run(path, chunks, native: bool, segment_blocks: int, before=None, deferred_min=None):
-    """Apply ``chunks`` in C (``native``; deferred from ``deferred_min`` operations on
+def _run(path, chunks, in_c: bool, segment_blocks: int, before=None, deferred_min=None):
+    """Apply ``chunks`` in C (``in_c``; deferred from ``deferred_min`` operations on
     when given) or in Python.  ``calls`` has (operations done in C or None for a
     deferred run the table refused, operations, deferred) per C call."""
-    calls = []
+    calls: list = []
     with sarp.open(path, durability="nosync", segment_blocks=segment_blocks) as index:
         if before is not None:
             before(index)
-        if not native:
-            index._packer.probe = None
-        elif verify.native_pack_batch is not None:
-            real = packing.native_pack_batch
-
-            def spy(ctx, ops, *args):
-                out = real(ctx, ops, *args)
-                calls.append((None if out is None else out[0], len(ops), args[-1]))
-                return out
-
-            packing.native_pack_batch = spy
         default_min = packing.DEFERRED_MIN_OPS
         if deferred_min is not None:
             packing.DEFERRED_MIN_OPS = deferred_min
         try:
             answers = []
-            for chunk in chunks:
-                result = index.apply_batch(chunk)
-                answers.append((result.new_blocks, result.removed_per_op,
-                                [(i, type(e).__name__, str(e).replace(str(path), "IX"))
-                                 for i, e in result.failed]))
+            with native.forced("c" if in_c else "python"), native.Tally() as tally:
+                if in_c:
+                    native.C = _Spy(native.C, calls)  # put back as forced() ends
+                for chunk in chunks:
+                    result = index.apply_batch(chunk)
+                    answers.append((result.new_blocks, result.removed_per_op,
+                                    [(i, type(e).__name__, str(e).replace(str(path), "IX"))
+                                     for i, e in result.failed]))
         finally:
-            packing.native_pack_batch = verify.native_pack_batch
             packing.DEFERRED_MIN_OPS = default_min
+        if in_c:
+            assert tally.c("pack_batch") == len(calls) > 0
+        else:
+            assert tally.c("pack_batch") == 0 and tally.python("pack_batch") > 0
         assert index.check() == []
         return answers, _state(index), calls
 
@@ -160,8 +172,8 @@ def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path, monkeypatch):
     chain = np.arange(1, 9, dtype=np.uint64)
     errors = []
     monkeypatch.setattr(packing, "DEFERRED_MIN_OPS", 2)  # the first run is deferred
-    for native in (True, False):
-        with sarp.open(tmp_path / str(native), durability="nosync") as index:
+    for in_c in (True, False):
+        with sarp.open(tmp_path / str(in_c), durability="nosync") as index:
             index.insert(chain, holder="a")
             seg_id = index.directory.lookup(1)
             store = index._store
@@ -170,12 +182,12 @@ def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path, monkeypatch):
                 record = bytearray(txn.get(key, db=store.segments_db))
                 record[30] ^= 1
                 txn.put(key, bytes(record), db=store.segments_db)
-            if not native:
-                index._packer.probe = None
             before = _state(index)
-            with pytest.raises(CorruptRecordError) as caught:
+            with native.forced("c" if in_c else "python"), native.Tally() as tally, \
+                    pytest.raises(CorruptRecordError) as caught:
                 index.apply_batch([("insert", [20, 21], None, "b", "GPU"),
                                    ("remove", chain[4:], "a", "GPU")])
-            errors.append(str(caught.value).replace(str(tmp_path / str(native)), "IX"))
+            assert (tally.c("pack_batch") > 0) == in_c != (tally.python("pack_batch") > 0)
+            errors.append(str(caught.value).replace(str(tmp_path / str(in_c)), "IX"))
             assert _state(index) == before  # nothing of the batch applied
     assert errors[0] == errors[1]

@@ -121,24 +121,31 @@ def test_a_dead_tails_id_is_taken_again_and_readers_follow_it(tmp_path):
         assert again.check() == []
 
 
-@pytest.mark.skipif(not __import__("sarp.verify").verify.NATIVE,
+@pytest.mark.skipif(not __import__("sarp.native").native.AVAILABLE,
                     reason="the C write path is not built here")
 def test_the_python_write_path_takes_the_same_ids(tmp_path):
-    # The same writes through the Python reference path (SARP_PURE_PYTHON) name the
-    # same segments as the C path did.
+    # The same writes through the Python reference path (SARP_PURE_PYTHON=1) name the
+    # same segments as the C path did; each run reports the path it took.
     script = (
         "import sys, sarp\n"
+        "from sarp import native\n"
         "ix = sarp.open(sys.argv[1], segment_blocks=4, durability='nosync')\n"
         "ix.insert(list(range(1, 11)), holder='w0')\n"
         "ix.insert([50, 51], parent=2, holder='w1')\n"
         "ix.insert([60], parent=1, holder='w2')\n"
-        "ix.close()\n")
+        "ix.close()\n"
+        "print(*native.calls()['pack_batch'])\n")
+    ran = {}
     for name, pure in (("c", "0"), ("py", "1")):
         env = {**os.environ, "SARP_PURE_PYTHON": pure}
-        subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env,
-                       check=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env,
+                             check=True, timeout=60, capture_output=True, text=True)
+        ran[name] = tuple(map(int, out.stdout.split()))
+    assert ran["c"][0] == 3 and ran["c"][1] == 0  # "0" is not pure Python
+    assert ran["py"][0] == 0 and ran["py"][1] == 3
     blocks = [1, 2, 3, 4, 5, 9, 50, 51, 60]
     assert [segment_of(tmp_path / "c", b) for b in blocks] == \
         [segment_of(tmp_path / "py", b) for b in blocks]
-    from sarp import _native  # the stride C was built with is the one Python uses
-    assert _native.SEG_ID_STRIDE == ID_STRIDE
+    from sarp import native  # the stride C was built with is the one Python uses
+    with native.forced("c"):
+        assert native.C.SEG_ID_STRIDE == ID_STRIDE

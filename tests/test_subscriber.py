@@ -470,10 +470,15 @@ def test_an_engine_killed_with_sigkill_is_taken_as_gone_and_its_blocks_forgotten
         sub.close()
 
 
-def test_an_engine_that_publishes_while_asked_is_not_taken_as_gone(index):
+def test_an_engine_that_publishes_while_asked_is_not_taken_as_gone(index, monkeypatch):
     """A probe goes out after a silence; the engine's replay endpoint never answers
     (a ROUTER nobody reads), but it publishes again before the probe times out: it is
-    alive, and its blocks stay."""
+    alive, and its blocks stay.  The subscriber's clock moves only when the test moves
+    it, so no window depends on this machine's speed."""
+    from sarp.serving import subscriber as module
+
+    clock = _Clock(0.0)
+    monkeypatch.setattr(module, "time", clock)
     ctx = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub.bind("tcp://127.0.0.1:*")
@@ -482,23 +487,31 @@ def test_an_engine_that_publishes_while_asked_is_not_taken_as_gone(index):
     sub = Subscriber(index, [Source("e", *endpoints)], probe_after_s=0.3, dead_after_s=1.5,
                      replay_idle_timeout_s=0.2)
 
-    def poll_for(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+    def poll_until(done, real_s: float = 30.0) -> None:
+        deadline = time.monotonic() + real_s
+        while not done() and time.monotonic() < deadline:
             sub.poll(10)
+        assert done()
 
     def publish(seq: int, hashes: list[int], parent: int | None) -> None:
         payload = encode_batch([("stored", hashes, parent, "GPU")], ts=time.time(), dp_rank=0)
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
 
     try:
-        poll_for(0.5)  # connected
-        t0 = time.monotonic()
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # the SUB socket connects
+            sub.poll(10)
+        t0 = clock.now
         publish(0, [11, 12], None)
-        poll_for(0.9)  # a probe goes out at about t0 + 0.3, due at t0 + 1.8
-        assert sub.stats["e"].probes >= 1
-        publish(1, [13], 12)  # heard from: the next probe goes out at about t0 + 1.2
-        poll_for(t0 + 2.25 - time.monotonic())  # past the first probe's deadline only
+        poll_until(lambda: held(index, "e#0") == {11, 12})
+        clock.now = t0 + 0.4  # silent past probe_after_s: a probe goes out, due at +1.9
+        poll_until(lambda: sub.stats["e"].probes >= 1)
+        clock.now = t0 + 0.9
+        publish(1, [13], 12)  # heard from: the probe's verdict no longer counts
+        poll_until(lambda: held(index, "e#0") == {11, 12, 13})
+        clock.now = t0 + 2.25  # past the first probe's deadline only
+        for _ in range(20):
+            sub.poll(10)
         assert sub.stats["e"].gone == 0
         assert held(index, "e#0") == {11, 12, 13}
     finally:

@@ -157,13 +157,20 @@ def _write(proc: subprocess.Popen, k: int) -> list:
 
 
 def test_a_second_writer_is_refused_while_the_lease_is_held(url):
+    from sarp.store_valkey import connect, parse_url
+
+    settings = parse_url(url)
+    client = connect(settings)
+    fence = f"sarp:{{{settings['namespace']}}}:fence"
     with sarp.open(url, durability="nosync"):
-        started = time.monotonic()
+        before = int(client.get(fence))
         with pytest.raises(sarp.IndexLockedError, match="lease"):
             sarp.open(url, durability="nosync")
+        assert int(client.get(fence)) == before + 1  # one try, no wait
         with pytest.raises(sarp.IndexLockedError, match="lease"):
             sarp.open(url, durability="nosync", wait_for_lease_s=0.5)
-        assert time.monotonic() - started >= 0.5
+        assert int(client.get(fence)) > before + 2  # it kept trying while it waited
+    client.close()
     with sarp.open(url, durability="nosync") as index:  # released at close
         assert index.match([1]).num_blocks == 0
 
@@ -173,10 +180,8 @@ def test_a_killed_writer_is_taken_over_within_the_lease_with_nothing_acknowledge
     acked = [k for k in range(1, 21) if _write(proc, k)[0] == "acked"]
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
-    started = time.monotonic()
-    with sarp.open(url, durability="nosync", lease_s=2.0, wait_for_lease_s=10) as index:
-        took = time.monotonic() - started
-        assert took <= 2.0 + 1.0, took
+    # (how long the takeover takes is measured by benchmarks/takeover.py, not here)
+    with sarp.open(url, durability="nosync", lease_s=2.0, wait_for_lease_s=60) as index:
         for k in acked:
             m = index.match([10_000 * k + i for i in range(1, 6)])
             assert m.by_holder == {f"w{k}": 5}
@@ -362,7 +367,7 @@ def test_walking_inserts_on_valkey_equal_the_general_path_on_lmdb(url, tmp_path,
     result equals LMDB's general path (every block looked up), refusals included."""
     from test_batch import engine_like_ops
 
-    from sarp import store
+    from sarp import packing
 
     ops = engine_like_ops(seed, 300)
 
@@ -378,11 +383,13 @@ def test_walking_inserts_on_valkey_equal_the_general_path_on_lmdb(url, tmp_path,
         assert index.check() == []
         return refused, removed, held, stats
 
+    before = packing.TAKEN["walk_insert"]
     with sarp.open(url, durability="nosync", segment_blocks=8) as on_valkey:
         walked = run(on_valkey)
-    monkeypatch.setattr(store.WriteTxn, "LOCAL_LOOKUPS", False)
+    walks = packing.TAKEN["walk_insert"]
+    monkeypatch.setattr(packing, "WALKING", False)
     with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=8) as on_lmdb:
-        on_lmdb._packer.heads = None
         general = run(on_lmdb)
+    assert walks > before and packing.TAKEN["walk_insert"] == walks  # each run took its path
     assert walked == general
     assert any(walked[0]) and sum(walked[1]) > 0

@@ -17,6 +17,12 @@ import xxhash
 
 HashesLike = Sequence[int] | Sequence[bytes] | np.ndarray
 
+# xxh3-64, the checksum of segment records, snapshots, holder names and frames (this
+# module is xxhash's one door): of bytes as an int, as 8 bytes, and streaming.
+checksum = xxhash.xxh3_64_intdigest
+checksum_bytes = xxhash.xxh3_64_digest
+Checksum = xxhash.xxh3_64
+
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from . import native
 from . import snapshot as snapshots
 from .check import check
 from .directory import Directory
@@ -46,13 +47,8 @@ from .hashing import HashesLike, as_hash, as_hashes, repeats
 from .packing import Packer, Plan
 from .segment import decode
 from .segment import head as segment_head
-from .store import DEFAULT_MAX_READERS, ReadTxn, Store
-from .verify import Match, PrefixWalk, examine, examine_py, native_walk
-
-
-def is_url(path: object) -> bool:
-    """Does ``path`` name a store by URL (``scheme://...``) rather than a folder?"""
-    return isinstance(path, str) and "://" in path
+from .store import DEFAULT_MAX_READERS, ReadTxn, Store, is_url, open_store
+from .verify import Match, PrefixWalk, examine, examine_py
 
 log = logging.getLogger("sarp")
 
@@ -110,7 +106,7 @@ def open(  # noqa: A001 - the public name the design asks for
     ``path`` is a folder (LMDB files), or ``"valkey://HOST:PORT/NAMESPACE"`` (also
     ``redis://``, and ``rediss://`` or ``valkeys://`` with TLS; a password in the URL
     or ``$SARP_VALKEY_PASSWORD``) for an index shared by many machines, with the same
-    calls and guarantees (:mod:`sarp.valkey_store`).  On Valkey one writer at a time
+    calls and guarantees (:mod:`sarp.store_valkey`).  On Valkey one writer at a time
     holds a lease of ``lease_s`` seconds, renewed while it runs; another writer is
     refused with ``IndexLockedError``, or with ``wait_for_lease_s`` waits that long
     to take over from one that stopped renewing (it died).
@@ -188,17 +184,10 @@ class Index:
         self._match_observers: list[Callable[[np.ndarray], None]] = []
         self.readonly = readonly
         self._watermark = 0  # the log sequence memory reflects (readers keep it current)
-        if is_url(path):
-            from .valkey_store import ValkeyStore  # the valkey client only when asked for
-
-            self._store = ValkeyStore(path, durability=durability, create=create,
-                                      readonly=readonly, lease_s=lease_s,
-                                      wait_for_lease_s=wait_for_lease_s)
-        else:
-            self._store = Store(
-                path, durability=durability, map_size_bytes=map_size_bytes, create=create,
-                readonly=readonly, max_readers=max_readers,
-            )
+        self._store = open_store(path, durability=durability, create=create,
+                                 readonly=readonly, map_size_bytes=map_size_bytes,
+                                 max_readers=max_readers, lease_s=lease_s,
+                                 wait_for_lease_s=wait_for_lease_s)
         try:
             with self._store.read() as r:
                 self._load_holders(r.holder_names())
@@ -491,13 +480,13 @@ class Index:
         store = self._live_store()
         for attempt in range(8):
             with store.read() as r:
-                if query is not None and r.prefetch is not None:
+                if query is not None and r.capabilities.prefetch:
                     ids = self.directory.lookup_many(query)
                     r.prefetch(ids[ids >= 0], with_counters=True)
                 seen = (self._watermark, self._holders_seen, self._counters.index_reloads)
                 if self._catch_up(r):
                     now = (self._watermark, self._holders_seen, self._counters.index_reloads)
-                    if r.prefetch is not None and seen != now:
+                    if r.capabilities.prefetch and seen != now:
                         # A remote store's reads are separate commands: read again, so
                         # that the records come from the same atomic read as the
                         # counters this memory is now current with.
@@ -840,7 +829,7 @@ class Index:
             walks = [PrefixWalk(instance_of, with_meta, with_presence) for _ in range(n)]
             reads = [0] * n
             pos = [0] * n
-            if r.prefetch is not None and not self.readonly and everything.size:
+            if r.capabilities.prefetch and not self.readonly and everything.size:
                 # a remote store's writer: one round trip for every chain's records
                 ids = self.directory.lookup_many(everything)
                 r.prefetch(ids[ids >= 0])
@@ -892,7 +881,8 @@ class Index:
         ``in_c``: try the walk in C first (False: the caller did)."""
         if in_c and _walks_in_c(r, walk) and self._walk_in_c(r, walk, query_bytes):
             return
-        if r.prefetch is not None and not prefetched:  # remote: one round trip for them all
+        native.ran_python("walk")
+        if r.capabilities.prefetch and not prefetched:  # remote: one round trip for them all
             ids = self.directory.lookup_many(query)
             r.prefetch(ids[ids >= 0])
         lookup, advance, unpack = self.directory.lookup, self._advance, _U64_LE.unpack_from
@@ -911,7 +901,7 @@ class Index:
         """The whole walk in one C call (``sarp._native``), on this transaction's reads;
         False when a segment has more holders than it takes (walk it in Python).
         The caller checked :func:`_walks_in_c`."""
-        total, reads, runs, stopped_at = native_walk(
+        total, reads, runs, stopped_at = native.C.walk(
             r.native_get, self.directory.lookup, *self.directory.probe_dicts(), query_bytes)
         if stopped_at == -2:
             return False
@@ -1150,7 +1140,7 @@ def _chain_after(hashes: HashesLike, parent: object) -> tuple[np.ndarray, int | 
 def _walks_in_c(r: ReadTxn, walk: PrefixWalk) -> bool:
     """Can ``walk`` be done by ``sarp._native.walk`` on ``r``: the extension is built,
     the store's records are local, and only per-holder runs are wanted."""
-    return native_walk is not None and walk.plain and r.native_get is not None
+    return native.C is not None and walk.plain and r.capabilities.local_reads
 
 
 def _holders_version(r: ReadTxn) -> tuple[int, int]:

@@ -1,7 +1,8 @@
-/* What sarp._native's translation units share: each call lives in its own file
- * (_native.c: the read path and the module; native_pack.c: the write path;
- * native_events.c: the event decoder), and the segment record's layout is read in
- * one place, here (segment.py is the reference). */
+/* What sarp._native's translation units share.  Each C file sits beside the Python it
+ * mirrors and is named after it: verify.c (examine, walk), packing.c (pack_batch),
+ * serving/events.c (decode_batch), serving/http.c (u64_array); native.c is the module
+ * (native.py is its only loader).  The segment record's layout is read in one place,
+ * here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
 #define SARP_NATIVE_H
 #include <Python.h>
@@ -13,8 +14,16 @@
 #endif
 #include "vendor/xxhash.h"
 
+PyObject *sarp_examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_decode_batch(PyObject *self, PyObject *arg);
+
+/* Calls of each entry point since the module loaded (native.calls(): the tests that
+ * hold C to its Python reference assert which path ran).  Counted with the GIL held. */
+enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_KINDS };
+extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,
  * nh u16, start_pos u64, parent u64), hashes 8n, holder ids 2nh padded to 8,

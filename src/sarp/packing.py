@@ -28,16 +28,22 @@ from pathlib import Path
 
 import numpy as np
 
+from . import native
 from .errors import ChainConflictError, CorruptRecordError, ParentNotFoundError
 from .filters import HolderSegments
 from .segment import Segment, writable
 from .store import WriteTxn
-from .verify import native_pack_batch
 
 SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
 # A batch of at least this many operations writes its ``blocks`` entries at its end, in
 # key order (``deferred``, :meth:`Packer._native_batch`); measured in docs/performance.md.
 DEFERRED_MIN_OPS = 64
+# The walking write path (inserts that follow segments from the parent, removes that
+# follow runs); False: every operation takes the general path, which looks every block
+# up: the reference the walking path is tested against.
+WALKING = True
+# Operations each Python path took, since the process began (tests assert the path).
+TAKEN = {"walk_insert": 0, "general_insert": 0, "run_remove": 0, "general_remove": 0}
 
 
 class Packer:
@@ -70,6 +76,7 @@ class Packer:
         """
         if meta is None and self._runs_in_c(w):
             return self._one(w, ("insert", chain, parent, name, None))
+        native.ran_python("pack_batch")
         plan, touched = Plan(), Touched(w)
         self.add_insert(w, touched, plan, chain, parent, name, meta)
         touched.flush(plan)
@@ -96,6 +103,7 @@ class Packer:
             start = self._native_batch(w, ops, plan, touched, failed)
             if start == len(ops):
                 return plan, failed  # flushed in C
+        native.ran_python("pack_batch")
         for i in range(start, len(ops)):
             op = ops[i]
             before = plan.removed_blocks
@@ -118,8 +126,8 @@ class Packer:
     def _runs_in_c(self, w: WriteTxn) -> bool:
         """Can a batch on ``w`` run in ``sarp._native.pack_batch``: the extension is
         built, the store is LMDB, and the walking write path applies."""
-        return (native_pack_batch is not None and self.probe is not None
-                and self.heads is not None and isinstance(w, WriteTxn) and w.LOCAL_LOOKUPS)
+        return (native.C is not None and WALKING and self.probe is not None
+                and self.heads is not None and w.capabilities.local_reads)
 
     def _one(self, w: WriteTxn, op: tuple) -> Plan:
         """One insert or remove as a batch of one (in C), raising what it refused with."""
@@ -151,7 +159,7 @@ class Packer:
         if len(ops) >= DEFERRED_MIN_OPS:
             nested = w.nested()
             try:
-                out = native_pack_batch((*nested.native_calls(), *probe), ops,
+                out = native.C.pack_batch((*nested.native_calls(), *probe), ops,
                                         self.segment_blocks, SPLIT_TAIL_BLOCKS, True)
             except Exception:
                 # e.g. a damaged record: the run below meets it again and raises what
@@ -162,7 +170,7 @@ class Packer:
             else:
                 nested.commit()
         if out is None:
-            out = native_pack_batch((*w.native_calls(), *probe), ops, self.segment_blocks,
+            out = native.C.pack_batch((*w.native_calls(), *probe), ops, self.segment_blocks,
                                     SPLIT_TAIL_BLOCKS, False)
         done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = out
         plan.holder_names.extend(created)
@@ -199,9 +207,11 @@ class Packer:
         following segments from the parent instead of looking every block up; any
         other shape, or a conflict, takes the general path below.
         """
-        if self.heads is not None and self._walk_insert(w, touched, plan, chain, parent, name,
-                                                        meta):
+        if WALKING and self.heads is not None and self._walk_insert(w, touched, plan, chain,
+                                                                    parent, name, meta):
+            TAKEN["walk_insert"] += 1
             return
+        TAKEN["general_insert"] += 1
         start_pos, parent_at = 0, None
         if parent is not None:
             parent_at = self._held_parent(w, touched, parent)
@@ -490,6 +500,7 @@ class Packer:
         """Clear holder ``name``'s presence bits for ``chain``; blocks it lacks are skipped."""
         if self._runs_in_c(w):
             return self._one(w, ("remove", chain, name))
+        native.ran_python("pack_batch")
         plan, touched = Plan(), Touched(w)
         self.add_remove(w, touched, plan, chain, name)
         touched.flush(plan)
@@ -506,9 +517,11 @@ class Packer:
         holder_id = touched.holder_id(name)
         if holder_id is None:
             return
-        if w.LOCAL_LOOKUPS:
+        if WALKING and w.capabilities.local_reads:
+            TAKEN["run_remove"] += 1
             self._remove_runs(w, touched, plan, chain, holder_id)
             return
+        TAKEN["general_remove"] += 1
         seg_ids, offsets = w.locate(chain)
         for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
             seg = touched.get(seg_id)

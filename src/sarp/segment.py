@@ -19,9 +19,9 @@ import struct
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 
 from .errors import CorruptRecordError
+from .hashing import checksum
 
 MAGIC = b"SG"
 RECORD_VERSION = 1
@@ -131,7 +131,7 @@ class Segment:
             if (hashes is self.hashes and holder_ids is self.holder_ids
                     and presence is self.presence and meta is self.meta):
                 body = memoryview(buf)[: len(buf) - 8]
-                _U64.pack_into(buf, len(buf) - 8, xxhash.xxh3_64_intdigest(body))
+                _U64.pack_into(buf, len(buf) - 8, checksum(body))
                 return bytes(buf)
         n, nh = self.num_blocks, int(self.holder_ids.size)
         flags = (HAS_META if self.meta is not None else 0) | (IS_ROOT if self.parent is None else 0)
@@ -144,7 +144,7 @@ class Segment:
         if self.meta is not None:
             parts.append(self.meta.astype("<i8", copy=False).tobytes())
         body = b"".join(parts)
-        return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+        return body + _U64.pack(checksum(body))
 
 
 def _padded(raw: bytes) -> bytes:
@@ -171,9 +171,9 @@ def layout(seg_id: int, record: bytes) -> tuple[int, int, int, int, int | None, 
     size = len(record)
     if size < _HEADER.size + _U64.size:
         raise CorruptRecordError(f"segment {seg_id}: record of {size} bytes is too short")
-    (checksum,) = _U64.unpack_from(record, size - 8)
+    (stored,) = _U64.unpack_from(record, size - 8)
     body = record[: size - 8] if size <= 4096 else memoryview(record)[: size - 8]
-    if xxhash.xxh3_64_intdigest(body) != checksum:
+    if checksum(body) != stored:
         raise CorruptRecordError(f"segment {seg_id}: checksum mismatch")
     magic, version, flags, n, nh, start_pos, parent = _HEADER.unpack_from(record, 0)
     if magic != MAGIC or version != RECORD_VERSION:

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from .directory import Directory
 from .filters import HolderSegments
+from .hashing import Checksum, checksum
 
 SNAPSHOT_FILE = "directory.snap"
 SNAPSHOT_VERSION = 1
@@ -65,7 +65,7 @@ def encode(
         MAGIC, SNAPSHOT_VERSION, 0, index_id, watermark, len(keys) // 8, len(holder_bytes), 0
     )
     parts = [header, keys, segs, holder_bytes]
-    digest = xxhash.xxh3_64()
+    digest = Checksum()
     for part in parts:
         digest.update(part)
     return [*parts, _CHECKSUM.pack(digest.intdigest())]
@@ -133,8 +133,8 @@ def decode(view: memoryview | bytes, where: str) -> Snapshot:
     end = holders_off + holder_bytes
     if end + _CHECKSUM.size != size:
         raise SnapshotUnusable(f"{where}: {size} bytes, header says {end + _CHECKSUM.size}")
-    (checksum,) = _CHECKSUM.unpack_from(view, end)
-    if xxhash.xxh3_64_intdigest(view[:end]) != checksum:
+    (stored,) = _CHECKSUM.unpack_from(view, end)
+    if checksum(view[:end]) != stored:
         raise SnapshotUnusable(f"{where}: checksum mismatch")
     directory = Directory(
         np.frombuffer(view, "<u8", n, keys_off), np.frombuffer(view, "<u4", n, segs_off)

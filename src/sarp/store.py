@@ -1,48 +1,38 @@
-"""The LMDB segment store: the source of truth, and the only module that imports lmdb.
+"""The store contract: what an index asks of its storage, the table layouts, and the
+write logic every backend shares.  Two backends implement it, side by side:
+:mod:`sarp.store_lmdb` (a folder; the only importer of ``lmdb``) and
+:mod:`sarp.store_valkey` (a Valkey namespace; the only importer of ``valkey``).
+:func:`open_store` picks one by the path's form.  Nothing here imports a client.
 
-Tables (named LMDB databases; integer keys are fixed-width big-endian, so byte
-order is numeric order):
+Tables (the same keys and values on both backends; integer keys are fixed-width
+big-endian, so byte order is numeric order):
 
-``meta``      format version, index id, id and sequence counters
+``meta``      format version, index id, id and sequence counters (u64 BE each)
 ``segments``  segment id (u64)  -> segment record (:mod:`sarp.segment`)
-``blocks``    block hash (u64)  -> segment id (u32) + offset (u16); never read by ``match``
-``holders``   ``n:<instance>\\0<medium>`` -> holder id (u16), ``i:<id>`` -> name, and
+``blocks``    block hash (u64)  -> segment id (u32) + offset (u16), LE; never read by ``match``
+``holders``   ``n:<instance>\\0<medium>`` -> holder id (u16 BE), ``i:<id>`` -> name, and
               ``s:<id>`` -> the name's checksum (xxh3-64)
-``log``       sequence (u64)    -> segment id (u32) + its first hash (u64): every
+``log``       sequence (u64)    -> segment id (u32) + its first hash (u64), LE: every
               segment a write touched, replayed on restart after the snapshot watermark
 
-lmdb errors are translated to :mod:`sarp.errors` here and nowhere else.
+A backend names what it can do in :class:`Capabilities`, which the index and the
+packer read instead of probing attributes.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import resource
 import struct
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterator
-from functools import partial
-from pathlib import Path
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-import lmdb
 import numpy as np
-import xxhash
 
-from . import snapshot as snapshots
-from .errors import (
-    CorruptRecordError,
-    DamagedIndexError,
-    FormatVersionError,
-    IndexLockedError,
-    NotAnIndexError,
-    ReadersFullError,
-    StoreError,
-    StoreFullError,
-)
-from .segment import Segment, decode, writable
+from .errors import DamagedIndexError, FormatVersionError, StoreFullError
+from .hashing import checksum_bytes
+from .segment import Segment
 
 FORMAT_VERSION = 1
 DURABILITY_MODES = ("sync", "nosync")
@@ -52,424 +42,214 @@ MAX_SEGMENT_ID = 0xFFFFFFFF
 # sits beside its segment's in key order, on the same page: a match that reaches the
 # end of an old chain reads one page, not two (docs/design.md, "Segment ids").
 ID_STRIDE = 8
-LOCK_FILE = "sarp.lock"
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
-LOW_DISK_BYTES = 64 << 20  # a failed write with less room than this is a full disk
-MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
+COUNTERS = ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id")
 
-_U64 = struct.Struct(">Q")
-_BLOCK_VALUE = struct.Struct("<IH")
-_BLOCK_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u2")])
-_LOG_VALUE = struct.Struct("<IQ")
+U64 = struct.Struct(">Q")  # meta counters, segment and log keys, block keys
+BLOCK_VALUE = struct.Struct("<IH")  # blocks: segment id, offset
+BLOCK_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u2")])
+LOG_VALUE = struct.Struct("<IQ")  # log: segment id, first hash
+HOLDER_ID = struct.Struct(">H")  # holders: the value of n:<name>, the suffix of i: and s:
 T = TypeVar("T")
 
 
+def is_url(path: object) -> bool:
+    """Does ``path`` name a store by URL (``scheme://...``) rather than a folder?
+
+    >>> is_url("valkey://127.0.0.1:6379/ns"), is_url("/var/lib/sarp")
+    (True, False)
+    """
+    return isinstance(path, str) and "://" in path
+
+
 def hash_keys(hashes: np.ndarray) -> list[bytes]:
-    """Big-endian 8-byte keys for a ``uint64`` array (byte order is numeric order)."""
+    """Big-endian 8-byte keys for a ``uint64`` array (byte order is numeric order).
+
+    >>> hash_keys(np.array([1], np.uint64))
+    [b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x01']
+    """
     # A void view's tolist() makes the bytes objects in C (an "S8" view would strip
     # trailing zero bytes).
     return hashes.astype(">u8").view("V8").tolist()
 
 
-# u16 LE offsets, prepacked; a segment holds at most sarp.index.MAX_SEGMENT_BLOCKS (4,096)
-_OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
-
-
 def counter_value(raw: bytes | None, name: str, where) -> int:
     """A meta counter's stored value (8 bytes big-endian); 0 when absent (a counter
     added after the index was made); ``DamagedIndexError`` naming it when it is not 8
-    bytes (``struct.error`` reached callers before).
+    bytes.
 
     >>> counter_value(None, "segments", "ix"), counter_value(b"\\0" * 7 + b"\\x05", "n", "ix")
     (0, 5)
     """
     if raw is None:
         return 0
-    if len(raw) != _U64.size:
+    if len(raw) != U64.size:
         raise DamagedIndexError(f"{where}: meta counter {name!r} is {len(raw)} bytes, not 8; "
                                 "the index is damaged: sarp repair can salvage its records")
-    return _U64.unpack(raw)[0]
+    return U64.unpack(raw)[0]
 
 
-def _block_items(hashes: np.ndarray, seg_id: int,
-                 first_offset: int) -> Iterator[tuple[bytes, bytes]]:
-    """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on.
+def check_durability(durability: object) -> str:
+    """``durability`` if it is one of :data:`DURABILITY_MODES`, else a ValueError."""
+    if durability not in DURABILITY_MODES:
+        raise ValueError(
+            f"durability={durability!r} is not one of {DURABILITY_MODES}: 'sync' makes every "
+            "write durable before it returns (survives power loss), 'nosync' survives a "
+            "process crash only")
+    return durability
 
-    The values are made by ``map`` over prepacked offsets: C, no Python per block.
+
+def check_version(raw: bytes | None, where) -> int:
+    """The stored format version, refused when this sarp is older than the index."""
+    version = counter_value(raw, "format_version", where)
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(f"{where}: on-disk format {version} is newer than this "
+                                 f"sarp's {FORMAT_VERSION}; upgrade sarp to open it")
+    return version
+
+
+def name_sum(name: bytes) -> bytes:
+    """The checksum kept beside each holder name (``s:<id>``)."""
+    return checksum_bytes(b"sarp-holder:" + name)
+
+
+def checked_name(value: bytes, stored: bytes | None, sums_required: bool) -> str | None:
+    """A holder name that passes its checksum (or predates checksums), else None.
+
+    >>> name = b"w0\\0GPU"
+    >>> checked_name(name, name_sum(name), True), checked_name(name, None, True)
+    ('w0\\x00GPU', None)
     """
-    prefix = struct.pack("<I", seg_id)
-    values = map(prefix.__add__, _OFFSETS[first_offset : first_offset + hashes.size])
-    return zip(hash_keys(hashes), values, strict=True)
+    ok = bytes(stored) == name_sum(value) if stored is not None else not sums_required
+    try:
+        return value.decode() if ok and b"\0" in value else None
+    except UnicodeDecodeError:
+        return None
 
 
-class Store:
-    """An LMDB environment holding one sarp index, owned by one process at a time.
+def holder_names(names: Iterable[tuple[bytes, bytes]], sum_of: Callable[[bytes], bytes | None],
+                 sums_required: bool) -> dict[int, str | None]:
+    """Holder id -> name from the ``i:<id>`` entries ``names`` (key, value) and each
+    one's stored sum (``sum_of(packed id)``); None for a name that fails its checksum
+    (a damaged name is never reported as holding blocks).  Keys of another length are
+    damage: that name is simply not read.  Once every name has its sum (``name_sums``
+    in meta), a missing one is damage."""
+    return {HOLDER_ID.unpack(key[2:])[0]: checked_name(bytes(value), sum_of(key[2:]),
+                                                       sums_required)
+            for key, value in names if len(key) == 4}
 
-    Cost: opening is O(1) (LMDB maps the file; nothing is read up front).
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do, named (the index and the packer read these).
+
+    ``local_reads``: a record read or a block lookup costs about a microsecond (a page
+    in this process's map): walks step one read at a time, and the C walk and batch
+    may run on the transaction (``ReadTxn.native_get``, ``WriteTxn.native_calls``).
+    ``prefetch``: reads are round trips: a match fetches the records its directory
+    predicts in one (``ReadTxn.prefetch``), and a write batches its lookups.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        durability: str = "sync",
-        map_size_bytes: int = 1 << 36,
-        create: bool = True,
-        readonly: bool = False,
-        max_readers: int = DEFAULT_MAX_READERS,
-    ) -> None:
-        if durability not in DURABILITY_MODES:
-            raise ValueError(
-                f"durability={durability!r} is not one of {DURABILITY_MODES}: 'sync' fsyncs "
-                "every write (survives power loss), 'nosync' survives a process crash only"
-            )
-        if isinstance(map_size_bytes, bool) or not isinstance(map_size_bytes, int) or (
-            map_size_bytes < 1 << 20
-        ):
-            raise ValueError(f"map_size_bytes={map_size_bytes!r}; pass an int of at least 1 MiB")
-        if isinstance(max_readers, bool) or not isinstance(max_readers, int) or not (
-            1 <= max_readers <= 1 << 16
-        ):
-            raise ValueError(f"max_readers={max_readers!r}; pass an int from 1 to 65536")
-        self.path = Path(path)
-        self.durability = durability
-        self.readonly = readonly
-        self.max_readers = max_readers
-        self._lock_fd = None
-        if readonly:
-            _check_readable(self.path)
-        else:
-            _check_path(self.path, create)
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-                self._lock_fd = _take_lock(self.path / LOCK_FILE)
-            except OSError as exc:  # a read-only disk, a file in the way, no permission
-                raise ValueError(f"{self.path}: cannot create or lock the index folder "
-                                 f"({exc.strerror}); pass a folder this user can write")from None
-        try:
-            check_data_file(self.path / "data.mdb")
-        except BaseException:
-            self._release_lock()
-            raise
-        try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size_bytes,
-                max_dbs=8,
-                max_readers=max_readers,
-                sync=durability == "sync",
-                metasync=durability == "sync",
-                readahead=False,
-                lock=True,
-                readonly=readonly,
-                create=not readonly,
-            )
-            if readonly:
-                self._open_tables_readonly()
-            else:
-                self._data_lock_fd = _take_data_lock(self.path / "data.mdb")
-                self.meta_db = self.env.open_db(b"meta")
-                self.segments_db = self.env.open_db(b"segments")
-                self.blocks_db = self.env.open_db(b"blocks")
-                self.holders_db = self.env.open_db(b"holders")
-                self.log_db = self.env.open_db(b"log")
-                self._init_meta()
-        except lmdb.ReadersFullError as exc:
-            self.close()
-            raise _readers_full(self.path, self.max_readers, exc) from exc
-        except lmdb.Error as exc:
-            self.close()
-            if "already open in this process" in str(exc):
-                raise IndexLockedError(
-                    f"{self.path} is already open in this process, and LMDB allows one open "
-                    "per process; share that Index object (its calls are thread-safe), or "
-                    "open it readonly=True from another process") from exc
-            raise NotAnIndexError(f"{self.path}: not an LMDB environment: {exc}") from exc
-        except BaseException:
-            self.close()
-            raise
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def _init_meta(self) -> None:
-        with self.env.begin(write=True) as txn:
-            version = txn.get(b"format_version", db=self.meta_db)
-            if version is None:
-                if txn.stat(self.segments_db)["entries"]:
-                    raise NotAnIndexError(f"{self.path}: LMDB data without sarp metadata")
-                txn.put(b"format_version", _U64.pack(FORMAT_VERSION), db=self.meta_db)
-                txn.put(b"index_id", uuid.uuid4().bytes, db=self.meta_db)
-                for name in (b"next_seg_id", b"next_seq", b"log_trimmed_upto", b"next_holder_id"):
-                    txn.put(name, _U64.pack(0), db=self.meta_db)
-                self.format_version = FORMAT_VERSION
-            else:
-                self._check_version(version)
-            self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
-            if txn.get(b"name_sums", db=self.meta_db) is None:
-                _add_missing_name_sums(txn, self.holders_db)
-                txn.put(b"name_sums", _U64.pack(1), db=self.meta_db)
-
-    def _open_tables_readonly(self) -> None:
-        """Open the named tables without creating anything (a reader writes nothing)."""
-        try:
-            for name in (b"meta", b"segments", b"blocks", b"holders", b"log"):
-                # Without txn=, py-lmdb opens each table in a read transaction of its
-                # own and keeps the handle; a handle opened in our txn would not last.
-                setattr(self, f"{name.decode()}_db", self.env.open_db(name, create=False))
-        except lmdb.NotFoundError:
-            raise NotAnIndexError(
-                f"{self.path}: an LMDB environment without sarp's tables; not an index yet"
-            ) from None
-        with self._begin() as txn:
-            version = txn.get(b"format_version", db=self.meta_db)
-            if version is None:
-                raise NotAnIndexError(f"{self.path}: no sarp metadata; not an index yet")
-            self._check_version(version)
-            self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
-
-    def _check_version(self, raw: bytes) -> None:
-        self.format_version = counter_value(raw, "format_version", self.path)
-        if self.format_version > FORMAT_VERSION:
-            raise FormatVersionError(
-                f"{self.path}: on-disk format {self.format_version} is newer than this "
-                f"sarp's {FORMAT_VERSION}; upgrade sarp to open it"
-            )
-
-    def _begin(self, **kwargs) -> lmdb.Transaction:
-        """A read transaction; adopts a map the writer grew, names a full reader table."""
-        for _ in range(3):
-            try:
-                return self.env.begin(**kwargs)
-            except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # 0: take the size the writer set
-            except lmdb.ReadersFullError as exc:
-                raise _readers_full(self.path, self.max_readers, exc) from exc
-        return self.env.begin(**kwargs)
-
-    def close(self) -> None:
-        env = getattr(self, "env", None)
-        if env is not None:
-            env.close()
-            self.env = None
-        self._release_lock()
-
-    def _release_lock(self) -> None:
-        for name in ("_lock_fd", "_data_lock_fd"):
-            if getattr(self, name, None) is not None:
-                os.close(getattr(self, name))
-                setattr(self, name, None)
-
-    def load_snapshot(self) -> snapshots.Snapshot:
-        """The directory snapshot beside the data (``SnapshotUnusable`` says why not)."""
-        return snapshots.load(self.path)
-
-    def save_snapshot(self, watermark: int, directory, holders) -> int:
-        """Write the directory snapshot file atomically; return its size."""
-        return snapshots.write(self.path, self.index_id, watermark, directory, holders)
-
-    def load_state(self, name: str) -> bytes | None:
-        """A small state file kept beside the index (the subscriber's resume point)."""
-        try:
-            return (self.path / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def save_state(self, name: str, data: bytes, durable: bool) -> None:
-        """Replace the state file ``name`` atomically (fsync'ed when ``durable``)."""
-        tmp = self.path / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self.path / name)
-
-    def files(self) -> list[Path]:
-        """The LMDB files of this index (for size accounting and cache eviction)."""
-        return [self.path / "data.mdb", self.path / "lock.mdb"]
-
-    def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.files() if p.exists())
-
-    # -- transactions ----------------------------------------------------------------------
-
-    def read(self) -> ReadTxn:
-        """A short read transaction: ``with store.read() as r: r.segment(7)``."""
-        return ReadTxn(self)
-
-    def write(self, fn: Callable[[WriteTxn], T]) -> T:
-        """Run ``fn`` in one write transaction and commit it; all or nothing.
-
-        On ``MapFullError`` the transaction is aborted, the map is doubled outside
-        any transaction, and ``fn`` runs again from the start.
-        """
-        for _ in range(MAX_GROWTHS):
-            try:
-                with self.env.begin(write=True) as txn:
-                    return fn(WriteTxn(self, txn))
-            except lmdb.MapFullError:
-                self._grow()
-            except lmdb.Error as exc:
-                # LMDB reports a full disk as a failed write (often EIO): look at the room
-                # left, so that the caller gets StoreFullError and what to do.  The
-                # transaction was aborted: the index is as it was, usable once there is room.
-                room = _no_room(self.path)
-                if room is not None:
-                    raise StoreFullError(f"{self.path}: the write failed ({exc}): {room}; "
-                                         "the index is unchanged") from exc
-                raise StoreError(f"{self.path}: write failed: {exc}") from exc
-        raise StoreFullError(f"{self.path}: the map grew {MAX_GROWTHS} times and one write "
-                             "still does not fit; open with a larger map_size_bytes")
-
-    def _grow(self) -> None:
-        new_size = self.env.info()["map_size"] * 2
-        try:
-            self.env.set_mapsize(new_size)
-        except lmdb.Error as exc:
-            raise StoreFullError(f"{self.path}: cannot grow map to {new_size} B: {exc}") from exc
-
-    def counter(self, name: str) -> int:
-        with self._begin() as txn:
-            return counter_value(txn.get(name.encode(), db=self.meta_db), name, self.path)
-
-    def num_segments(self) -> int:
-        with self._begin() as txn:
-            return txn.stat(self.segments_db)["entries"]
-
-    def iter_raw_segments(self) -> Iterator[tuple[int, bytes]]:
-        with self.read() as r:
-            yield from r.raw_segments()
-
-    def iter_blocks(self) -> Iterator[tuple[int, int, int]]:
-        """(hash, segment id, offset) for every entry of the ``blocks`` table."""
-        with self.read() as r:
-            yield from r.blocks()
-
-    def holder_names(self) -> dict[int, str]:
-        with self.read() as r:
-            return r.holder_names()
-
-    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
-        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
-        with self.read() as r:
-            yield from r.log_since(seq)
-
-    def trim_log(self, upto: int) -> None:
-        """Delete log entries with sequence <= ``upto`` (a durable snapshot covers them)."""
-
-        def trim(w: WriteTxn) -> None:
-            cur = w.txn.cursor(db=self.log_db)
-            if cur.first():
-                while cur.key() and _U64.unpack(cur.key())[0] <= upto:
-                    if not cur.delete():
-                        break
-            w.set_counter("log_trimmed_upto", max(upto, w.counter("log_trimmed_upto")))
-
-        self.write(trim)
+    local_reads: bool
+    prefetch: bool
 
 
-class ReadTxn:
-    """One consistent view of the store, for ``match`` (segment records, counted as
-    reads) and for a reader keeping its directory current (counters, the log, holder
-    names), all in the same LMDB read transaction."""
+class ReadTxn(Protocol):
+    """One consistent view (LMDB), or reads that each see every returned write (Valkey;
+    the verifier checks every record on its own)."""
 
-    __slots__ = ("_store", "_txn", "reads")
-    prefetch = None  # records are local: nothing to fetch ahead (a remote store has it)
+    reads: int  # records read for a match (counted by ``record``)
+    capabilities: Capabilities  # the store's
 
-    @property
-    def native_get(self):
-        """The LMDB transaction's own ``get`` (key: big-endian u64 segment id), for a
-        walk in C; reads through it are counted by the caller."""
-        return self._txn.get
+    def __enter__(self) -> ReadTxn: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def record(self, seg_id: int) -> bytes | None: ...
+    def segment(self, seg_id: int) -> Segment | None: ...
+    def raw_records(self, seg_ids: list[int]) -> list[bytes | None]: ...
+    def counter(self, name: str) -> int: ...
+    def index_id(self) -> bytes | None: ...
+    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]: ...
+    def raw_segments(self) -> Iterator[tuple[int, bytes]]: ...
+    def blocks(self) -> Iterator[tuple[int, int, int]]: ...
+    def holder_names(self) -> dict[int, str | None]: ...
+    def stat(self, table: str) -> dict: ...
+    # with capabilities.local_reads: the transaction's get (key: u64 BE segment id)
+    native_get: Callable[[bytes], bytes | None] | None
+    # with capabilities.prefetch: fetch records (and the counters) in one round trip
+    def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None: ...
+    def forget_prefetched(self) -> None: ...
 
-    def forget_prefetched(self) -> None:
-        """Nothing is fetched ahead (see ``prefetch``)."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._txn = None
-        self.reads = 0
+class WriteTxn(Protocol):
+    """The primitives a write needs (:class:`WriteLogic` builds the rest on them)."""
 
-    def __enter__(self) -> ReadTxn:
-        self._txn = self._store._begin(db=self._store.segments_db)
-        return self
+    capabilities: Capabilities  # the store's
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._txn.abort()
-        self._txn = None
-        if exc_type is not None and issubclass(exc_type, lmdb.Error):
-            # A damaged page met while reading: sarp's error, naming the file, not lmdb's.
-            raise DamagedIndexError(
-                f"{self._store.path / 'data.mdb'}: reading failed ({exc_type.__name__}: {exc}); "
-                f"the file is damaged. {_REPAIR_HINT.format(path=self._store.path)}"
-            ) from exc
+    def counter(self, name: str) -> int: ...
+    def set_counter(self, name: str, value: int) -> None: ...
+    def put_meta(self, key: bytes, value: bytes) -> None: ...
+    def segment(self, seg_id: int) -> Segment: ...
+    def segment_exists(self, seg_id: int) -> bool: ...
+    def put_segment(self, seg: Segment) -> None: ...
+    def delete_segment(self, seg: Segment) -> None: ...
+    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def locate_one(self, block_hash: int) -> tuple[int, int]: ...
+    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None: ...
+    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool: ...
+    def release_blocks(self, hashes: np.ndarray) -> None: ...
+    def log(self, entries: list[tuple[int, int]]) -> None: ...
+    def holder_get(self, key: bytes) -> bytes | None: ...
+    def holder_put(self, key: bytes, value: bytes | None) -> None: ...
+    def holder_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]: ...
+    def holder_id(self, name: str, create: bool, reclaim=None) -> int | None: ...
+    def forget_holders(self, holder_ids: list[int]) -> None: ...
+    def new_segment_id(self) -> int: ...
 
-    def record(self, seg_id: int) -> bytes | None:
-        """The raw record of a segment (checked by the caller), counted as one read."""
-        self.reads += 1
-        return self._txn.get(_U64.pack(seg_id))
 
-    def segment(self, seg_id: int) -> Segment | None:
-        """The decoded segment (not counted as a match read)."""
-        record = self._txn.get(_U64.pack(seg_id))
-        return None if record is None else decode(seg_id, record)
+class Store(Protocol):
+    """An index's storage, owned by one writer at a time (any number of readers)."""
 
-    def raw_records(self, seg_ids: list[int]) -> list[bytes | None]:
-        """The unchecked records of many segments, in order (not counted as match reads)."""
-        get = self._txn.get
-        return [get(key) for key in map(_U64.pack, seg_ids)]
+    path: object  # what messages name: a folder, or a URL
+    durability: str
+    readonly: bool
+    index_id: bytes
+    capabilities: Capabilities
 
-    def counter(self, name: str) -> int:
-        raw = self._txn.get(name.encode(), db=self._store.meta_db)
-        return counter_value(raw, name, self._store.path)
-
-    def index_id(self) -> bytes | None:
-        """The id the index was created with, as of this transaction."""
-        raw = self._txn.get(b"index_id", db=self._store.meta_db)
-        return None if raw is None else bytes(raw)
-
-    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
-        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
-        cur = self._txn.cursor(db=self._store.log_db)
-        if cur.set_range(_U64.pack(seq + 1)):
-            for key, value in cur:
-                if len(key) != _U64.size or len(value) != _LOG_VALUE.size:
-                    raise CorruptRecordError(f"log table: an entry of {len(key)}+{len(value)} "
-                                             "bytes")
-                seg_id, first = _LOG_VALUE.unpack(value)
-                yield _U64.unpack(key)[0], seg_id, first
-
-    def raw_segments(self) -> Iterator[tuple[int, bytes]]:
-        for key, record in self._txn.cursor(db=self._store.segments_db):
-            if len(key) != _U64.size:
-                raise CorruptRecordError(f"segments table: a key of {len(key)} bytes")
-            yield _U64.unpack(key)[0], record
-
-    def blocks(self) -> Iterator[tuple[int, int, int]]:
-        for key, value in self._txn.cursor(db=self._store.blocks_db):
-            if len(key) != _U64.size or len(value) != _BLOCK_VALUE.size:
-                raise CorruptRecordError(f"blocks table: an entry of {len(key)}+{len(value)} "
-                                         "bytes (8+6 expected)")
-            seg_id, offset = _BLOCK_VALUE.unpack(value)
-            yield _U64.unpack(key)[0], seg_id, offset
-
-    def holder_names(self) -> dict[int, str | None]:
-        """Holder id -> ``instance\\0medium``; ``None`` for a name that fails its checksum
-        (a damaged name must never be reported as holding blocks)."""
-        required = self._txn.get(b"name_sums", db=self._store.meta_db) is not None
-        return _read_holder_names(self._txn, self._store.holders_db, required)
-
-    def stat(self, table: str) -> dict:
-        return self._txn.stat(getattr(self._store, f"{table}_db"))
+    def read(self) -> ReadTxn: ...
+    def write(self, fn: Callable[[WriteTxn], T]) -> T: ...
+    def counter(self, name: str) -> int: ...
+    def trim_log(self, upto: int) -> None: ...
+    def load_snapshot(self): ...
+    def save_snapshot(self, watermark: int, directory, holders) -> int: ...
+    def load_state(self, name: str) -> bytes | None: ...
+    def save_state(self, name: str, data: bytes, durable: bool) -> None: ...
+    def disk_bytes(self) -> int: ...
+    def close(self) -> None: ...
 
 
 class WriteLogic:
-    """What a write does the same way on every store, over the store's primitives:
-    ``counter``, ``set_counter``, ``_holder_get``/``_holder_put`` (the holders table),
-    ``forget_holders`` and ``_store.path``."""
+    """What a write does the same way on every store, over a backend's primitives
+    (``counter``, ``set_counter``, ``put_meta``, ``segment_exists``, ``holder_get``,
+    ``holder_put``, ``holder_items``) and ``_store.path``."""
 
     __slots__ = ()
+
+    def create_meta(self) -> None:
+        """A new index's meta: format version, a new index id, zero counters, and the
+        mark that every holder name has its checksum."""
+        self.set_counter("format_version", FORMAT_VERSION)
+        self.put_meta(b"index_id", uuid.uuid4().bytes)
+        for name in COUNTERS:
+            self.set_counter(name, 0)
+        self.set_counter("name_sums", 1)
+
+    def add_missing_name_sums(self) -> None:
+        """Indexes written before name checksums get them at the writer's next open."""
+        for key, value in self.holder_items(b"i:"):
+            if self.holder_get(b"s:" + key[2:]) is None:
+                self.holder_put(b"s:" + key[2:], name_sum(value))
+        self.set_counter("name_sums", 1)
 
     def new_segment_id(self) -> int:
         """The next multiple of ``ID_STRIDE``; the ids up to the one before the next
@@ -496,7 +276,7 @@ class WriteLogic:
                     return candidate
         return self.new_segment_id()
 
-    def _take_seqs(self, count: int) -> int:
+    def take_seqs(self, count: int) -> int:
         """Reserve ``count`` log sequence numbers; return the first."""
         first = self.counter("next_seq") + 1
         self.set_counter("next_seq", first + count - 1)
@@ -506,13 +286,13 @@ class WriteLogic:
         """The id of holder ``name``; with ``create``, a new one if it has none.
 
         Ids are u16 (they are stored per row of every segment).  When all are taken,
-        ``reclaim(avoid)`` names an id whose holder holds nothing (an engine that was
+        ``reclaim()`` names an id whose holder holds nothing (an engine that was
         cleared and went away); its old name is forgotten and the id reused.
         """
         key = b"n:" + name.encode()
-        value = self._holder_get(key)
+        value = self.holder_get(key)
         if value is not None:
-            return struct.unpack(">H", value)[0]
+            return HOLDER_ID.unpack(value)[0]
         if not create:
             return None
         new_id = self.counter("next_holder_id")
@@ -525,449 +305,55 @@ class WriteLogic:
                     f"{self._store.path}: {MAX_HOLDERS} holders hold blocks; clear the ones "
                     "whose engines are gone (index.clear(NAME)) so their ids can be reused")
             self.forget_holders([new_id])
-        packed = struct.pack(">H", new_id)
-        self._holder_put(key, packed)
-        self._holder_put(b"i:" + packed, name.encode())
-        self._holder_put(b"s:" + packed, _name_sum(name.encode()))
+        packed = HOLDER_ID.pack(new_id)
+        self.holder_put(key, packed)
+        self.holder_put(b"i:" + packed, name.encode())
+        self.holder_put(b"s:" + packed, name_sum(name.encode()))
         self.set_counter("holder_changes", self.counter("holder_changes") + 1)
         return new_id
 
-
-class WriteTxn(WriteLogic):
-    """The operations a write needs, inside one LMDB write transaction."""
-
-    __slots__ = ("_store", "txn")
-    LOCAL_LOOKUPS = True  # a lookup costs about a µs: walk runs rather than batch them
-
-    def __init__(self, store: Store, txn: lmdb.Transaction) -> None:
-        self._store = store
-        self.txn = txn
-
-    def set_counter(self, name: str, value: int) -> None:
-        self.txn.put(name.encode(), _U64.pack(value), db=self._store.meta_db)
-
-    def segment(self, seg_id: int) -> Segment:
-        """Segment ``seg_id``, decoded into arrays the write may modify in place."""
-        record = self.txn.get(_U64.pack(seg_id), db=self._store.segments_db)
-        if record is None:
-            raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
-        return writable(seg_id, record)
-
-    def segment_exists(self, seg_id: int) -> bool:
-        return self.txn.get(_U64.pack(seg_id), db=self._store.segments_db) is not None
-
-    def put_segment(self, seg: Segment) -> None:
-        self.txn.put(_U64.pack(seg.seg_id), seg.encode(), db=self._store.segments_db)
-
-    def delete_segment(self, seg: Segment) -> None:
-        self.txn.delete(_U64.pack(seg.seg_id), db=self._store.segments_db)
-        self.release_blocks(seg.hashes)
-
-    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Segment id and offset of each hash (segment id 0 where absent), batched.
-
-        Cost: one LMDB lookup per hash, in one cursor call.
-        """
-        seg_ids = np.zeros(hashes.size, dtype=np.uint32)
-        offsets = np.zeros(hashes.size, dtype=np.uint16)
-        found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
-        if found:
-            # Back to query positions in numpy (no Python work per block): the found
-            # keys are big-endian hashes, the values packed (u32 segment, u16 offset).
-            got = np.frombuffer(b"".join(k for k, _ in found), dtype=">u8").astype(np.uint64)
-            values = np.frombuffer(b"".join(v for _, v in found), dtype=_BLOCK_DTYPE)
-            order = np.argsort(hashes, kind="stable")
-            where = order[np.searchsorted(hashes[order], got)]
-            seg_ids[where] = values["seg"]
-            offsets[where] = values["off"]
-        return seg_ids, offsets
-
-    def locate_one(self, block_hash: int) -> tuple[int, int]:
-        """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent.
-
-        Cost: one LMDB lookup.
-        """
-        value = self.txn.get(_U64.pack(block_hash), db=self._store.blocks_db)
-        return (0, 0) if value is None else _BLOCK_VALUE.unpack(value)
-
-    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
-        self.txn.cursor(db=self._store.blocks_db).putmulti(
-            _block_items(hashes, seg_id, first_offset))
-
-    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
-        """:meth:`put_blocks` if none of ``hashes`` is stored; else change nothing and
-        return False.
-
-        Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the same descent
-        that would insert it); a refusal also reads back and deletes what was added.
-        """
-        items = _block_items(hashes, seg_id, first_offset)
-        _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
-        if added == hashes.size:
-            return True
-        cur = self.txn.cursor(db=self._store.blocks_db)
-        ours = dict(_block_items(hashes, seg_id, first_offset))
-        for key, value in cur.getmulti(list(ours)):
-            if value == ours[key]:  # no stored entry can name this new place
-                self.txn.delete(key, db=self._store.blocks_db)
-        return False
-
-    def native_calls(self) -> tuple:
-        """What ``sarp._native.pack_batch`` calls of this transaction, in its order:
-        a ``blocks`` get and a ``segments`` get (big-endian keys), the checked read of
-        a segment (to name damage), a new segment id, the return of ids from one on
-        (taken by an insert that then fell to Python), a holder's id (None if it has
-        none), a new holder's id (None when every id is taken and one must be
-        reclaimed), the transaction's ``put`` and ``delete`` (called with a table),
-        the ``segments`` and ``blocks`` tables, and a ``blocks`` cursor's ``put``,
-        ``set_key`` and ``pop`` (a deferred batch's writes, in key order)."""
-        blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
-        txn = self.txn
-        blocks = txn.cursor(db=blocks_db)
-        return (
-            blocks.get,
-            txn.cursor(db=segments_db).get,
-            self.segment,
-            self.new_segment_id,
-            lambda first: self.set_counter("next_seg_id", first - 1),
-            lambda name: self.holder_id(name, create=False),
-            self._new_holder,
-            txn.put,
-            txn.delete,
-            segments_db,
-            blocks_db,
-            blocks.put,
-            blocks.set_key,
-            blocks.pop,
-        )
-
-    def nested(self) -> WriteTxn:
-        """A write transaction inside this one (LMDB's nested transaction): what it
-        writes joins this one at :meth:`commit` and is gone after :meth:`abort`.  This
-        one must not be used until then.
-
-        Cost: its commit merges its dirty pages into this one's: 0.8 ms more for a
-        batch of 12,000 puts (docs/performance.md, "Deferred `blocks` writes").
-        """
-        return WriteTxn(self._store, self._store.env.begin(write=True, parent=self.txn))
-
-    def commit(self) -> None:
-        """Commit a :meth:`nested` transaction into its parent."""
-        self.txn.commit()
-
-    def abort(self) -> None:
-        """Drop a :meth:`nested` transaction and everything it wrote."""
-        self.txn.abort()
-
-    def _new_holder(self, name: str) -> int | None:
+    def new_holder_id(self, name: str) -> int | None:
+        """A new id for ``name``, or None when every id is taken (the caller reclaims)."""
         if self.counter("next_holder_id") >= MAX_HOLDERS:
             return None
         return self.holder_id(name, create=True)
 
-    def release_blocks(self, hashes: np.ndarray) -> None:
-        """Delete the ``blocks`` entries of ``hashes`` (a dead segment's, or a claim undone).
-
-        Consumed in C: no Python per block.
-        """
-        deque(map(partial(self.txn.delete, db=self._store.blocks_db), hash_keys(hashes)),
-              maxlen=0)
-
-    def log(self, entries: list[tuple[int, int]]) -> None:
-        """Append ``(segment id, first hash)`` entries to the log, in order.
-
-        Cost: one counter update and one appending ``putmulti``.
-        """
-        first = self._take_seqs(len(entries))
-        self.txn.cursor(db=self._store.log_db).putmulti(
-            [(_U64.pack(first + i), _LOG_VALUE.pack(seg_id, first_hash))
-             for i, (seg_id, first_hash) in enumerate(entries)], append=True)
-
     def forget_holders(self, holder_ids: list[int]) -> None:
-        """Delete the name entries of ``holder_ids`` (both directions); ids are not reused."""
-        db = self._store.holders_db
-        wanted = {struct.pack(">H", h) for h in holder_ids}
-        cur = self.txn.cursor(db=db)
-        stale = []
-        if cur.set_range(b"n:"):
-            for key, value in cur:
-                if not key.startswith(b"n:"):
-                    break
-                if value in wanted:
-                    stale.append(key)
-        for key in stale:
-            self.txn.delete(key, db=db)
+        """Delete the name entries of ``holder_ids`` (both directions); ids are not reused
+        except by :meth:`holder_id`'s reclaim."""
+        wanted = {HOLDER_ID.pack(h) for h in holder_ids}
+        for key, value in self.holder_items(b"n:"):
+            if value in wanted:
+                self.holder_put(key, None)
         for packed in wanted:
-            self.txn.delete(b"i:" + packed, db=db)
-            self.txn.delete(b"s:" + packed, db=db)
+            self.holder_put(b"i:" + packed, None)
+            self.holder_put(b"s:" + packed, None)
         self.set_counter("holder_changes", self.counter("holder_changes") + 1)
 
-    def _holder_get(self, key: bytes) -> bytes | None:
-        return self.txn.get(key, db=self._store.holders_db)
 
-    def _holder_put(self, key: bytes, value: bytes) -> None:
-        self.txn.put(key, value, db=self._store.holders_db)
+def open_store(path: str | os.PathLike, *, durability: str = "sync", create: bool = True,
+               readonly: bool = False, map_size_bytes: int = 1 << 36,
+               max_readers: int = DEFAULT_MAX_READERS, lease_s: float = 10.0,
+               wait_for_lease_s: float = 0.0) -> Store:
+    """The store at ``path``: a folder (LMDB) or ``valkey://HOST:PORT/NAMESPACE`` (also
+    ``redis://``, ``rediss://``, ``valkeys://``).  The Valkey client is imported only
+    when a URL asks for it.  Options a backend does not have are ignored by it
+    (``map_size_bytes``, ``max_readers``: LMDB; ``lease_s``, ``wait_for_lease_s``:
+    Valkey).  Cost: the backend's open.
 
-    def counter(self, name: str) -> int:
-        raw = self.txn.get(name.encode(), db=self._store.meta_db)
-        return counter_value(raw, name, self._store.path)
-
-
-def _check_path(path: Path, create: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise NotAnIndexError(f"{path} is a file, not a sarp index directory; pass a directory")
-    if not path.exists():
-        if not create:
-            raise NotAnIndexError(f"{path} does not exist; pass create=True to make a new index")
-        return
-    names = {p.name for p in path.iterdir()} - {LOCK_FILE}
-    if names and "data.mdb" not in names:
-        raise NotAnIndexError(
-            f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
-            "pass a new or empty directory"
-        )
-
-
-def _name_sum(name: bytes) -> bytes:
-    """The checksum kept beside each holder name (``s:<id>``)."""
-    return xxhash.xxh3_64_digest(b"sarp-holder:" + name)
-
-
-def _add_missing_name_sums(txn, holders_db) -> None:
-    """Indexes written before name checksums get them at the writer's next open."""
-    cur = txn.cursor(db=holders_db)
-    missing = []
-    if cur.set_range(b"i:"):
-        for key, value in cur:
-            if not key.startswith(b"i:"):
-                break
-            if txn.get(b"s:" + key[2:], db=holders_db) is None:
-                missing.append((b"s:" + key[2:], _name_sum(value)))
-    for key, value in missing:
-        txn.put(key, value, db=holders_db)
-
-
-def _read_holder_names(txn, holders_db, sums_required: bool) -> dict[int, str | None]:
-    cur = txn.cursor(db=holders_db)
-    raw: dict[int, bytes] = {}
-    if cur.set_range(b"i:"):
-        for key, value in cur:
-            if not key.startswith(b"i:"):
-                break
-            if len(key) == 4:  # anything else is damage: that name is simply not read
-                raw[struct.unpack(">H", key[2:])[0]] = bytes(value)
-    # Once every name has its sum (``name_sums`` in meta), a missing one is damage.
-    return {holder_id: _checked_name(value, txn.get(b"s:" + struct.pack(">H", holder_id),
-                                                    db=holders_db), sums_required)
-            for holder_id, value in raw.items()}
-
-
-def _checked_name(value: bytes, stored: bytes | None, sums_required: bool) -> str | None:
-    """A holder name that passes its checksum (or predates them), else None."""
-    ok = bytes(stored) == _name_sum(value) if stored is not None else not sums_required
-    try:
-        return value.decode() if ok and b"\0" in value else None
-    except UnicodeDecodeError:
-        return None
-
-
-def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
-    """Send ``(seg_id, record)`` for every segment id in ``[first_id, last_id]`` that the
-    live B-tree still yields, then ``None``; for :mod:`sarp.repair`, in a child process.
-
-    Reads go through the tree (``get`` by key), never through free pages, so only live
-    records come back; a damaged page may kill this process (a SIGBUS or an LMDB
-    assertion), which is why it runs in a child: the parent knows the last id sent.
-    Every id is reported, found or not: ``(seg_id, None)`` when absent.
+    >>> import tempfile
+    >>> store = open_store(tempfile.mkdtemp())
+    >>> store.capabilities.local_reads, store.counter("next_seq")
+    (True, 0)
+    >>> store.close()
     """
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
-    try:
-        db = env.open_db(b"segments", create=False)
-        txn = env.begin(db=db)
-        for seg_id in range(first_id, last_id + 1):
-            try:
-                record = txn.get(_U64.pack(seg_id))
-            except lmdb.Error:
-                record = b""  # this id's page is damaged: unreadable, not absent
-                txn.abort()  # an error leaves the transaction unusable: take a new one
-                txn = env.begin(db=db)
-            conn.send((seg_id, None if record is None else bytes(record)))
-        txn.abort()
-    finally:
-        env.close()
-    conn.send(None)
+    check_durability(durability)
+    if is_url(path):
+        from .store_valkey import ValkeyStore
 
+        return ValkeyStore(path, durability=durability, create=create, readonly=readonly,
+                           lease_s=lease_s, wait_for_lease_s=wait_for_lease_s)
+    from .store_lmdb import LmdbStore
 
-def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
-    """Each holder name by its own key, so that one damaged entry costs one name."""
-    found: dict[int, tuple[bytes, bytes | None] | None] = {}
-    txn = env.begin(db=holders_db)
-    try:
-        for holder_id in range(count):
-            packed = struct.pack(">H", holder_id)
-            try:
-                value, stored = txn.get(b"i:" + packed), txn.get(b"s:" + packed)
-            except lmdb.Error:
-                txn.abort()
-                txn = env.begin(db=holders_db)
-                found[holder_id] = None
-                continue
-            if value is not None:
-                found[holder_id] = (bytes(value), None if stored is None else bytes(stored))
-    finally:
-        txn.abort()
-    # An index written before name checksums has none at all; otherwise one is required.
-    sums = any(f is not None and f[1] is not None for f in found.values())
-    return {holder_id: None if entry is None else _checked_name(entry[0], entry[1], sums)
-            for holder_id, entry in found.items()}
-
-
-def salvage_meta(path: str, conn) -> None:
-    """Send ``(counters, holder names)`` read without trusting anything: for repair."""
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
-    try:
-        out: dict = {"next_seg_id": None, "names": {}}
-        meta = None
-        try:
-            meta = env.open_db(b"meta", create=False)
-            with env.begin(db=meta) as txn:
-                raw = txn.get(b"next_seg_id")
-                out["next_seg_id"] = _U64.unpack(raw)[0] if raw else None
-        except lmdb.Error:
-            pass
-        try:
-            holders = env.open_db(b"holders", create=False)
-            with env.begin() as txn:
-                raw = txn.get(b"next_holder_id", db=meta)
-            count = _U64.unpack(raw)[0] if raw else MAX_HOLDERS
-            out["names"] = _salvage_names(env, holders, min(count, MAX_HOLDERS))
-        except lmdb.Error:
-            pass
-        conn.send(out)
-    finally:
-        env.close()
-
-
-_REPAIR_HINT = ("Salvage what can be read with: sarp repair {path} --out NEW_FOLDER "
-                "(or restore a copy; sarp serve can also rebuild it from the engines' "
-                "replay buffers)")
-_LMDB_MAGIC = 0xBEEFC0DE
-_PAGE_HEADER_BYTES = 16
-_META = struct.Struct("<IIQQIHH")  # magic, version, address, map size, then the free DB
-_META_TAIL = struct.Struct("<QQ")  # last page number, transaction id (after both DBs)
-_META_TAIL_AT = _PAGE_HEADER_BYTES + 24 + 2 * 48
-# md_root of the free-page DB and of the main DB: the last field of each 48-byte MDB_db
-_ROOTS_AT = (_PAGE_HEADER_BYTES + 24 + 40, _PAGE_HEADER_BYTES + 24 + 48 + 40)
-_U64_LE = struct.Struct("<Q")
-_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree
-
-
-def check_data_file(data: Path) -> None:
-    """Refuse an LMDB file that is truncated or is not LMDB, before LMDB maps it.
-
-    LMDB trusts its file: a tree page past the end of ``data.mdb`` kills the process
-    with SIGBUS when it is touched, and a damaged meta page trips an assertion
-    (abort).  The newer valid meta page names the root page of each of LMDB's two
-    trees (the free-page tree and the main one, which holds sarp's tables); a root
-    past the end of the file, or a file that ends inside a page, means it was
-    truncated.  (The meta's "last page" is no bound: LMDB may count pages a
-    transaction allocated and freed again without ever writing them.)  Cost: one
-    read of two pages.
-    """
-    try:
-        size = data.stat().st_size
-        with data.open("rb") as f:
-            head = f.read(2 * 65536)
-    except FileNotFoundError:
-        return
-    metas = []
-    first = _META.unpack_from(head, _PAGE_HEADER_BYTES) if len(head) >= 64 else None
-    page_size = first[4] if first and first[0] == _LMDB_MAGIC else 0
-    for at in (0, page_size) if page_size else (0,):
-        if at + _META_TAIL_AT + _META_TAIL.size > len(head):
-            continue
-        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
-        if magic == _LMDB_MAGIC:
-            roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
-            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
-            metas.append((txnid, roots))
-    if not metas or page_size < 512:
-        raise DamagedIndexError(
-            f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
-            f"an index. {_REPAIR_HINT.format(path=data.parent)}"
-        )
-    _, roots = max(metas)
-    pages = size // page_size
-    if size % page_size:
-        # LMDB writes whole pages: a file that ends inside one was cut short.
-        raise DamagedIndexError(
-            f"{data}: {size} bytes is not a whole number of {page_size}-byte pages: the file "
-            f"was truncated. {_REPAIR_HINT.format(path=data.parent)}"
-        )
-    beyond = [r for r in roots if r != _NO_PAGE and r >= pages]
-    if beyond:
-        raise DamagedIndexError(
-            f"{data}: {size} bytes ({pages} pages), but its last committed transaction has a "
-            f"tree root at page {beyond[0]}: the file was truncated. "
-            f"{_REPAIR_HINT.format(path=data.parent)}"
-        )
-
-
-def _check_readable(path: Path) -> None:
-    if not (path / "data.mdb").is_file():
-        raise NotAnIndexError(
-            f"{path} holds no sarp index yet (no data.mdb); a reader opens an existing index: "
-            "start the writer (sarp serve, or sarp.open without readonly) first"
-        )
-
-
-def _readers_full(path: Path, max_readers: int, exc: Exception) -> ReadersFullError:
-    return ReadersFullError(
-        f"{path}: LMDB's reader table is full ({exc}); every process with the index open "
-        f"takes a slot. Close some readers, or have the writer open the index with a larger "
-        f"max_readers (now {max_readers}; the first process to open the index sets it)"
-    )
-
-
-def _no_room(path: Path) -> str | None:
-    """Why a write may have found no room (a nearly full disk, a file-size limit), if so."""
-    stat = os.statvfs(path)
-    free = stat.f_bavail * stat.f_frsize
-    if free < LOW_DISK_BYTES:
-        return f"the disk holding it has {free:,} bytes free; free some space"
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    data = path / "data.mdb"
-    if soft != resource.RLIM_INFINITY and data.exists() and (
-            data.stat().st_size + LOW_DISK_BYTES > soft):
-        return f"this process may write files of at most {soft:,} bytes (ulimit -f); raise it"
-    return None
-
-
-def _take_data_lock(data: Path) -> int:
-    """A second writer lock, on ``data.mdb`` itself: a script that deletes a stale-looking
-    ``sarp.lock`` must not let two writers in (each would trust its own snapshot)."""
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise IndexLockedError(
-            f"{data.parent} is open for writing in another process (its data.mdb is locked, "
-            "even though sarp.lock was not: was sarp.lock deleted?); close the other writer"
-        ) from None
-    return fd
-
-
-def _take_lock(lock_path: Path) -> int:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise IndexLockedError(
-            f"{lock_path.parent} is open in another process (pid {holder}); "
-            "one process owns an index at a time: close it there first"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+    return LmdbStore(path, durability=durability, map_size_bytes=map_size_bytes,
+                     create=create, readonly=readonly, max_readers=max_readers)

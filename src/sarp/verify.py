@@ -6,12 +6,13 @@ equal the query's at the same positions, held by the holders it names.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import native
+from .errors import CorruptRecordError
 from .segment import HASHES_AT, Segment, checked_presence, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
@@ -38,7 +39,7 @@ def examine_py(
     differ in a long record or several holders share it.  No object is built.
 
     :func:`examine` is this function in C when the extension was built
-    (``sarp._native``), with this one as the reference and for damaged records.
+    (``verify.c``), with this one as the reference and for damaged records.
 
     >>> rec = Segment(1, 0, None, np.array([5, 6, 7], np.uint64), np.array([4], np.uint16),
     ...               np.array([[1, 1, 0]], np.uint8)).encode()
@@ -77,51 +78,27 @@ def examine_py(
     return same, any_run, holder_ids, runs
 
 
-def _native_module():
-    """``sarp._native`` if it was built, speaks this ABI, and ``SARP_PURE_PYTHON`` is
-    not set; else ``None`` (the Python path)."""
-    if os.environ.get("SARP_PURE_PYTHON"):
-        return None
-    try:
-        from . import _native
-    except ImportError:  # no C compiler at install: the Python path
-        return None
-    return _native if getattr(_native, "ABI_VERSION", None) == _NATIVE_ABI else None
-
-
-_NATIVE_ABI = 9
-_native = _native_module()
-NATIVE = _native is not None  # is the match step in C?
-
-
-def _examine_c(
+def examine(
     seg_id: int, record: bytes, query_bytes: bytes, start: int, parent: int | None
 ) -> tuple[int, int, list[int], list[int]] | None:
-    found = _native_examine(record, query_bytes, start, parent or 0, parent is not None)
-    if found.__class__ is int:  # damaged: the Python check names what is wrong
+    """:func:`examine_py` in C (``verify.c``) when :mod:`sarp.native` has it; a damaged
+    record is examined again in Python, whose error names the damage."""
+    c = native.C
+    if c is None:
+        native.ran_python("examine")
         return examine_py(seg_id, record, query_bytes, start, parent)
-    return found
+    found = c.examine(record, query_bytes, start, parent or 0, parent is not None)
+    if found.__class__ is not int:
+        return found
+    examine_py(seg_id, record, query_bytes, start, parent)  # raises, naming the damage
+    raise CorruptRecordError(f"segment {seg_id}: {DAMAGE.get(found, found)} (found in C, "
+                             "not by the Python check: a bug; please report it)")
 
 
-if NATIVE:
-    _native_examine = _native.examine
-    examine = _examine_c
-    # match's whole walk for one-medium instances: (total, reads, {holder id: blocks},
-    # stopped_at); see _native.c
-    native_walk = _native.walk
-    # JSON integers inside an array, as uint64 bytes, or None (the HTTP service's parse)
-    native_u64_array = _native.u64_array
-    # a batch's inserts and removes, and its flush, as Packer.batch does them; see
-    # native_pack.c
-    native_pack_batch = _native.pack_batch
-    # an engine's msgpack event batch as tuples, or None; see native_events.c
-    native_decode_batch = _native.decode_batch
-else:
-    examine = examine_py
-    native_walk = None
-    native_u64_array = None
-    native_pack_batch = None
-    native_decode_batch = None
+# What each of the C check's codes (native.h, BAD_*) means, in the words of the Python
+# check's message for the same damage.
+DAMAGE = {-1: "is too short", -2: "checksum mismatch", -3: "bad magic", -4: "layout says",
+          -5: "appears twice"}
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:

@@ -127,7 +127,7 @@ def _restart_worker(name: str, folder: str, queries: str, options_json: str) -> 
     chains = [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
     open_fn = opener(name)
     if name in VALKEY_INDEXES:
-        import sarp.valkey_store  # noqa: F401  (importing the client is not recovery)
+        import sarp.store_valkey  # noqa: F401  (importing the client is not recovery)
     before = rss_anon_bytes()
     t0 = time.perf_counter()
     index = open_fn(Path(folder), **json.loads(options_json))

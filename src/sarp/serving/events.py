@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
+from .. import native
 from ..errors import (
     ChainConflictError,
     IndexClosedError,
@@ -46,7 +47,6 @@ from ..errors import (
     StoreError,
 )
 from ..hashing import as_hash, as_hashes, repeats
-from ..verify import native_decode_batch
 from .media import canonical_medium, is_valid_medium
 
 log = logging.getLogger("sarp.events")
@@ -121,10 +121,13 @@ def decode(payload: bytes) -> Batch:
     ...     "parent_block_hash": None}]])).events[0].kind
     'repeated_hash'
     """
-    if native_decode_batch is not None:
-        batch = _from_native(native_decode_batch(payload))
+    c = native.C
+    if c is not None:
+        batch = _from_native(c.decode_batch(payload))
         if batch is not None:
             return batch
+    else:
+        native.ran_python("decode_batch")
     batch = _decode_common(payload)
     return batch if batch is not None else _decode_full(payload)
 

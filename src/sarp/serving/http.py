@@ -59,9 +59,9 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from .. import native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
-from ..verify import native_u64_array as _u64_array
 
 log = logging.getLogger("sarp.http")
 
@@ -467,11 +467,15 @@ def _with_fast_block_hashes(body: bytes) -> dict | None:
     >>> obj is None or (obj["block_hashes"].tolist(), obj["block_size"]) == ([1, 2**64 - 1], 16)
     True
     """
-    head = _FAST_HEAD.match(body) if _u64_array is not None else None
+    c = native.C
+    if c is None:
+        native.ran_python("u64_array")
+        return None
+    head = _FAST_HEAD.match(body)
     if head is None or body.count(b'"block_hashes"') != 1 or b"\\" in body:
         return None
     end = body.find(b"]", head.end())
-    raw = _u64_array(body, head.end(), end) if end >= 0 else None
+    raw = c.u64_array(body, head.end(), end) if end >= 0 else None
     if raw is None:
         return None
     try:

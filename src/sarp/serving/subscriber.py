@@ -57,11 +57,11 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
-import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StoreError
+from ..hashing import checksum
 from .events import Applier, ApplyStats, BadEvent, Batch, RateLimitedLog, decode, holder_name
 
 log = logging.getLogger("sarp.subscriber")
@@ -1059,7 +1059,7 @@ def _proves(frames: list[tuple[int, bytes]], fp: Fingerprint, back: int) -> bool
 
 
 def _digest(payload: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+    return checksum(payload)
 
 
 def _recv_message(recv) -> list[bytes]:

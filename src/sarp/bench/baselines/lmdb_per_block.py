@@ -2,7 +2,7 @@
 
 A match probes block by block in batches (one cursor ``getmulti`` per batch) and
 stops at the first miss, as deployed per-block indexers do.  Baselines import
-their storage engine directly; sarp itself reaches lmdb only through ``sarp.store``.
+their storage engine directly; sarp itself reaches lmdb only through ``sarp.store_lmdb``.
 """
 
 from __future__ import annotations

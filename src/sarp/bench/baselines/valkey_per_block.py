@@ -7,7 +7,7 @@ request (one round trip) and counts the leading blocks some holder has.
 
 from __future__ import annotations
 
-from ...valkey_store import _connect, parse_url
+from ...store_valkey import connect, parse_url
 from ._common import BaselineMatch, keys_of
 
 
@@ -19,7 +19,7 @@ def open(url: str, durability: str = "sync", **_: object) -> ValkeyPerBlockIndex
 class ValkeyPerBlockIndex:
     def __init__(self, url: str) -> None:
         settings = parse_url(url)
-        self.client = _connect(settings)
+        self.client = connect(settings)
         self.prefix = f"vpb:{settings['namespace']}:".encode()
 
     def _keys(self, hashes) -> list[bytes]:

@@ -1,6 +1,6 @@
 /*
- * sarp._native's write path: Packer.batch's common operations in C (sarp/packing.py
- * is the reference, and tests hold the two to the same bytes on disk).
+ * The C mirror of sarp/packing.py (sarp._native; sarp/native.py loads it): Packer.batch's
+ * common operations in C (packing.py is the reference, and tests hold the two to the same bytes on disk).
  *
  * pack_batch applies a batch's operations in order, as Packer.add_insert (its walk,
  * _walk_insert and _place) and Packer.add_remove (_remove_runs) do, on segments held
@@ -1158,6 +1158,7 @@ static int is_kind(PyObject *op, const char *kind) {
  * rest: when done == len(ops), (segments, dropped, log entries) of the flush done
  * here; otherwise the touched segments for Python, [(id, record, is_new, cleared)]. */
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_PACK_BATCH]++;
     if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
         || !PyList_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "pack_batch(ctx: tuple, ops: list, segment_blocks, "

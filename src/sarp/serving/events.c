@@ -1,6 +1,6 @@
 /*
- * sarp._native's event decoder: the shape engines send, read straight from msgpack
- * (sarp/serving/events.py is the reference: `_decode_common`, then `_event`).
+ * The C mirror of sarp/serving/events.py's decoder (sarp._native; sarp/native.py loads
+ * it): the shape engines send, read straight from msgpack (events.py is the reference: `_decode_common`, then `_event`).
  *
  * decode_batch takes a payload `[ts, [event, ...](, dp_rank)]` whose events are
  * tagged arrays (vLLM up to 0.11) or maps (vLLM 0.12 on, SGLang), and returns what
@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "native.h"
+#include "../native.h"
 
 #define MAX_DP_RANK 4095
 #define MAX_DEPTH 64
@@ -394,6 +394,7 @@ done:
  * ("AllBlocksCleared",); hashes are a bytearray of uint64s in the machine's order.
  * None: let the Python decoder read this payload. */
 PyObject *sarp_decode_batch(PyObject *self, PyObject *arg) {
+    sarp_calls[CALL_DECODE_BATCH]++;
     if (!fixed_size[0]) init_sizes();
     Py_buffer buf;
     if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;

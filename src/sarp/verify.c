@@ -1,21 +1,15 @@
 /*
- * sarp._native: the hot loops of sarp in C, each with a Python reference that tests
- * hold it equal to.
+ * The C mirror of sarp/verify.py's match step and walk (sarp._native; sarp/native.py
+ * loads it).  Each call has a Python reference that tests hold it equal to:
  *
- * - examine (sarp/verify.py, `examine_py`): one segment step's record check in one
- *   call: the checksum (xxh3-64, from the vendored xxhash.h), header and sizes, where
- *   the record sits (position and parent), how many leading hashes equal the query's,
- *   and each holder row's leading run.  Anything it cannot vouch for (a short record,
- *   a bad checksum, magic or size) comes back as a negative code, and the Python
- *   caller re-examines the record to raise the error that names the damage.
- * - walk (sarp/index.py, `Index._walk`): match's whole loop for one-medium instances
- *   on LMDB, calling the directory's lookup and the transaction's get from here.
- * - u64_array (sarp/serving/http.py): the JSON integers of a `block_hashes` array
- *   as uint64, or None on any doubt (the general parse then runs).
- * - pack_batch (native_pack.c; sarp/packing.py, `Packer.batch`): a batch's inserts
- *   and removes, and the flush of the segments they touch.
- * - decode_batch (native_events.c; sarp/serving/events.py, `decode`): an engine's
- *   msgpack event batch, in the shape engines send it.
+ * - examine (verify.examine_py): one segment step's record check in one call: the
+ *   checksum (xxh3-64, from the vendored xxhash.h), header and sizes, where the record
+ *   sits (position and parent), how many leading hashes equal the query's, and each
+ *   holder row's leading run.  Anything it cannot vouch for (a short record, a bad
+ *   checksum, magic or size) comes back as a negative code, and the Python caller
+ *   re-examines the record to raise the error that names the damage.
+ * - walk (verify.walk's loop): match's whole walk for one-medium instances on LMDB,
+ *   calling the directory's lookup and the transaction's get from here.
  *
  * The record layout is read by native.h's record_layout (segment.py's reference).
  */
@@ -25,8 +19,6 @@
 #include <string.h>
 
 #include "native.h"
-
-#define ABI_VERSION 9
 
 /* What one step learns from a record (see examine_py). */
 typedef struct {
@@ -89,7 +81,8 @@ static Py_ssize_t any_run_from(const uint8_t *r, const Step *st, Py_ssize_t long
 
 /* examine(record, query_bytes, start, parent, has_parent)
  *   -> (same, any_run, holder_ids, runs) | None (not at this place) | negative int */
-static PyObject *examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *sarp_examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_EXAMINE]++;
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError,
                         "examine(record, query_bytes, start, parent, has_parent)");
@@ -169,7 +162,8 @@ typedef struct {
  * u64).  stopped_at: -1, or the id of a damaged segment at which the walk stopped
  * (the caller logs it), or -2: a step with more than MAX_WALK_HOLDERS holders, which
  * the caller walks in Python instead. */
-static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_WALK]++;
     if (nargs != 5 || !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError,
                         "walk(get, lookup, recent: dict, remembered: dict, query_bytes)");
@@ -288,109 +282,3 @@ done:
     return out;
 }
 
-/* u64_array(body, start, end) -> bytes | None
- * The JSON integers between body[start:end] (the inside of an array: integers,
- * commas, JSON whitespace), as little-endian uint64 (negative ones as their int64
- * two's complement), or None for anything else JSON might hold there or that is out
- * of the uint64/int64 range: the caller then parses the body the general way, which
- * names what is wrong.  Strict JSON number grammar: no leading zeros, no '+'. */
-static int is_ws(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
-
-static PyObject *u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "u64_array(body, start, end)");
-        return NULL;
-    }
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *out = NULL;
-    if (start < 0 || end > b.len || start > end) {
-        PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_ValueError, "start and end must bound a slice of body");
-        return NULL;
-    }
-    const uint8_t *p = (const uint8_t *)b.buf + start, *stop = (const uint8_t *)b.buf + end;
-    /* at most one number per two bytes ("1," ...), plus one */
-    Py_ssize_t cap = (end - start) / 2 + 1, n = 0;
-    uint64_t *vals = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
-    if (vals == NULL) {
-        PyBuffer_Release(&b);
-        return PyErr_NoMemory();
-    }
-    while (p < stop && is_ws(*p)) p++;
-    int ok = 1;
-    if (p < stop) {
-        for (;;) {
-            int negative = 0;
-            if (p < stop && *p == '-') { negative = 1; p++; }
-            if (p >= stop || *p < '0' || *p > '9') { ok = 0; break; }
-            const uint8_t *digits = p;
-            uint64_t v = 0;
-            int overflow = 0;
-            while (p < stop && *p >= '0' && *p <= '9') {
-                uint64_t d = (uint64_t)(*p - '0');
-                if (v > (UINT64_MAX - d) / 10) overflow = 1;
-                v = v * 10 + d;
-                p++;
-            }
-            if (overflow || (p - digits > 1 && digits[0] == '0')) { ok = 0; break; }
-            if (negative) {
-                if (v > (uint64_t)1 << 63) { ok = 0; break; }
-                v = (uint64_t)0 - v;
-            }
-            if (n == cap) { ok = 0; break; }
-            vals[n++] = v;
-            while (p < stop && is_ws(*p)) p++;
-            if (p == stop) break;
-            if (*p != ',') { ok = 0; break; }
-            p++;
-            while (p < stop && is_ws(*p)) p++;
-        }
-    }
-    if (ok) {
-        out = PyBytes_FromStringAndSize((const char *)vals, (Py_ssize_t)(n * sizeof(uint64_t)));
-    } else {
-        out = Py_NewRef(Py_None);
-    }
-    PyMem_Free(vals);
-    PyBuffer_Release(&b);
-    return out;
-}
-
-static PyMethodDef methods[] = {
-    {"u64_array", (PyCFunction)(void (*)(void))u64_array, METH_FASTCALL,
-     "u64_array(body, start, end): the JSON integers inside an array, as uint64 bytes"},
-    {"examine", (PyCFunction)(void (*)(void))examine, METH_FASTCALL,
-     "examine(record, query_bytes, start, parent, has_parent): see sarp.verify.examine"},
-    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
-     "walk(get, lookup, recent, remembered, query_bytes): Index.match's walk for "
-     "one-medium instances"},
-    {"decode_batch", (PyCFunction)sarp_decode_batch, METH_O,
-     "decode_batch(payload): an engine's event batch, or None for the Python decoder"},
-    {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
-     "pack_batch(ctx, ops, segment_blocks, split_tail, deferred): Packer.batch's inserts "
-     "and removes"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "sarp._native",
-    "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch); each "
-    "has a Python reference.", -1,
-    methods,
-};
-
-PyMODINIT_FUNC PyInit__native(void) {
-    PyObject *mod = PyModule_Create(&module);
-    if (mod != NULL && PyModule_AddIntConstant(mod, "SEG_ID_STRIDE", SEG_ID_STRIDE) < 0) {
-        Py_DECREF(mod);
-        return NULL;
-    }
-    if (mod != NULL && PyModule_AddIntConstant(mod, "ABI_VERSION", ABI_VERSION) < 0) {
-        Py_DECREF(mod);
-        return NULL;
-    }
-    return mod;
-}

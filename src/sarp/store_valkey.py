@@ -3,9 +3,9 @@
 ``sarp.open("valkey://HOST:PORT/NAMESPACE")`` (also ``redis://``, and ``rediss://`` or
 ``valkeys://`` with TLS; a password in the URL or in ``$SARP_VALKEY_PASSWORD``) gives
 the same :class:`sarp.Index` as a folder does, with this module in place of
-:mod:`sarp.store`.  Every key of a namespace carries the hash tag ``{NAMESPACE}``, so
-all of them live in one slot of a Valkey cluster and every write is one atomic script
-on one node::
+:mod:`sarp.store_lmdb` (both implement :mod:`sarp.store`'s contract).  Every key of a
+namespace carries the hash tag ``{NAMESPACE}``, so all of them live in one slot of a
+Valkey cluster and every write is one atomic script on one node::
 
     sarp:{NS}:meta    HASH   counters and identity (the LMDB meta table's keys/values)
     sarp:{NS}:seg     HASH   segment id (u64 BE) -> segment record
@@ -36,7 +36,6 @@ import contextlib
 import logging
 import os
 import re
-import struct
 import threading
 import time
 import urllib.parse
@@ -50,7 +49,6 @@ import valkey
 from . import snapshot as snapshots
 from .errors import (
     CorruptRecordError,
-    FormatVersionError,
     IndexLockedError,
     LeaseLostError,
     NotAnIndexError,
@@ -59,16 +57,17 @@ from .errors import (
 )
 from .segment import Segment, decode, writable
 from .store import (
-    _BLOCK_DTYPE,
-    _BLOCK_VALUE,
-    _LOG_VALUE,
-    _U64,
-    DURABILITY_MODES,
-    FORMAT_VERSION,
+    BLOCK_DTYPE,
+    BLOCK_VALUE,
+    LOG_VALUE,
+    U64,
+    Capabilities,
     WriteLogic,
-    _checked_name,
+    check_durability,
+    check_version,
     counter_value,
     hash_keys,
+    holder_names,
 )
 
 log = logging.getLogger("sarp.valkey")
@@ -78,7 +77,6 @@ PASSWORD_ENV = "SARP_VALKEY_PASSWORD"
 DEFAULT_LEASE_S = 10.0
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _TABLES = ("meta", "seg", "blk", "hold")  # hashes a write changes, in script order
-_HOLDER = struct.Struct(">H")
 _UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
 
@@ -172,7 +170,9 @@ def parse_url(url: str) -> dict:
             else os.environ.get(PASSWORD_ENV), "ssl": SCHEMES[scheme]}
 
 
-def _connect(settings: dict):
+def connect(settings: dict):
+    """A client for :func:`parse_url`'s settings: a cluster client when the server is
+    in cluster mode.  Cost: one round trip (``INFO cluster``)."""
     kwargs = {"host": settings["host"], "port": settings["port"],
               "username": settings["username"], "password": settings["password"],
               "ssl": settings["ssl"], "socket_timeout": 10.0, "socket_connect_timeout": 5.0}
@@ -186,13 +186,15 @@ def _connect(settings: dict):
 
 
 class ValkeyStore:
-    """The :class:`sarp.store.Store` interface on a Valkey namespace (see the module)."""
+    """:class:`sarp.store.Store` on a Valkey namespace (see the module)."""
+
+    # every read is a round trip: a match fetches its predicted records in one
+    capabilities = Capabilities(local_reads=False, prefetch=True)
 
     def __init__(self, url: str, *, durability: str = "sync", create: bool = True,
                  readonly: bool = False, lease_s: float = DEFAULT_LEASE_S,
                  wait_for_lease_s: float = 0.0) -> None:
-        if durability not in DURABILITY_MODES:
-            raise ValueError(f"durability={durability!r}; pass 'sync' or 'nosync'")
+        check_durability(durability)
         for name, value, low in (("lease_s", lease_s, 0.1), ("wait_for_lease_s",
                                                              wait_for_lease_s, 0.0)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -214,7 +216,7 @@ class ValkeyStore:
         self._renewer: threading.Thread | None = None
         self._match_conn = None
         try:
-            self.client = _connect(self.settings)
+            self.client = connect(self.settings)
             self._aof = durability == "sync" and _aof_enabled(self.client)
             self._commit = self.client.register_script(_COMMIT)
             self._set = self.client.register_script(_SET)
@@ -229,7 +231,7 @@ class ValkeyStore:
                 self._take_lease(wait_for_lease_s)
                 if not exists:
                     self._create()
-            self._check_version()
+            check_version(self.client.hget(self.keys["meta"], b"format_version"), self.path)
             self.index_id = bytes(self.client.hget(self.keys["meta"], b"index_id"))
         except _UNREACHABLE as exc:
             self.close()
@@ -304,19 +306,8 @@ class ValkeyStore:
 
     def _create(self) -> None:
         w = ValkeyWriteTxn(self)
-        w.set_counter("format_version", FORMAT_VERSION)
-        w._put("meta", b"index_id", uuid.uuid4().bytes)
-        w._put("meta", b"name_sums", b"\1")
-        for name in ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id"):
-            w.set_counter(name, 0)
+        w.create_meta()
         w.commit()
-
-    def _check_version(self) -> None:
-        raw = self.client.hget(self.keys["meta"], b"format_version")
-        version = counter_value(raw, "format_version", self.path)
-        if version > FORMAT_VERSION:
-            raise FormatVersionError(f"{self.path}: format {version} is newer than this "
-                                     f"sarp's {FORMAT_VERSION}; upgrade sarp to open it")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -458,7 +449,8 @@ class ValkeyReadTxn:
     returned before it; the verifier checks every record on its own."""
 
     __slots__ = ("_store", "_c", "_meta", "_fetched", "reads")
-    native_get = None  # records come over the network: the walk stays in Python
+    capabilities = ValkeyStore.capabilities
+    native_get = None  # records come over the network (capabilities.local_reads is False)
 
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
@@ -477,11 +469,11 @@ class ValkeyReadTxn:
         if with_counters and self._meta is None:
             # a script: atomic, and one slot, so it runs on a cluster too (MULTI does not)
             meta, values = self._store._read_script(
-                keys=[keys["meta"], keys["seg"]], args=[_U64.pack(i) for i in wanted])
+                keys=[keys["meta"], keys["seg"]], args=[U64.pack(i) for i in wanted])
             self._meta = dict(zip(meta[::2], meta[1::2], strict=True))
             self._fetched.update(zip(wanted, values, strict=True))
         elif wanted:
-            values = self._store.hmget(keys["seg"], [_U64.pack(i) for i in wanted])
+            values = self._store.hmget(keys["seg"], [U64.pack(i) for i in wanted])
             self._fetched.update(zip(wanted, values, strict=True))
 
     def forget_prefetched(self) -> None:
@@ -501,17 +493,17 @@ class ValkeyReadTxn:
         self.reads += 1
         if seg_id in self._fetched:
             return self._fetched[seg_id]
-        return self._c.hget(self._store.keys["seg"], _U64.pack(seg_id))
+        return self._c.hget(self._store.keys["seg"], U64.pack(seg_id))
 
     def segment(self, seg_id: int) -> Segment | None:
-        record = self._c.hget(self._store.keys["seg"], _U64.pack(seg_id))
+        record = self._c.hget(self._store.keys["seg"], U64.pack(seg_id))
         return None if record is None else decode(seg_id, record)
 
     def raw_records(self, seg_ids: list[int]) -> list[bytes | None]:
         """The unchecked records of many segments, in order: one ``HMGET``."""
         if not seg_ids:
             return []
-        return self._c.hmget(self._store.keys["seg"], [_U64.pack(s) for s in seg_ids])
+        return self._c.hmget(self._store.keys["seg"], [U64.pack(s) for s in seg_ids])
 
     def counter(self, name: str) -> int:
         raw = self._meta_fields().get(name.encode())
@@ -533,7 +525,7 @@ class ValkeyReadTxn:
             entries = self._c.xrange(self._store.keys["log"], min=start, count=10_000)
             for entry_id, fields in entries:
                 s = int(entry_id.split(b"-")[0])
-                seg_id, first_hash = _LOG_VALUE.unpack(fields[b"v"])
+                seg_id, first_hash = LOG_VALUE.unpack(fields[b"v"])
                 yield s, seg_id, first_hash
             if len(entries) < 10_000:
                 return
@@ -541,21 +533,18 @@ class ValkeyReadTxn:
 
     def raw_segments(self) -> Iterator[tuple[int, bytes]]:
         for key, record in self._c.hscan_iter(self._store.keys["seg"], count=1000):
-            yield _U64.unpack(key)[0], record
+            yield U64.unpack(key)[0], record
 
     def blocks(self) -> Iterator[tuple[int, int, int]]:
         for key, value in self._c.hscan_iter(self._store.keys["blk"], count=1000):
-            seg_id, offset = _BLOCK_VALUE.unpack(value)
-            yield _U64.unpack(key)[0], seg_id, offset
+            seg_id, offset = BLOCK_VALUE.unpack(value)
+            yield U64.unpack(key)[0], seg_id, offset
 
     def holder_names(self) -> dict[int, str | None]:
         table = self._c.hgetall(self._store.keys["hold"])
-        names: dict[int, str | None] = {}
-        for key, value in table.items():
-            if key.startswith(b"i:") and len(key) == 4:
-                holder_id = _HOLDER.unpack(key[2:])[0]
-                names[holder_id] = _checked_name(value, table.get(b"s:" + key[2:]), True)
-        return names
+        required = b"name_sums" in self._meta_fields()
+        return holder_names(((k, v) for k, v in table.items() if k.startswith(b"i:")),
+                            lambda packed: table.get(b"s:" + packed), required)
 
     def stat(self, table: str) -> dict:
         key = {"segments": "seg", "blocks": "blk", "holders": "hold", "meta": "meta"}.get(table)
@@ -568,7 +557,7 @@ class ValkeyWriteTxn(WriteLogic):
     """A write's reads (through its own pending changes) and its changes, committed at
     the end by one fenced script (:data:`_COMMIT`)."""
 
-    LOCAL_LOOKUPS = False  # a lookup is a round trip: batch them (one HMGET per call)
+    capabilities = ValkeyStore.capabilities
 
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
@@ -600,22 +589,25 @@ class ValkeyWriteTxn(WriteLogic):
         return counter_value(raw, name, self._store.path)
 
     def set_counter(self, name: str, value: int) -> None:
-        self._put("meta", name.encode(), _U64.pack(value))
+        self._put("meta", name.encode(), U64.pack(value))
+
+    def put_meta(self, key: bytes, value: bytes) -> None:
+        self._put("meta", key, value)
 
     def segment(self, seg_id: int) -> Segment:
-        record = self._get("seg", _U64.pack(seg_id))
+        record = self._get("seg", U64.pack(seg_id))
         if record is None:
             raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
         return writable(seg_id, record)
 
     def segment_exists(self, seg_id: int) -> bool:
-        return self._get("seg", _U64.pack(seg_id)) is not None
+        return self._get("seg", U64.pack(seg_id)) is not None
 
     def put_segment(self, seg: Segment) -> None:
-        self._put("seg", _U64.pack(seg.seg_id), seg.encode())
+        self._put("seg", U64.pack(seg.seg_id), seg.encode())
 
     def delete_segment(self, seg: Segment) -> None:
-        self._put("seg", _U64.pack(seg.seg_id), None)
+        self._put("seg", U64.pack(seg.seg_id), None)
         self.release_blocks(seg.hashes)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -625,15 +617,15 @@ class ValkeyWriteTxn(WriteLogic):
         pending = self._pending["blk"]
         if pending:
             values = [pending.get(k, v) for k, v in zip(keys, values, strict=True)]
-        absent = b"\0" * _BLOCK_VALUE.size
+        absent = b"\0" * BLOCK_VALUE.size
         found = np.frombuffer(b"".join(absent if v is None else v for v in values),
-                              _BLOCK_DTYPE)
+                              BLOCK_DTYPE)
         return found["seg"].astype(np.uint32), found["off"].astype(np.uint16)
 
     def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
         pending = self._pending["blk"]
         for i, key in enumerate(hash_keys(hashes)):
-            pending[key] = _BLOCK_VALUE.pack(seg_id, first_offset + i)
+            pending[key] = BLOCK_VALUE.pack(seg_id, first_offset + i)
 
     def locate_one(self, block_hash: int) -> tuple[int, int]:
         seg_ids, offsets = self.locate(np.array([block_hash], np.uint64))
@@ -651,27 +643,23 @@ class ValkeyWriteTxn(WriteLogic):
         self._pending["blk"].update(dict.fromkeys(hash_keys(hashes)))
 
     def log(self, entries: list[tuple[int, int]]) -> None:
-        first = self._take_seqs(len(entries))
-        self._log.extend((f"{first + i}-1".encode(), _LOG_VALUE.pack(seg_id, first_hash))
+        first = self.take_seqs(len(entries))
+        self._log.extend((f"{first + i}-1".encode(), LOG_VALUE.pack(seg_id, first_hash))
                          for i, (seg_id, first_hash) in enumerate(entries))
 
-    def forget_holders(self, holder_ids: list[int]) -> None:
-        wanted = {_HOLDER.pack(h) for h in holder_ids}
-        table = self._c.hgetall(self._store.keys["hold"])
-        table.update((k, v) for k, v in self._pending["hold"].items())
-        for key, value in table.items():
-            if key.startswith(b"n:") and value in wanted:
-                self._put("hold", key, None)
-        for packed in wanted:
-            self._put("hold", b"i:" + packed, None)
-            self._put("hold", b"s:" + packed, None)
-        self.set_counter("holder_changes", self.counter("holder_changes") + 1)
-
-    def _holder_get(self, key: bytes) -> bytes | None:
+    def holder_get(self, key: bytes) -> bytes | None:
         return self._get("hold", key)
 
-    def _holder_put(self, key: bytes, value: bytes) -> None:
+    def holder_put(self, key: bytes, value: bytes | None) -> None:
+        """Set (or with None delete) one entry of the holders table, at commit."""
         self._put("hold", key, value)
+
+    def holder_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The holders table's entries whose keys start with ``prefix`` (this write's
+        changes included), in key order.  Cost: one ``HGETALL``."""
+        table = self._c.hgetall(self._store.keys["hold"])
+        table.update(self._pending["hold"])
+        return sorted((k, v) for k, v in table.items() if v is not None and k.startswith(prefix))
 
     # the commit
 

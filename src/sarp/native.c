@@ -1,0 +1,60 @@
+/*
+ * sarp._native: sarp's hot loops in C, one file beside each Python module it mirrors
+ * (native.h lists them), each call with a Python reference that tests hold it equal
+ * to.  This file is the module: its methods, its ABI version and its call counters.
+ * sarp/native.py is the only Python that imports it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "native.h"
+
+/* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
+#define ABI_VERSION 10
+
+unsigned long long sarp_calls[CALL_KINDS];
+
+/* calls() -> (examine, walk, pack_batch, decode_batch, u64_array): calls so far */
+static PyObject *calls(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(KKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+                         sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
+                         sarp_calls[CALL_U64_ARRAY]);
+}
+
+static PyMethodDef methods[] = {
+    {"u64_array", (PyCFunction)(void (*)(void))sarp_u64_array, METH_FASTCALL,
+     "u64_array(body, start, end): the JSON integers inside an array, as uint64 bytes"},
+    {"examine", (PyCFunction)(void (*)(void))sarp_examine, METH_FASTCALL,
+     "examine(record, query_bytes, start, parent, has_parent): see sarp.verify.examine"},
+    {"walk", (PyCFunction)(void (*)(void))sarp_walk, METH_FASTCALL,
+     "walk(get, lookup, recent, remembered, query_bytes): match's walk for one-medium "
+     "instances"},
+    {"decode_batch", (PyCFunction)sarp_decode_batch, METH_O,
+     "decode_batch(payload): an engine's event batch, or None for the Python decoder"},
+    {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
+     "pack_batch(ctx, ops, segment_blocks, split_tail, deferred): Packer.batch's inserts "
+     "and removes"},
+    {"calls", calls, METH_NOARGS,
+     "calls(): (examine, walk, pack_batch, decode_batch, u64_array) calls so far"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "sarp._native",
+    "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch); each "
+    "has a Python reference.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *mod = PyModule_Create(&module);
+    if (mod != NULL && PyModule_AddIntConstant(mod, "SEG_ID_STRIDE", SEG_ID_STRIDE) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    if (mod != NULL && PyModule_AddIntConstant(mod, "ABI_VERSION", ABI_VERSION) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

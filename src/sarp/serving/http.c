@@ -1,0 +1,84 @@
+/*
+ * The C mirror of sarp/serving/http.py's fast parse of a `block_hashes` array
+ * (sarp._native; sarp/native.py loads it): the JSON integers of the array as uint64,
+ * or None on any doubt, and the general parse (the reference) then runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../native.h"
+
+/* u64_array(body, start, end) -> bytes | None
+ * The JSON integers between body[start:end] (the inside of an array: integers,
+ * commas, JSON whitespace), as little-endian uint64 (negative ones as their int64
+ * two's complement), or None for anything else JSON might hold there or that is out
+ * of the uint64/int64 range: the caller then parses the body the general way, which
+ * names what is wrong.  Strict JSON number grammar: no leading zeros, no '+'. */
+static int is_ws(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_U64_ARRAY]++;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "u64_array(body, start, end)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out = NULL;
+    if (start < 0 || end > b.len || start > end) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "start and end must bound a slice of body");
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)b.buf + start, *stop = (const uint8_t *)b.buf + end;
+    /* at most one number per two bytes ("1," ...), plus one */
+    Py_ssize_t cap = (end - start) / 2 + 1, n = 0;
+    uint64_t *vals = PyMem_Malloc((size_t)cap * sizeof(uint64_t));
+    if (vals == NULL) {
+        PyBuffer_Release(&b);
+        return PyErr_NoMemory();
+    }
+    while (p < stop && is_ws(*p)) p++;
+    int ok = 1;
+    if (p < stop) {
+        for (;;) {
+            int negative = 0;
+            if (p < stop && *p == '-') { negative = 1; p++; }
+            if (p >= stop || *p < '0' || *p > '9') { ok = 0; break; }
+            const uint8_t *digits = p;
+            uint64_t v = 0;
+            int overflow = 0;
+            while (p < stop && *p >= '0' && *p <= '9') {
+                uint64_t d = (uint64_t)(*p - '0');
+                if (v > (UINT64_MAX - d) / 10) overflow = 1;
+                v = v * 10 + d;
+                p++;
+            }
+            if (overflow || (p - digits > 1 && digits[0] == '0')) { ok = 0; break; }
+            if (negative) {
+                if (v > (uint64_t)1 << 63) { ok = 0; break; }
+                v = (uint64_t)0 - v;
+            }
+            if (n == cap) { ok = 0; break; }
+            vals[n++] = v;
+            while (p < stop && is_ws(*p)) p++;
+            if (p == stop) break;
+            if (*p != ',') { ok = 0; break; }
+            p++;
+            while (p < stop && is_ws(*p)) p++;
+        }
+    }
+    if (ok) {
+        out = PyBytes_FromStringAndSize((const char *)vals, (Py_ssize_t)(n * sizeof(uint64_t)));
+    } else {
+        out = Py_NewRef(Py_None);
+    }
+    PyMem_Free(vals);
+    PyBuffer_Release(&b);
+    return out;
+}
+

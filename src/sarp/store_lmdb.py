@@ -1,0 +1,821 @@
+"""The store on LMDB (a folder): :mod:`sarp.store`'s contract, and the only module that
+imports lmdb.
+
+The contract's five tables are named LMDB databases in ``data.mdb`` (``meta``,
+``segments``, ``blocks``, ``holders``, ``log``), with the keys and values
+:mod:`sarp.store` gives.  Here: the environment and its locks (``sarp.lock`` and a
+lock on ``data.mdb``), map growth, a check of the file before LMDB maps it, the
+salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
+:mod:`sarp.errors` (here and nowhere else).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import resource
+import struct
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+import numpy as np
+
+from . import snapshot as snapshots
+from .errors import (
+    CorruptRecordError,
+    DamagedIndexError,
+    IndexLockedError,
+    NotAnIndexError,
+    ReadersFullError,
+    StoreError,
+    StoreFullError,
+)
+from .segment import Segment, decode, writable
+from .store import (
+    BLOCK_DTYPE,
+    BLOCK_VALUE,
+    DEFAULT_MAX_READERS,
+    HOLDER_ID,
+    LOG_VALUE,
+    MAX_HOLDERS,
+    U64,
+    Capabilities,
+    WriteLogic,
+    check_durability,
+    check_version,
+    checked_name,
+    counter_value,
+    hash_keys,
+    holder_names,
+)
+
+LOCK_FILE = "sarp.lock"
+LOW_DISK_BYTES = 64 << 20  # a failed write with less room than this is a full disk
+MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
+T = TypeVar("T")
+
+# u16 LE offsets, prepacked; a segment holds at most sarp.index.MAX_SEGMENT_BLOCKS (4,096)
+_OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
+
+
+def _block_items(hashes: np.ndarray, seg_id: int,
+                 first_offset: int) -> Iterator[tuple[bytes, bytes]]:
+    """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on.
+
+    The values are made by ``map`` over prepacked offsets: C, no Python per block.
+    """
+    prefix = struct.pack("<I", seg_id)
+    values = map(prefix.__add__, _OFFSETS[first_offset : first_offset + hashes.size])
+    return zip(hash_keys(hashes), values, strict=True)
+
+
+class LmdbStore:
+    """An LMDB environment holding one sarp index, owned by one process at a time.
+
+    Cost: opening is O(1) (LMDB maps the file; nothing is read up front).
+    """
+
+    # records and lookups are pages of this process's map: about a microsecond each
+    capabilities = Capabilities(local_reads=True, prefetch=False)
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        durability: str = "sync",
+        map_size_bytes: int = 1 << 36,
+        create: bool = True,
+        readonly: bool = False,
+        max_readers: int = DEFAULT_MAX_READERS,
+    ) -> None:
+        check_durability(durability)
+        if isinstance(map_size_bytes, bool) or not isinstance(map_size_bytes, int) or (
+            map_size_bytes < 1 << 20
+        ):
+            raise ValueError(f"map_size_bytes={map_size_bytes!r}; pass an int of at least 1 MiB")
+        if isinstance(max_readers, bool) or not isinstance(max_readers, int) or not (
+            1 <= max_readers <= 1 << 16
+        ):
+            raise ValueError(f"max_readers={max_readers!r}; pass an int from 1 to 65536")
+        self.path = Path(path)
+        self.durability = durability
+        self.readonly = readonly
+        self.max_readers = max_readers
+        self._lock_fd = None
+        if readonly:
+            _check_readable(self.path)
+        else:
+            _check_path(self.path, create)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                self._lock_fd = _take_lock(self.path / LOCK_FILE)
+            except OSError as exc:  # a read-only disk, a file in the way, no permission
+                raise ValueError(f"{self.path}: cannot create or lock the index folder "
+                                 f"({exc.strerror}); pass a folder this user can write")from None
+        try:
+            check_data_file(self.path / "data.mdb")
+        except BaseException:
+            self._release_lock()
+            raise
+        try:
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=map_size_bytes,
+                max_dbs=8,
+                max_readers=max_readers,
+                sync=durability == "sync",
+                metasync=durability == "sync",
+                readahead=False,
+                lock=True,
+                readonly=readonly,
+                create=not readonly,
+            )
+            if readonly:
+                self._open_tables_readonly()
+            else:
+                self._data_lock_fd = _take_data_lock(self.path / "data.mdb")
+                self.meta_db = self.env.open_db(b"meta")
+                self.segments_db = self.env.open_db(b"segments")
+                self.blocks_db = self.env.open_db(b"blocks")
+                self.holders_db = self.env.open_db(b"holders")
+                self.log_db = self.env.open_db(b"log")
+                self._init_meta()
+        except lmdb.ReadersFullError as exc:
+            self.close()
+            raise _readers_full(self.path, self.max_readers, exc) from exc
+        except lmdb.Error as exc:
+            self.close()
+            if "already open in this process" in str(exc):
+                raise IndexLockedError(
+                    f"{self.path} is already open in this process, and LMDB allows one open "
+                    "per process; share that Index object (its calls are thread-safe), or "
+                    "open it readonly=True from another process") from exc
+            raise NotAnIndexError(f"{self.path}: not an LMDB environment: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _init_meta(self) -> None:
+        with self.env.begin(write=True) as txn:
+            w = LmdbWriteTxn(self, txn)
+            version = txn.get(b"format_version", db=self.meta_db)
+            if version is None:
+                if txn.stat(self.segments_db)["entries"]:
+                    raise NotAnIndexError(f"{self.path}: LMDB data without sarp metadata")
+                w.create_meta()
+            self.format_version = check_version(txn.get(b"format_version", db=self.meta_db),
+                                                self.path)
+            self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+            if txn.get(b"name_sums", db=self.meta_db) is None:
+                w.add_missing_name_sums()
+
+    def _open_tables_readonly(self) -> None:
+        """Open the named tables without creating anything (a reader writes nothing)."""
+        try:
+            for name in (b"meta", b"segments", b"blocks", b"holders", b"log"):
+                # Without txn=, py-lmdb opens each table in a read transaction of its
+                # own and keeps the handle; a handle opened in our txn would not last.
+                setattr(self, f"{name.decode()}_db", self.env.open_db(name, create=False))
+        except lmdb.NotFoundError:
+            raise NotAnIndexError(
+                f"{self.path}: an LMDB environment without sarp's tables; not an index yet"
+            ) from None
+        with self._begin() as txn:
+            version = txn.get(b"format_version", db=self.meta_db)
+            if version is None:
+                raise NotAnIndexError(f"{self.path}: no sarp metadata; not an index yet")
+            self.format_version = check_version(version, self.path)
+            self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
+
+    def _begin(self, **kwargs) -> lmdb.Transaction:
+        """A read transaction; adopts a map the writer grew, names a full reader table."""
+        for _ in range(3):
+            try:
+                return self.env.begin(**kwargs)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # 0: take the size the writer set
+            except lmdb.ReadersFullError as exc:
+                raise _readers_full(self.path, self.max_readers, exc) from exc
+        return self.env.begin(**kwargs)
+
+    def close(self) -> None:
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()
+            self.env = None
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        for name in ("_lock_fd", "_data_lock_fd"):
+            if getattr(self, name, None) is not None:
+                os.close(getattr(self, name))
+                setattr(self, name, None)
+
+    def load_snapshot(self) -> snapshots.Snapshot:
+        """The directory snapshot beside the data (``SnapshotUnusable`` says why not)."""
+        return snapshots.load(self.path)
+
+    def save_snapshot(self, watermark: int, directory, holders) -> int:
+        """Write the directory snapshot file atomically; return its size."""
+        return snapshots.write(self.path, self.index_id, watermark, directory, holders)
+
+    def load_state(self, name: str) -> bytes | None:
+        """A small state file kept beside the index (the subscriber's resume point)."""
+        try:
+            return (self.path / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def save_state(self, name: str, data: bytes, durable: bool) -> None:
+        """Replace the state file ``name`` atomically (fsync'ed when ``durable``)."""
+        tmp = self.path / (name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self.path / name)
+
+    def files(self) -> list[Path]:
+        """The LMDB files of this index (for size accounting and cache eviction)."""
+        return [self.path / "data.mdb", self.path / "lock.mdb"]
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files() if p.exists())
+
+    # -- transactions ----------------------------------------------------------------------
+
+    def read(self) -> LmdbReadTxn:
+        """A short read transaction: ``with store.read() as r: r.segment(7)``."""
+        return LmdbReadTxn(self)
+
+    def write(self, fn: Callable[[LmdbWriteTxn], T]) -> T:
+        """Run ``fn`` in one write transaction and commit it; all or nothing.
+
+        On ``MapFullError`` the transaction is aborted, the map is doubled outside
+        any transaction, and ``fn`` runs again from the start.
+        """
+        for _ in range(MAX_GROWTHS):
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(LmdbWriteTxn(self, txn))
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.Error as exc:
+                # LMDB reports a full disk as a failed write (often EIO): look at the room
+                # left, so that the caller gets StoreFullError and what to do.  The
+                # transaction was aborted: the index is as it was, usable once there is room.
+                room = _no_room(self.path)
+                if room is not None:
+                    raise StoreFullError(f"{self.path}: the write failed ({exc}): {room}; "
+                                         "the index is unchanged") from exc
+                raise StoreError(f"{self.path}: write failed: {exc}") from exc
+        raise StoreFullError(f"{self.path}: the map grew {MAX_GROWTHS} times and one write "
+                             "still does not fit; open with a larger map_size_bytes")
+
+    def _grow(self) -> None:
+        new_size = self.env.info()["map_size"] * 2
+        try:
+            self.env.set_mapsize(new_size)
+        except lmdb.Error as exc:
+            raise StoreFullError(f"{self.path}: cannot grow map to {new_size} B: {exc}") from exc
+
+    def counter(self, name: str) -> int:
+        with self._begin() as txn:
+            return counter_value(txn.get(name.encode(), db=self.meta_db), name, self.path)
+
+    def num_segments(self) -> int:
+        with self._begin() as txn:
+            return txn.stat(self.segments_db)["entries"]
+
+    def iter_raw_segments(self) -> Iterator[tuple[int, bytes]]:
+        with self.read() as r:
+            yield from r.raw_segments()
+
+    def iter_blocks(self) -> Iterator[tuple[int, int, int]]:
+        """(hash, segment id, offset) for every entry of the ``blocks`` table."""
+        with self.read() as r:
+            yield from r.blocks()
+
+    def holder_names(self) -> dict[int, str]:
+        with self.read() as r:
+            return r.holder_names()
+
+    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
+        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
+        with self.read() as r:
+            yield from r.log_since(seq)
+
+    def trim_log(self, upto: int) -> None:
+        """Delete log entries with sequence <= ``upto`` (a durable snapshot covers them)."""
+
+        def trim(w: LmdbWriteTxn) -> None:
+            cur = w.txn.cursor(db=self.log_db)
+            if cur.first():
+                while cur.key() and U64.unpack(cur.key())[0] <= upto:
+                    if not cur.delete():
+                        break
+            w.set_counter("log_trimmed_upto", max(upto, w.counter("log_trimmed_upto")))
+
+        self.write(trim)
+
+
+class LmdbReadTxn:
+    """One consistent view of the store, for ``match`` (segment records, counted as
+    reads) and for a reader keeping its directory current (counters, the log, holder
+    names), all in the same LMDB read transaction."""
+
+    __slots__ = ("_store", "_txn", "reads")
+    capabilities = LmdbStore.capabilities
+
+    @property
+    def native_get(self):
+        """The LMDB transaction's own ``get`` (key: big-endian u64 segment id), for a
+        walk in C; reads through it are counted by the caller."""
+        return self._txn.get
+
+    def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None:
+        """Nothing to fetch ahead: records are local (``capabilities.prefetch`` is False)."""
+
+    def forget_prefetched(self) -> None:
+        """Nothing is fetched ahead."""
+
+    def __init__(self, store: LmdbStore) -> None:
+        self._store = store
+        self._txn = None
+        self.reads = 0
+
+    def __enter__(self) -> LmdbReadTxn:
+        self._txn = self._store._begin(db=self._store.segments_db)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._txn.abort()
+        self._txn = None
+        if exc_type is not None and issubclass(exc_type, lmdb.Error):
+            # A damaged page met while reading: sarp's error, naming the file, not lmdb's.
+            raise DamagedIndexError(
+                f"{self._store.path / 'data.mdb'}: reading failed ({exc_type.__name__}: {exc}); "
+                f"the file is damaged. {_REPAIR_HINT.format(path=self._store.path)}"
+            ) from exc
+
+    def record(self, seg_id: int) -> bytes | None:
+        """The raw record of a segment (checked by the caller), counted as one read."""
+        self.reads += 1
+        return self._txn.get(U64.pack(seg_id))
+
+    def segment(self, seg_id: int) -> Segment | None:
+        """The decoded segment (not counted as a match read)."""
+        record = self._txn.get(U64.pack(seg_id))
+        return None if record is None else decode(seg_id, record)
+
+    def raw_records(self, seg_ids: list[int]) -> list[bytes | None]:
+        """The unchecked records of many segments, in order (not counted as match reads)."""
+        get = self._txn.get
+        return [get(key) for key in map(U64.pack, seg_ids)]
+
+    def counter(self, name: str) -> int:
+        raw = self._txn.get(name.encode(), db=self._store.meta_db)
+        return counter_value(raw, name, self._store.path)
+
+    def index_id(self) -> bytes | None:
+        """The id the index was created with, as of this transaction."""
+        raw = self._txn.get(b"index_id", db=self._store.meta_db)
+        return None if raw is None else bytes(raw)
+
+    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
+        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
+        cur = self._txn.cursor(db=self._store.log_db)
+        if cur.set_range(U64.pack(seq + 1)):
+            for key, value in cur:
+                if len(key) != U64.size or len(value) != LOG_VALUE.size:
+                    raise CorruptRecordError(f"log table: an entry of {len(key)}+{len(value)} "
+                                             "bytes")
+                seg_id, first = LOG_VALUE.unpack(value)
+                yield U64.unpack(key)[0], seg_id, first
+
+    def raw_segments(self) -> Iterator[tuple[int, bytes]]:
+        for key, record in self._txn.cursor(db=self._store.segments_db):
+            if len(key) != U64.size:
+                raise CorruptRecordError(f"segments table: a key of {len(key)} bytes")
+            yield U64.unpack(key)[0], record
+
+    def blocks(self) -> Iterator[tuple[int, int, int]]:
+        for key, value in self._txn.cursor(db=self._store.blocks_db):
+            if len(key) != U64.size or len(value) != BLOCK_VALUE.size:
+                raise CorruptRecordError(f"blocks table: an entry of {len(key)}+{len(value)} "
+                                         "bytes (8+6 expected)")
+            seg_id, offset = BLOCK_VALUE.unpack(value)
+            yield U64.unpack(key)[0], seg_id, offset
+
+    def holder_names(self) -> dict[int, str | None]:
+        """Holder id -> ``instance\\0medium``; ``None`` for a name that fails its checksum
+        (a damaged name must never be reported as holding blocks)."""
+        required = self._txn.get(b"name_sums", db=self._store.meta_db) is not None
+        db = self._store.holders_db
+        return holder_names(_items(self._txn.cursor(db=db), b"i:"),
+                            lambda packed: self._txn.get(b"s:" + packed, db=db), required)
+
+    def stat(self, table: str) -> dict:
+        return self._txn.stat(getattr(self._store, f"{table}_db"))
+
+
+class LmdbWriteTxn(WriteLogic):
+    """The operations a write needs, inside one LMDB write transaction."""
+
+    __slots__ = ("_store", "txn")
+    capabilities = LmdbStore.capabilities
+
+    def __init__(self, store: LmdbStore, txn: lmdb.Transaction) -> None:
+        self._store = store
+        self.txn = txn
+
+    def set_counter(self, name: str, value: int) -> None:
+        self.txn.put(name.encode(), U64.pack(value), db=self._store.meta_db)
+
+    def put_meta(self, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self._store.meta_db)
+
+    def segment(self, seg_id: int) -> Segment:
+        """Segment ``seg_id``, decoded into arrays the write may modify in place."""
+        record = self.txn.get(U64.pack(seg_id), db=self._store.segments_db)
+        if record is None:
+            raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
+        return writable(seg_id, record)
+
+    def segment_exists(self, seg_id: int) -> bool:
+        return self.txn.get(U64.pack(seg_id), db=self._store.segments_db) is not None
+
+    def put_segment(self, seg: Segment) -> None:
+        self.txn.put(U64.pack(seg.seg_id), seg.encode(), db=self._store.segments_db)
+
+    def delete_segment(self, seg: Segment) -> None:
+        self.txn.delete(U64.pack(seg.seg_id), db=self._store.segments_db)
+        self.release_blocks(seg.hashes)
+
+    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment id and offset of each hash (segment id 0 where absent), batched.
+
+        Cost: one LMDB lookup per hash, in one cursor call.
+        """
+        seg_ids = np.zeros(hashes.size, dtype=np.uint32)
+        offsets = np.zeros(hashes.size, dtype=np.uint16)
+        found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
+        if found:
+            # Back to query positions in numpy (no Python work per block): the found
+            # keys are big-endian hashes, the values packed (u32 segment, u16 offset).
+            got = np.frombuffer(b"".join(k for k, _ in found), dtype=">u8").astype(np.uint64)
+            values = np.frombuffer(b"".join(v for _, v in found), dtype=BLOCK_DTYPE)
+            order = np.argsort(hashes, kind="stable")
+            where = order[np.searchsorted(hashes[order], got)]
+            seg_ids[where] = values["seg"]
+            offsets[where] = values["off"]
+        return seg_ids, offsets
+
+    def locate_one(self, block_hash: int) -> tuple[int, int]:
+        """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent.
+
+        Cost: one LMDB lookup.
+        """
+        value = self.txn.get(U64.pack(block_hash), db=self._store.blocks_db)
+        return (0, 0) if value is None else BLOCK_VALUE.unpack(value)
+
+    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
+        self.txn.cursor(db=self._store.blocks_db).putmulti(
+            _block_items(hashes, seg_id, first_offset))
+
+    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
+        """:meth:`put_blocks` if none of ``hashes`` is stored; else change nothing and
+        return False.
+
+        Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the same descent
+        that would insert it); a refusal also reads back and deletes what was added.
+        """
+        items = _block_items(hashes, seg_id, first_offset)
+        _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
+        if added == hashes.size:
+            return True
+        cur = self.txn.cursor(db=self._store.blocks_db)
+        ours = dict(_block_items(hashes, seg_id, first_offset))
+        for key, value in cur.getmulti(list(ours)):
+            if value == ours[key]:  # no stored entry can name this new place
+                self.txn.delete(key, db=self._store.blocks_db)
+        return False
+
+    def native_calls(self) -> tuple:
+        """What ``sarp._native.pack_batch`` calls of this transaction, in its order:
+        a ``blocks`` get and a ``segments`` get (big-endian keys), the checked read of
+        a segment (to name damage), a new segment id, the return of ids from one on
+        (taken by an insert that then fell to Python), a holder's id (None if it has
+        none), a new holder's id (None when every id is taken and one must be
+        reclaimed), the transaction's ``put`` and ``delete`` (called with a table),
+        the ``segments`` and ``blocks`` tables, and a ``blocks`` cursor's ``put``,
+        ``set_key`` and ``pop`` (a deferred batch's writes, in key order)."""
+        blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
+        txn = self.txn
+        blocks = txn.cursor(db=blocks_db)
+        return (
+            blocks.get,
+            txn.cursor(db=segments_db).get,
+            self.segment,
+            self.new_segment_id,
+            lambda first: self.set_counter("next_seg_id", first - 1),
+            lambda name: self.holder_id(name, create=False),
+            self.new_holder_id,
+            txn.put,
+            txn.delete,
+            segments_db,
+            blocks_db,
+            blocks.put,
+            blocks.set_key,
+            blocks.pop,
+        )
+
+    def nested(self) -> LmdbWriteTxn:
+        """A write transaction inside this one (LMDB's nested transaction): what it
+        writes joins this one at :meth:`commit` and is gone after :meth:`abort`.  This
+        one must not be used until then.
+
+        Cost: its commit merges its dirty pages into this one's: 0.8 ms more for a
+        batch of 12,000 puts (docs/performance.md, "Deferred `blocks` writes").
+        """
+        return LmdbWriteTxn(self._store, self._store.env.begin(write=True, parent=self.txn))
+
+    def commit(self) -> None:
+        """Commit a :meth:`nested` transaction into its parent."""
+        self.txn.commit()
+
+    def abort(self) -> None:
+        """Drop a :meth:`nested` transaction and everything it wrote."""
+        self.txn.abort()
+
+    def release_blocks(self, hashes: np.ndarray) -> None:
+        """Delete the ``blocks`` entries of ``hashes`` (a dead segment's, or a claim undone).
+
+        Consumed in C: no Python per block.
+        """
+        deque(map(partial(self.txn.delete, db=self._store.blocks_db), hash_keys(hashes)),
+              maxlen=0)
+
+    def log(self, entries: list[tuple[int, int]]) -> None:
+        """Append ``(segment id, first hash)`` entries to the log, in order.
+
+        Cost: one counter update and one appending ``putmulti``.
+        """
+        first = self.take_seqs(len(entries))
+        self.txn.cursor(db=self._store.log_db).putmulti(
+            [(U64.pack(first + i), LOG_VALUE.pack(seg_id, first_hash))
+             for i, (seg_id, first_hash) in enumerate(entries)], append=True)
+
+    def holder_get(self, key: bytes) -> bytes | None:
+        return self.txn.get(key, db=self._store.holders_db)
+
+    def holder_put(self, key: bytes, value: bytes | None) -> None:
+        """Set (or with None delete) one entry of the holders table."""
+        if value is None:
+            self.txn.delete(key, db=self._store.holders_db)
+        else:
+            self.txn.put(key, value, db=self._store.holders_db)
+
+    def holder_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The holders table's entries whose keys start with ``prefix``, in key order."""
+        return _items(self.txn.cursor(db=self._store.holders_db), prefix)
+
+    def counter(self, name: str) -> int:
+        raw = self.txn.get(name.encode(), db=self._store.meta_db)
+        return counter_value(raw, name, self._store.path)
+
+
+def _check_path(path: Path, create: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise NotAnIndexError(f"{path} is a file, not a sarp index directory; pass a directory")
+    if not path.exists():
+        if not create:
+            raise NotAnIndexError(f"{path} does not exist; pass create=True to make a new index")
+        return
+    names = {p.name for p in path.iterdir()} - {LOCK_FILE}
+    if names and "data.mdb" not in names:
+        raise NotAnIndexError(
+            f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
+            "pass a new or empty directory"
+        )
+
+
+def _items(cur, prefix: bytes) -> list[tuple[bytes, bytes]]:
+    """A cursor's entries whose keys start with ``prefix``, in key order."""
+    out = []
+    if cur.set_range(prefix):
+        for key, value in cur:
+            if not key.startswith(prefix):
+                break
+            out.append((bytes(key), bytes(value)))
+    return out
+
+
+def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
+    """Send ``(seg_id, record)`` for every segment id in ``[first_id, last_id]`` that the
+    live B-tree still yields, then ``None``; for :mod:`sarp.repair`, in a child process.
+
+    Reads go through the tree (``get`` by key), never through free pages, so only live
+    records come back; a damaged page may kill this process (a SIGBUS or an LMDB
+    assertion), which is why it runs in a child: the parent knows the last id sent.
+    Every id is reported, found or not: ``(seg_id, None)`` when absent.
+    """
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
+    try:
+        db = env.open_db(b"segments", create=False)
+        txn = env.begin(db=db)
+        for seg_id in range(first_id, last_id + 1):
+            try:
+                record = txn.get(U64.pack(seg_id))
+            except lmdb.Error:
+                record = b""  # this id's page is damaged: unreadable, not absent
+                txn.abort()  # an error leaves the transaction unusable: take a new one
+                txn = env.begin(db=db)
+            conn.send((seg_id, None if record is None else bytes(record)))
+        txn.abort()
+    finally:
+        env.close()
+    conn.send(None)
+
+
+def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
+    """Each holder name by its own key, so that one damaged entry costs one name."""
+    found: dict[int, tuple[bytes, bytes | None] | None] = {}
+    txn = env.begin(db=holders_db)
+    try:
+        for holder_id in range(count):
+            packed = HOLDER_ID.pack(holder_id)
+            try:
+                value, stored = txn.get(b"i:" + packed), txn.get(b"s:" + packed)
+            except lmdb.Error:
+                txn.abort()
+                txn = env.begin(db=holders_db)
+                found[holder_id] = None
+                continue
+            if value is not None:
+                found[holder_id] = (bytes(value), None if stored is None else bytes(stored))
+    finally:
+        txn.abort()
+    # An index written before name checksums has none at all; otherwise one is required.
+    sums = any(f is not None and f[1] is not None for f in found.values())
+    return {holder_id: None if entry is None else checked_name(entry[0], entry[1], sums)
+            for holder_id, entry in found.items()}
+
+
+def salvage_meta(path: str, conn) -> None:
+    """Send ``(counters, holder names)`` read without trusting anything: for repair."""
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
+    try:
+        out: dict = {"next_seg_id": None, "names": {}}
+        meta = None
+        try:
+            meta = env.open_db(b"meta", create=False)
+            with env.begin(db=meta) as txn:
+                raw = txn.get(b"next_seg_id")
+                out["next_seg_id"] = U64.unpack(raw)[0] if raw else None
+        except lmdb.Error:
+            pass
+        try:
+            holders = env.open_db(b"holders", create=False)
+            with env.begin() as txn:
+                raw = txn.get(b"next_holder_id", db=meta)
+            count = U64.unpack(raw)[0] if raw else MAX_HOLDERS
+            out["names"] = _salvage_names(env, holders, min(count, MAX_HOLDERS))
+        except lmdb.Error:
+            pass
+        conn.send(out)
+    finally:
+        env.close()
+
+
+_REPAIR_HINT = ("Salvage what can be read with: sarp repair {path} --out NEW_FOLDER "
+                "(or restore a copy; sarp serve can also rebuild it from the engines' "
+                "replay buffers)")
+_LMDB_MAGIC = 0xBEEFC0DE
+_PAGE_HEADER_BYTES = 16
+_META = struct.Struct("<IIQQIHH")  # magic, version, address, map size, then the free DB
+_META_TAIL = struct.Struct("<QQ")  # last page number, transaction id (after both DBs)
+_META_TAIL_AT = _PAGE_HEADER_BYTES + 24 + 2 * 48
+# md_root of the free-page DB and of the main DB: the last field of each 48-byte MDB_db
+_ROOTS_AT = (_PAGE_HEADER_BYTES + 24 + 40, _PAGE_HEADER_BYTES + 24 + 48 + 40)
+_U64_LE = struct.Struct("<Q")
+_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree
+
+
+def check_data_file(data: Path) -> None:
+    """Refuse an LMDB file that is truncated or is not LMDB, before LMDB maps it.
+
+    LMDB trusts its file: a tree page past the end of ``data.mdb`` kills the process
+    with SIGBUS when it is touched, and a damaged meta page trips an assertion
+    (abort).  The newer valid meta page names the root page of each of LMDB's two
+    trees (the free-page tree and the main one, which holds sarp's tables); a root
+    past the end of the file, or a file that ends inside a page, means it was
+    truncated.  (The meta's "last page" is no bound: LMDB may count pages a
+    transaction allocated and freed again without ever writing them.)  Cost: one
+    read of two pages.
+    """
+    try:
+        size = data.stat().st_size
+        with data.open("rb") as f:
+            head = f.read(2 * 65536)
+    except FileNotFoundError:
+        return
+    metas = []
+    first = _META.unpack_from(head, _PAGE_HEADER_BYTES) if len(head) >= 64 else None
+    page_size = first[4] if first and first[0] == _LMDB_MAGIC else 0
+    for at in (0, page_size) if page_size else (0,):
+        if at + _META_TAIL_AT + _META_TAIL.size > len(head):
+            continue
+        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
+        if magic == _LMDB_MAGIC:
+            roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
+            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
+            metas.append((txnid, roots))
+    if not metas or page_size < 512:
+        raise DamagedIndexError(
+            f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
+            f"an index. {_REPAIR_HINT.format(path=data.parent)}"
+        )
+    _, roots = max(metas)
+    pages = size // page_size
+    if size % page_size:
+        # LMDB writes whole pages: a file that ends inside one was cut short.
+        raise DamagedIndexError(
+            f"{data}: {size} bytes is not a whole number of {page_size}-byte pages: the file "
+            f"was truncated. {_REPAIR_HINT.format(path=data.parent)}"
+        )
+    beyond = [r for r in roots if r != _NO_PAGE and r >= pages]
+    if beyond:
+        raise DamagedIndexError(
+            f"{data}: {size} bytes ({pages} pages), but its last committed transaction has a "
+            f"tree root at page {beyond[0]}: the file was truncated. "
+            f"{_REPAIR_HINT.format(path=data.parent)}"
+        )
+
+
+def _check_readable(path: Path) -> None:
+    if not (path / "data.mdb").is_file():
+        raise NotAnIndexError(
+            f"{path} holds no sarp index yet (no data.mdb); a reader opens an existing index: "
+            "start the writer (sarp serve, or sarp.open without readonly) first"
+        )
+
+
+def _readers_full(path: Path, max_readers: int, exc: Exception) -> ReadersFullError:
+    return ReadersFullError(
+        f"{path}: LMDB's reader table is full ({exc}); every process with the index open "
+        f"takes a slot. Close some readers, or have the writer open the index with a larger "
+        f"max_readers (now {max_readers}; the first process to open the index sets it)"
+    )
+
+
+def _no_room(path: Path) -> str | None:
+    """Why a write may have found no room (a nearly full disk, a file-size limit), if so."""
+    stat = os.statvfs(path)
+    free = stat.f_bavail * stat.f_frsize
+    if free < LOW_DISK_BYTES:
+        return f"the disk holding it has {free:,} bytes free; free some space"
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    data = path / "data.mdb"
+    if soft != resource.RLIM_INFINITY and data.exists() and (
+            data.stat().st_size + LOW_DISK_BYTES > soft):
+        return f"this process may write files of at most {soft:,} bytes (ulimit -f); raise it"
+    return None
+
+
+def _take_data_lock(data: Path) -> int:
+    """A second writer lock, on ``data.mdb`` itself: a script that deletes a stale-looking
+    ``sarp.lock`` must not let two writers in (each would trust its own snapshot)."""
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise IndexLockedError(
+            f"{data.parent} is open for writing in another process (its data.mdb is locked, "
+            "even though sarp.lock was not: was sarp.lock deleted?); close the other writer"
+        ) from None
+    return fd
+
+
+def _take_lock(lock_path: Path) -> int:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise IndexLockedError(
+            f"{lock_path.parent} is open in another process (pid {holder}); "
+            "one process owns an index at a time: close it there first"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
