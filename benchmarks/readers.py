@@ -82,7 +82,7 @@ def publisher_main(events_file: str, endpoints_out, control, state_path: str,
                    max_ahead: int) -> None:
     import zmq
 
-    from sarp.serving.cluster import EnginePublisher
+    from sarp.bench.cluster import EnginePublisher
 
     with open(events_file, "rb") as f:
         import pickle

@@ -130,7 +130,7 @@ def test_decoded_operations_apply_as_apply_batch_does(tmp_path):
            ("insert", np.array([7], np.uint64), 777, "a#0", "GPU"),
            ("clear", "a#0", "CPU")]
     results = []
-    for name, apply in (("decoded", "_apply_decoded"), ("checked", "apply_batch")):
+    for name, apply in (("decoded", "apply_decoded"), ("checked", "apply_batch")):
         with sarp.open(tmp_path / name) as index:
             result = getattr(index, apply)(ops)
             results.append(([(i, type(e).__name__) for i, e in result.failed],

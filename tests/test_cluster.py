@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import sarp
+from sarp.bench.cluster import Cluster
 from sarp.bench.traces import read_requests
 from sarp.bench.workload import builtin
-from sarp.serving.cluster import Cluster
 from sarp.serving.subscriber import Source, Subscriber
 
 

@@ -23,7 +23,7 @@ import zmq
 from servekit import Serve, call, match, metrics, source_metric
 
 import sarp
-from sarp.serving.cluster import EnginePublisher, HostileEngine, SimEngine
+from sarp.bench.cluster import EnginePublisher, HostileEngine, SimEngine
 from sarp.serving.events import apply, decode, encode_batch
 
 

@@ -64,8 +64,6 @@ def imports(rel: str, tree: ast.Module) -> list[tuple[str, list[str]]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="tqdm in index.py, zmq in serving/cluster.py: "
-                   "until recovery and the simulator move")
 def test_each_dependency_enters_through_its_one_door():
     std = set(sys.stdlib_module_names) | {"sarp", "numpy", "__future__"}
     wrong = []
@@ -96,7 +94,6 @@ def test_the_core_never_imports_serving_bench_or_workingset_and_names_no_backend
     assert wrong == []
 
 
-@pytest.mark.xfail(strict=True, reason="Index._apply_decoded: until the public batch call lands")
 def test_no_module_imports_or_reaches_another_modules_private_names():
     wrong = []
     for rel, tree in modules().items():

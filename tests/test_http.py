@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servekit import call, free_port
 
 import sarp
-from sarp.serving.cluster import EnginePublisher
+from sarp.bench.cluster import EnginePublisher
 from sarp.serving.events import encode_batch
 
 

@@ -44,7 +44,7 @@ def _state(index) -> dict:
         tables = {name: list(txn.cursor(db=getattr(store, name))) for name in TABLES}
         tables["meta"] = [kv for kv in txn.cursor(db=store.meta_db) if kv[0] != b"index_id"]
     tables["directory"] = index.directory.entries()
-    tables["filters"] = {h: sorted(index.holders.segments(h)) for h in index._holder_names}
+    tables["filters"] = {h: sorted(s) for h, s in index.holders.as_sets().items() if s}
     return tables
 
 

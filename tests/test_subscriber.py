@@ -1,6 +1,6 @@
 """The subscriber against engines that misbehave, restart and flood: real ZeroMQ sockets
 on loopback, publishers framing exactly as vLLM's and SGLang's ``ZmqEventPublisher``
-(``sarp.serving.cluster.EnginePublisher``), engines with real LRU caches (``SimEngine``).
+(``sarp.bench.cluster.EnginePublisher``), engines with real LRU caches (``SimEngine``).
 
 The rule every test checks: the index may know less than an engine, never more; and
 where the engine's replay buffer allows it, exactly what the engine holds."""
@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 import sarp
-from sarp.serving.cluster import EnginePublisher, SimEngine
+from sarp.bench.cluster import EnginePublisher, SimEngine
 from sarp.serving.events import encode_batch
 from sarp.serving.subscriber import Source, Subscriber
 
@@ -400,7 +400,7 @@ def test_one_new_engine_batch_taken_as_a_continuation_cannot_prove_itself(index)
 _ENGINE_PROCESS = """
 import json, random, sys, time
 import zmq
-from sarp.serving.cluster import EnginePublisher, SimEngine
+from sarp.bench.cluster import EnginePublisher, SimEngine
 pub, replay, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 eng = SimEngine("e", 200, EnginePublisher(zmq.Context.instance(), bind=(pub, replay)))
 print("ready", flush=True)

@@ -274,7 +274,7 @@ def test_a_standby_serve_takes_over_a_killed_one_and_resumes_from_the_engine(url
 
     import zmq
 
-    from sarp.serving.cluster import EnginePublisher, SimEngine
+    from sarp.bench.cluster import EnginePublisher, SimEngine
 
     eng = SimEngine("e", 2000, EnginePublisher(zmq.Context.instance(), buffer_batches=50_000))
     pub = eng.publisher

@@ -12,7 +12,14 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sarp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_bench_parser, _workingset_parser, _serve_parser, _cluster_parser,
+                _bench_events_parser, _repair_parser, _verify_and_stats_parser):
+        add(sub)  # one function per command's options, one per command's run (COMMANDS)
+    args = parser.parse_args(argv)
+    return COMMANDS[args.command](args)
 
+
+def _bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="replay a trace through sarp and the baselines")
     bench.add_argument("--trace", help="mooncake-format .jsonl or .jsonl.gz (default: built-in)")
     bench.add_argument("--split", type=int, default=1, help="sub-blocks per block (4: 64->16)")
@@ -31,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--durability", default="nosync", choices=["sync", "nosync"],
                        help="for every index alike (default nosync: survives a process crash)")
 
+
+def _workingset_parser(sub) -> None:
     ws = sub.add_parser("workingset", help="hit rate at every LRU cache capacity, one pass")
     ws.add_argument("--trace", required=True, help="mooncake-format .jsonl or .jsonl.gz")
     ws.add_argument("--split", type=int, default=1, help="sub-blocks per block")
@@ -51,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ws.add_argument("--json", type=Path, default=None)
     ws.add_argument("--plot", type=Path, default=None)
 
+
+def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="follow engines' KV events into an index")
     serve.add_argument("--index", required=True,
                        help="index directory, or valkey://HOST:PORT/NAMESPACE")
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="on Valkey: wait this long for the lease (a standby that takes "
                        "over when the writer stops renewing)")
 
+
+def _cluster_parser(sub) -> None:
     cl = sub.add_parser("cluster", help="simulate engines + events + routing on a trace")
     cl.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")
     cl.add_argument("--split", type=int, default=1)
@@ -116,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--policies", default="random,round-robin,sarp")
     cl.add_argument("--json", type=Path, default=None)
 
+
+def _bench_events_parser(sub) -> None:
     be = sub.add_parser("bench-events", help="event ingestion: backlog drain, offered-rate "
                         "sweep, baselines")
     be.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")
@@ -135,63 +150,84 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--json", type=Path, default=None)
     be.add_argument("--plot", type=Path, default=None)
 
+
+def _repair_parser(sub) -> None:
     rp = sub.add_parser("repair", help="write a new index from every readable record")
     rp.add_argument("path", type=Path)
     rp.add_argument("--out", type=Path, required=True, help="the new index (a new folder)")
 
+
+def _verify_and_stats_parser(sub) -> None:
     for name, text in (("verify", "check every invariant of an index"),
                        ("stats", "print an index's sizes and counters")):
         p = sub.add_parser(name, help=text)
         p.add_argument("path", help="index directory, or valkey://HOST:PORT/NAMESPACE")
 
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _bench(args)
-    if args.command == "cluster":
-        return _cluster(args)
-    if args.command == "bench-events":
-        from .bench.ingest import run as ingest_run
 
-        return ingest_run(args)
-    if args.command == "serve":
-        from .errors import SarpError
-        from .serving.serve import run as serve_run
+def _bench_events(args: argparse.Namespace) -> int:
+    from .bench.ingest import run
 
-        try:
-            return serve_run(args)
-        except SarpError as exc:  # the store failed (disk full, damage): say so, stop
-            print(f"sarp serve: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
-        except ValueError as exc:
-            print(f"sarp serve: {exc}", file=sys.stderr)
-            return 2
-        except OSError as exc:  # a path the system refuses, wherever it was met
-            print(f"sarp serve: {exc.filename or ''}: {exc.strerror or exc}; check the path "
-                  "and that this user may use it", file=sys.stderr)
-            return 2
-    if args.command == "workingset":
-        from .workingset.cli import run
+    return run(args)
 
+
+def _serve(args: argparse.Namespace) -> int:
+    from .errors import SarpError
+    from .serving.serve import run
+
+    try:
         return run(args)
+    except SarpError as exc:  # the store failed (disk full, damage): say so, stop
+        print(f"sarp serve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"sarp serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the system refuses, wherever it was met
+        print(f"sarp serve: {exc.filename or ''}: {exc.strerror or exc}; check the path "
+              "and that this user may use it", file=sys.stderr)
+        return 2
+
+
+def _workingset(args: argparse.Namespace) -> int:
+    from .workingset.cli import run
+
+    return run(args)
+
+
+def _exists(path) -> bool:
+    if "://" not in str(path) and not Path(path).exists():
+        print(f"sarp: {path} does not exist", file=sys.stderr)
+        return False
+    return True
+
+
+def _verify_command(args: argparse.Namespace) -> int:
+    return _verify(args.path) if _exists(args.path) else 2
+
+
+def _repair(args: argparse.Namespace) -> int:
     import sarp
 
-    if "://" not in str(args.path) and not Path(args.path).exists():
-        print(f"sarp: {args.path} does not exist", file=sys.stderr)
-        return 2
-    if args.command == "verify":
-        return _verify(args.path)
-    if args.command == "repair":
-        from .repair import repair
+    from .repair import repair
 
-        try:
-            report = repair(args.path, args.out)
-        except (ValueError, sarp.SarpError) as exc:
-            print(f"sarp repair: {exc}", file=sys.stderr)
-            return 2
-        for line in report.lines():
-            print(line)
-        print(f"wrote {args.out}; check it with: sarp verify {args.out}")
-        return 0
+    if not _exists(args.path):
+        return 2
+    try:
+        report = repair(args.path, args.out)
+    except (ValueError, sarp.SarpError) as exc:
+        print(f"sarp repair: {exc}", file=sys.stderr)
+        return 2
+    for line in report.lines():
+        print(line)
+    print(f"wrote {args.out}; check it with: sarp verify {args.out}")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import sarp
+
+    if not _exists(args.path):
+        return 2
     try:
         # Readonly: works beside a running writer (sarp serve) and changes nothing.
         with sarp.open(args.path, readonly=True) as index:
@@ -246,7 +282,7 @@ def _verify(path: str) -> int:
 
 def _cluster(args: argparse.Namespace) -> int:
     from .bench import load_requests
-    from .serving.cluster import POLICIES, simulate
+    from .bench.cluster import POLICIES, simulate
 
     policies = args.policies.split(",")
     if any(p not in POLICIES for p in policies) or not 0 <= args.drop_rate < 1:
@@ -301,6 +337,10 @@ def _bench(args: argparse.Namespace) -> int:
         bench.plot(result, args.plot)
     return 0
 
+
+COMMANDS = {"bench": _bench, "cluster": _cluster, "bench-events": _bench_events,
+            "serve": _serve, "workingset": _workingset, "verify": _verify_command,
+            "repair": _repair, "stats": _stats}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import native
 from .errors import ChainConflictError, CorruptRecordError, ParentNotFoundError
-from .filters import HolderSegments
+from .holders import covers, split_name
 from .segment import Segment, writable
 from .store import WriteTxn
+
+if TYPE_CHECKING:
+    from .recovery import Memory
 
 SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
 # A batch of at least this many operations writes its ``blocks`` entries at its end, in
@@ -49,18 +53,13 @@ TAKEN = {"walk_insert": 0, "general_insert": 0, "run_remove": 0, "general_remove
 class Packer:
     """Write transactions for one index: where blocks go, and what changed."""
 
-    def __init__(self, segment_blocks: int, path: Path, reclaim=None, heads=None,
-                 probe=None) -> None:
+    def __init__(self, segment_blocks: int, path: Path, memory: Memory) -> None:
         self.segment_blocks = segment_blocks
         self.path = path
-        # reclaim(avoid) -> a holder id that holds nothing and is not in ``avoid``
-        self.reclaim = reclaim
-        # heads(hash) -> the committed segment whose first block is ``hash``, or None
-        # (the routing directory); without it every insert takes the general path.
-        self.heads = heads
-        # probe() -> (heads, *the directory's probe dicts): with it, a batch on LMDB
-        # runs in C (sarp._native.pack_batch) as far as it can.
-        self.probe = probe
+        # the index's memory as committed: its directory names the segment each first
+        # hash heads (the walking paths follow it), its filters the segments of each
+        # holder (a clear visits only those), its holders the names
+        self.memory = memory
 
     def insert(
         self,
@@ -82,16 +81,15 @@ class Packer:
         touched.flush(plan)
         return plan
 
-    def batch(self, w: WriteTxn, ops: list[tuple], holders: HolderSegments,
-              holder_ids_of) -> tuple[Plan, list[tuple[int, Exception]]]:
+    def batch(self, w: WriteTxn, ops: list[tuple]) -> tuple[Plan, list[tuple[int, Exception]]]:
         """Apply many operations in one transaction; each touched segment is written once.
 
         ``ops`` are ``("insert", chain, parent, name, meta)``, ``("remove", chain,
         name)`` and ``("clear", instance, medium_or_None)``.  An operation that
         refuses (``ParentNotFoundError``, ``ChainConflictError``) is reported with its
         position and has written nothing; the others are applied in order.
-        ``holder_ids_of(instance, medium)`` names the committed holder ids a clear
-        covers.  On LMDB the operations run in C as far as they can
+        A clear covers the committed holder ids of its instance (and medium) and any
+        this batch named.  On LMDB the operations run in C as far as they can
         (:meth:`_native_batch`), and Python carries on from the first it cannot take.
 
         Cost: the operations' lookups, then one record write per touched segment.
@@ -113,10 +111,10 @@ class Packer:
                 elif op[0] == "remove":
                     self.add_remove(w, touched, plan, *op[1:])
                 else:
-                    ids = set(holder_ids_of(op[1], op[2]))
+                    ids = set(self.memory.holders.ids_of(op[1], op[2]))
                     ids.update(h for h, name in plan.holder_names
-                               if _matches(name, op[1], op[2]))
-                    self.add_clear(touched, plan, sorted(ids), holders)
+                               if covers(op[1], op[2], split_name(name)))
+                    self.add_clear(touched, plan, sorted(ids))
             except (ParentNotFoundError, ChainConflictError) as exc:
                 failed.append((i, exc))
             plan.removed_per_op.append(plan.removed_blocks - before)
@@ -126,12 +124,11 @@ class Packer:
     def _runs_in_c(self, w: WriteTxn) -> bool:
         """Can a batch on ``w`` run in ``sarp._native.pack_batch``: the extension is
         built, the store is LMDB, and the walking write path applies."""
-        return (native.C is not None and WALKING and self.probe is not None
-                and self.heads is not None and w.capabilities.local_reads)
+        return native.C is not None and WALKING and w.capabilities.local_reads
 
     def _one(self, w: WriteTxn, op: tuple) -> Plan:
         """One insert or remove as a batch of one (in C), raising what it refused with."""
-        plan, failed = self.batch(w, [op], None, None)
+        plan, failed = self.batch(w, [op])
         if failed:
             raise failed[0][1]
         return plan
@@ -154,7 +151,8 @@ class Packer:
         Cost: one py-lmdb call per lookup, per ``blocks`` entry put or deleted and per
         record read or written; no Python per operation.
         """
-        probe = self.probe()
+        directory = self.memory.directory
+        probe = (directory.lookup, *directory.probe_dicts())
         out = None
         if len(ops) >= DEFERRED_MIN_OPS:
             nested = w.nested()
@@ -207,8 +205,7 @@ class Packer:
         following segments from the parent instead of looking every block up; any
         other shape, or a conflict, takes the general path below.
         """
-        if WALKING and self.heads is not None and self._walk_insert(w, touched, plan, chain,
-                                                                    parent, name, meta):
+        if WALKING and self._walk_insert(w, touched, plan, chain, parent, name, meta):
             TAKEN["walk_insert"] += 1
             return
         TAKEN["general_insert"] += 1
@@ -234,8 +231,9 @@ class Packer:
         holder_id = touched.holder_id(name)
         if holder_id is None:
             taken = {h for h, _ in plan.holder_names} | touched.holder_ids()
-            holder_id = w.holder_id(name, create=True,
-                                    reclaim=lambda: self.reclaim(taken) if self.reclaim else None)
+            memory = self.memory
+            holder_id = w.holder_id(name, create=True, reclaim=lambda: memory.holders.reclaimable(
+                taken, memory.filters))
             touched.named(name, holder_id)
             plan.holder_names.append((holder_id, name))
         return holder_id
@@ -284,7 +282,7 @@ class Packer:
             head = int(chain[i])
             seg_id = touched.head(head)
             if seg_id is None:
-                seg_id = self.heads(head)
+                seg_id = self.memory.directory.lookup(head)
             if seg_id is None:
                 break
             seg = touched.get(seg_id)
@@ -562,19 +560,18 @@ class Packer:
                 if seg.meta is not None:
                     seg.meta[row, lo:hi] = -1
 
-    def clear(self, w: WriteTxn, holder_ids: list[int], holders: HolderSegments) -> Plan:
-        """Clear every block of ``holder_ids``, visiting only their segments (``holders``)."""
+    def clear(self, w: WriteTxn, holder_ids: list[int]) -> Plan:
+        """Clear every block of ``holder_ids``, visiting only their segments (the filters)."""
         plan, touched = Plan(), Touched(w)
-        self.add_clear(touched, plan, holder_ids, holders)
+        self.add_clear(touched, plan, holder_ids)
         touched.flush(plan)
         return plan
 
-    def add_clear(self, touched: Touched, plan: Plan, holder_ids: list[int],
-                  holders: HolderSegments) -> None:
+    def add_clear(self, touched: Touched, plan: Plan, holder_ids: list[int]) -> None:
         for holder_id in holder_ids:
             # Committed segments from the filter, and any this transaction touched
             # (new ones, or ones the holder joined earlier in a batch).
-            seg_ids = set(holders.segments(holder_id)) | touched.holding(holder_id)
+            seg_ids = set(self.memory.filters.segments(holder_id)) | touched.holding(holder_id)
             for seg_id in sorted(seg_ids):
                 seg = touched.get(seg_id)
                 rows = np.flatnonzero(seg.holder_ids == holder_id)
@@ -593,11 +590,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     if a.tobytes() == b.tobytes():  # cheaper than a compare and a reduction
         return m
     return int((a != b).argmax())
-
-
-def _matches(name: str, instance: str, medium: str | None) -> bool:
-    inst, _, med = name.partition("\0")
-    return inst == instance and (medium is None or med == medium)
 
 
 @dataclass(slots=True)

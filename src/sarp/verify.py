@@ -328,3 +328,129 @@ class PrefixWalk:
             presence = {holder_names[h]: table[i] for h, i in row_of.items()}
         return Match(self.total, by_holder, by_medium, meta, reads, presence,
                      self._instance_of is not None)
+
+
+# -- the walk: one match's steps through the directory and the store ----------------------
+
+_U64_LE = struct.Struct("<Q")
+LONG_CHAIN = 256  # blocks: match_many walks longer chains one at a time
+
+
+def walks_in_c(r, walk: PrefixWalk) -> bool:
+    """Can ``walk`` be done by the C walk (``verify.c``) on ``r``: the extension is
+    loaded, the store's records are local, and only per-holder runs are wanted."""
+    return native.C is not None and walk.plain and r.capabilities.local_reads
+
+
+def walk_one(r, directory, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes,
+             on_damage, *, prefetched: bool = False, in_c: bool = True) -> None:
+    """One directory probe and one record read per segment step, verified.
+
+    ``on_damage(exc)``: a damaged record stopped the walk (the prefix verified so far
+    stands).  ``prefetched``: the caller fetched this query's predicted records already.
+    ``in_c``: try the walk in C first (False: the caller did).
+
+    Cost: about matched/S + 1 record reads; numpy work per segment, none per block.
+    """
+    if in_c and walks_in_c(r, walk) and walk_in_c(r, directory, walk, query_bytes, on_damage):
+        return
+    native.ran_python("walk")
+    if r.capabilities.prefetch and not prefetched:  # remote: one round trip for them all
+        ids = directory.lookup_many(query)
+        r.prefetch(ids[ids >= 0])
+    lookup, unpack = directory.lookup, _U64_LE.unpack_from
+    pos, parent, size = 0, None, query.size
+    while pos < size:
+        seg_id = lookup(unpack(query_bytes, 8 * pos)[0])
+        if seg_id is None:
+            break
+        step = advance(r, walk, seg_id, query_bytes, pos, parent, on_damage)
+        pos += step
+        if not step or not walk.going:
+            break
+        parent = unpack(query_bytes, 8 * (pos - 1))[0]
+
+
+def walk_in_c(r, directory, walk: PrefixWalk, query_bytes: bytes, on_damage) -> bool:
+    """The whole walk in one C call, on this transaction's reads; False when a segment
+    has more holders than C takes (walk it in Python).  The caller checked
+    :func:`walks_in_c`."""
+    total, reads, runs, stopped_at = native.C.walk(
+        r.native_get, directory.lookup, *directory.probe_dicts(), query_bytes)
+    if stopped_at == -2:
+        return False
+    r.reads += reads
+    walk.take(total, runs)
+    if stopped_at >= 0:
+        try:
+            examine_py(stopped_at, r.raw_records([stopped_at])[0], b"", 0, None)
+        except CorruptRecordError as exc:
+            on_damage(exc)
+    return True
+
+
+def advance(r, walk: PrefixWalk, seg_id: int, query_bytes: bytes, pos: int,
+            parent: int | None, on_damage) -> int:
+    """Read and verify segment ``seg_id`` at query position ``pos``; return the blocks
+    it adds to the walk (0: the match ends here)."""
+    record = r.record(seg_id)
+    if record is None:
+        return 0
+    try:
+        found = examine(seg_id, record, query_bytes, pos, parent)
+    except CorruptRecordError as exc:
+        on_damage(exc)
+        return 0
+    if found is None:
+        return 0
+    return walk.step(seg_id, record, *found)
+
+
+def walk_many(r, directory, walks: list[PrefixWalk], queries: list[np.ndarray], on_damage,
+              *, prefetch: bool) -> list[int]:
+    """Every query's walk, sharing the directory probes: one ``searchsorted`` per
+    segment step of all chains still going (or each chain's whole walk in one C call).
+    ``prefetch``: fetch every chain's predicted records first (a remote store's
+    writer; a reader's read fetched them already).  Returns the reads per chain.
+    """
+    n = len(queries)
+    sizes = [q.size for q in queries]
+    reads, pos = [0] * n, [0] * n
+    if prefetch and r.capabilities.prefetch:
+        everything = np.concatenate(queries)
+        if everything.size:
+            ids = directory.lookup_many(everything)
+            r.prefetch(ids[ids >= 0])
+    # Long chains take match's walk one at a time: their steps are long compares, and
+    # the bytes of many of them at once only crowd the cache.
+    one_call = walks_in_c(r, walks[0])
+    for i in range(n):
+        if sizes[i] > LONG_CHAIN or (one_call and sizes[i]):
+            before = r.reads
+            query_bytes = queries[i].astype("<u8", copy=False).tobytes()
+            if not (one_call and walk_in_c(r, directory, walks[i], query_bytes, on_damage)):
+                walk_one(r, directory, walks[i], queries[i], query_bytes, on_damage,
+                         prefetched=True, in_c=False)
+            reads[i] = r.reads - before
+    active = [] if one_call else [i for i in range(n) if 0 < sizes[i] <= LONG_CHAIN]
+    if active:
+        native.ran_python("walk")
+    unpack = _U64_LE.unpack_from
+    query_bytes = {i: queries[i].astype("<u8", copy=False).tobytes() for i in active}
+    while active:
+        firsts = np.fromiter((unpack(query_bytes[i], 8 * pos[i])[0] for i in active),
+                             np.uint64, len(active))
+        going = []
+        for i, seg_id in zip(active, directory.lookup_many(firsts).tolist(), strict=True):
+            if seg_id < 0:
+                continue
+            p = pos[i]
+            parent = None if p == 0 else unpack(query_bytes[i], 8 * p - 8)[0]
+            before = r.reads
+            step = advance(r, walks[i], seg_id, query_bytes[i], p, parent, on_damage)
+            reads[i] += r.reads - before
+            pos[i] = p + step
+            if step and walks[i].going and p + step < sizes[i]:
+                going.append(i)
+        active = going
+    return reads

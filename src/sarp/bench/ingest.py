@@ -104,7 +104,7 @@ def record(requests, engines: int, capacity_blocks: int, seed: int = 0, rounds: 
     engines' caches at its end.  The stream goes to ``sink`` (anything with
     ``append`` and ``len``, such as a :class:`StreamFile`) when given, else to a
     list."""
-    from ..serving.cluster import SimEngine
+    from .cluster import SimEngine
 
     rng = np.random.default_rng(seed)
     stream = [] if sink is None else sink
@@ -133,9 +133,9 @@ def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict
 
     import sarp
 
-    from ..serving.cluster import EnginePublisher
     from ..serving.serve import collector_tuned
     from ..serving.subscriber import Source, Subscriber
+    from .cluster import EnginePublisher
 
     ctx = zmq.Context.instance()
     pubs = [EnginePublisher(ctx, buffer_batches=len(stream) + 1) for _ in range(engines)]
@@ -177,7 +177,7 @@ def _offer_main(path: str, engines: int, rate: float, seconds: float, conn) -> N
     stamped."""
     import zmq
 
-    from ..serving.cluster import EnginePublisher
+    from .cluster import EnginePublisher
 
     data, table = StreamFile.load(path)
     offsets, engine_of, per_batch = table["offsets"], table["engines"], table["events"]
@@ -292,7 +292,7 @@ def direct(name: str, chunks, workdir: str) -> dict:
     started = time.perf_counter()
     for chunk in chunks:
         if name == "sarp":
-            index._apply_decoded(chunk)  # what serve's event applier calls
+            index.apply_decoded(chunk)  # what serve's event applier calls
         else:
             index.apply_ops(chunk)
     seconds = time.perf_counter() - started

@@ -1,7 +1,7 @@
 """The soak: ``sarp serve --http`` under every fault at once, every answer checked.
 
 16 simulated engines publish vLLM events over loopback ZeroMQ: one of them with a
-hostile replay endpoint (:class:`~sarp.serving.cluster.HostileEngine`), one that
+hostile replay endpoint (:class:`~sarp.bench.cluster.HostileEngine`), one that
 dies for good, one that restarts.  8 HTTP clients ask for chains the engines served
 and check every answer against the engines' caches: each block an instance is said
 to hold must be in that engine's cache, or have left it within the last second (or,
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from ..serving.cluster import EnginePublisher, HostileEngine, SimEngine
+from .cluster import EnginePublisher, HostileEngine, SimEngine
 
 ENGINES = 16
 CAPACITY_BLOCKS = 2_000

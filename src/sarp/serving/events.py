@@ -23,7 +23,7 @@ raised before anything is applied.  One bad event inside a readable batch does
 not spoil the others: it decodes to a :class:`Malformed` naming its kind, and
 :func:`apply` counts it and applies the rest.  This is the only module that
 imports msgpack (pyzmq enters through :mod:`sarp.serving.subscriber`, and through
-:mod:`sarp.serving.cluster` for the simulated engines).
+:mod:`sarp.bench.cluster` for the simulated engines).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from ..errors import (
     StoreError,
 )
 from ..hashing import as_hash, as_hashes, repeats
+from ..holders import DEFAULT_MEDIUM
 from .media import canonical_medium, is_valid_medium
 
 log = logging.getLogger("sarp.events")
 
-DEFAULT_MEDIUM = "GPU"
 MAX_DP_RANK = 4095  # engines run a few to a few hundred ranks; more is a broken frame
 
 
@@ -535,7 +535,7 @@ class Applier:
         ops, meta, batches = self._ops, self._meta, self._batches
         self._ops, self._meta, self._batches = [], [], []
         try:
-            result = self.index._apply_decoded(ops)  # decode checked the hashes
+            result = self.index.apply_decoded(ops)  # decode checked the hashes
         except (StoreError, IndexClosedError):
             raise  # the store itself failed: not the events' fault, nothing to skip
         except Exception as exc:  # a bug of ours must not stop the stream either

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from .events import ENCODING_STYLES, encode_batch
+from ..serving.events import ENCODING_STYLES, encode_batch
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -302,7 +302,7 @@ class Cluster:
             raise ValueError(f"policy={policy!r}; pick from {POLICIES}")
         if policy == "sarp" and index is None:
             raise ValueError("policy='sarp' needs the index the subscriber keeps")
-        from .router import score
+        from ..serving.router import score
 
         rng = random.Random(seed)
         hit_blocks = blocks = dropped = 0
@@ -365,7 +365,7 @@ def simulate(
 
     import sarp
 
-    from .subscriber import Source, Subscriber
+    from ..serving.subscriber import Source, Subscriber
 
     out = []
     for policy in policies:

@@ -1,0 +1,93 @@
+"""Write operations checked: what callers pass to ``insert``, ``remove``, ``clear`` and
+a batch, turned into the packer's form (``("insert", chain, parent, name, meta)``,
+``("remove", chain, name)``, ``("clear", instance, medium_or_None)``), or a ValueError
+that names the value and the fix.  Nothing here touches the store.
+
+>>> op = prepare(("insert", [1, 2], None, "w0", "GPU"))
+>>> op[0], op[1].tolist(), op[3]
+('insert', [1, 2], 'w0\\x00GPU')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .hashing import HashesLike, as_hash, as_hashes, repeats
+from .holders import check_instance, holder_name
+
+
+def prepare(op: tuple) -> tuple:
+    """Check one batch operation's arguments; return the packer's form of it."""
+    kind = op[0] if isinstance(op, tuple | list) and op else None
+    if kind == "insert":
+        _, hashes, parent, holder, medium = op
+        chain, parent_hash = chain_after(hashes, parent)
+        return ("insert", chain, parent_hash, holder_name(holder, medium), None)
+    if kind == "remove":
+        _, hashes, holder, medium = op
+        return ("remove", as_hashes(hashes), holder_name(holder, medium))
+    if kind == "clear":
+        _, holder, medium = op
+        check_instance(holder, medium)
+        return ("clear", holder, medium)
+    raise ValueError(f"batch operation {kind!r}; use 'insert', 'remove' or 'clear'")
+
+
+def prepare_all(ops: Sequence[tuple], hashes_checked: bool = False
+                ) -> tuple[list[tuple], list[int], list[tuple[int, Exception]]]:
+    """``(prepared, their positions in ops, [(position, error)] for the refused)``.
+
+    ``hashes_checked``: the event decoder has checked the hashes already (uint64
+    arrays, no hash twice, a parent not among them), so only the holder names are,
+    once per name.  Cost: O(blocks) for the hash checks; a dict read per operation
+    when ``hashes_checked``.
+    """
+    prepared, positions, failed = [], [], []
+    names: dict[tuple, str] = {}
+    for i, op in enumerate(ops):
+        try:
+            kind = op[0] if hashes_checked else None
+            if kind in ("insert", "remove"):
+                key = (op[3], op[4]) if kind == "insert" else (op[2], op[3])
+                name = names.get(key)
+                if name is None:
+                    name = names[key] = holder_name(*key)
+                prepared.append(("insert", op[1], op[2], name, None) if kind == "insert"
+                                else ("remove", op[1], name))
+            else:
+                prepared.append(prepare(op))
+            positions.append(i)
+        except (ValueError, TypeError) as exc:
+            failed.append((i, exc))
+    return prepared, positions, failed
+
+
+def chain_after(hashes: HashesLike, parent: object) -> tuple[np.ndarray, int | None]:
+    """An insert's hashes and parent, checked: no hash twice, the parent not among them."""
+    chain = as_hashes(hashes)
+    parent_hash = None if parent is None else as_hash(parent)
+    fault = repeats(chain, parent_hash)
+    if fault == "repeat":
+        raise ValueError("hashes repeat a value; a chain of block hashes names each block "
+                         "once (hash blocks with their parent, e.g. sarp.hash_blocks)")
+    if fault == "parent":
+        raise ValueError(f"parent={parent_hash} also appears in hashes; pass only the "
+                         "blocks after it")
+    return chain, parent_hash
+
+
+def as_meta(meta: Sequence[int] | np.ndarray | None, num_blocks: int) -> np.ndarray | None:
+    """An insert's per-block metadata, checked: one int in [0, 2**63) per block."""
+    if meta is None:
+        return None
+    values = np.asarray(meta)
+    if values.shape != (num_blocks,) or (values.size and values.dtype.kind not in "iu"):
+        raise ValueError(
+            f"meta has shape {values.shape} and dtype {values.dtype}; pass one int per block "
+            f"({num_blocks} ints)"
+        )
+    if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int64).max):
+        raise ValueError("meta values must be ints in [0, 2**63); -1 is reserved for 'none'")
+    return values.astype(np.int64)

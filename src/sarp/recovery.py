@@ -1,0 +1,329 @@
+"""Recovery: an index's memory brought to the state of its store.
+
+What an index keeps in memory (:class:`Memory`: the routing directory, the holder
+filters, the holder names, and the log sequence they reflect) is a cache of the store,
+rebuilt at will.  At open (:func:`recover`) it comes from the snapshot and the log
+entries after its watermark, or from one scan of every segment when the snapshot is
+missing, stale or damaged, or the log has a hole.  A reader keeps it current before
+every read (:func:`current_read`): it replays the log entries the writer committed
+since, in the same read transaction as the read, and reloads when the writer trimmed
+the log past it, the log has a hole, or the index was created anew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from . import snapshot as snapshots
+from .directory import Directory
+from .errors import CorruptRecordError, StoreError
+from .filters import HolderSegments
+from .holders import Holders, names_version
+from .segment import decode
+from .segment import head as segment_head
+from .store import ReadTxn, Store
+
+log = logging.getLogger("sarp")
+READ_ATTEMPTS = 8  # a reader retries when the writer replaced its snapshot meanwhile
+
+
+class LogHole(Exception):
+    """Entries are missing from the log after the watermark: memory cannot be brought
+    up to date from it (a reader reloads, a writer's open rebuilds)."""
+
+
+@dataclass(slots=True)
+class Memory:
+    """What an index keeps in memory; all of it can be rebuilt from the store."""
+
+    directory: Directory
+    filters: HolderSegments  # holder id -> segments, as roaring bitmaps
+    holders: Holders
+    watermark: int = 0  # the log sequence this memory reflects
+    holders_seen: tuple[int, int] = (0, 0)  # names_version as of the names' last load
+
+    @classmethod
+    def empty(cls) -> Memory:
+        return cls(Directory.from_entries(np.empty(0, np.uint64), np.empty(0, np.uint32)),
+                   HolderSegments(), Holders())
+
+    def apply(self, plan) -> None:
+        """Bring memory up to date with a committed write's :class:`sarp.packing.Plan`."""
+        self.holders.learn(plan.holder_names)  # new, or ids reused
+        directory, filters = self.directory, self.filters
+        for seg_id, first_hash, holder_ids, is_new in plan.segments:
+            if holder_ids is None:
+                filters.discard_everywhere(seg_id)
+                directory.remove(first_hash, seg_id)
+                continue
+            if is_new:
+                directory.add(first_hash, seg_id)
+            for holder_id in plan.dropped.get(seg_id, ()):
+                filters.discard(holder_id, seg_id)
+            for holder_id in holder_ids:
+                filters.add(holder_id, seg_id)
+
+    def load_holders(self, r: ReadTxn) -> None:
+        """The holder names as of ``r`` (a damaged name is logged and left out)."""
+        self.holders = Holders(r.holder_names())
+        self.holders_seen = names_version(r)
+        if self.holders.damaged:
+            log.error("sarp: holder names %s fail their checksums; their blocks are not "
+                      "reported per holder (sarp verify names them)", self.holders.damaged)
+
+
+@dataclass(slots=True)
+class Recovered:
+    """How :func:`recover` brought memory up: ``"new"``, ``"snapshot"`` or ``"rebuild"``
+    (and why), log entries replayed, whether a usable snapshot was there, and the
+    segment changes memory holds that no snapshot covers."""
+
+    source: str
+    reason: str
+    replayed: int
+    snapshot_present: bool
+    unsnapshotted: int
+
+
+def recover(store: Store, r: ReadTxn, memory: Memory, *, readonly: bool,
+            progress: bool | None) -> Recovered:
+    """Load the snapshot and replay the log after it, or rebuild; all as of ``r``.
+
+    Cost: the snapshot is mapped, then one record read per segment the log names;
+    a rebuild reads every segment once.
+    """
+    memory.load_holders(r)
+    source = "new" if r.stat("segments")["entries"] == 0 else "rebuild"
+    say = log.info if readonly else log.warning  # a reader writes nothing: routine
+    try:
+        snap = store.load_snapshot()
+        problem = stale_reason(snap, r, store.index_id)
+        if problem:
+            raise snapshots.SnapshotUnusable(problem)
+    except snapshots.SnapshotUnusable as exc:
+        if source == "rebuild":  # a new, empty index needs no reason
+            say("sarp: %s; rebuilding the directory from the segments", exc)
+        count = rebuild(r, memory, progress)
+        return Recovered(source, str(exc) if source == "rebuild" else "", 0, False, count)
+    memory.directory, memory.filters, memory.watermark = (snap.directory, snap.holders,
+                                                          snap.watermark)
+    try:
+        replayed = replay_log(r, memory)
+    except LogHole as exc:
+        say("sarp: %s: %s; rebuilding the directory from the segments", store.path, exc)
+        count = rebuild(r, memory, progress)
+        return Recovered("rebuild", str(exc), 0, True, count)
+    return Recovered("snapshot", "", replayed, True, replayed)
+
+
+def drop_damaged_holders(store: Store, packer, memory: Memory) -> None:
+    """Clear the blocks of holders whose names fail their checksums (the writer, at
+    open): nobody could clear them by name, and they must not count as held."""
+    ids = list(memory.holders.damaged)
+
+    def repair(w):
+        plan = packer.clear(w, ids)
+        w.forget_holders(ids)  # the engine's next store under its name gets a new id
+        return plan
+
+    plan = store.write(repair)
+    memory.apply(plan)
+    memory.holders.damaged = []
+    log.error("sarp: cleared %d blocks of holders %s, whose names are damaged, and forgot "
+              "the names", plan.removed_blocks, ids)
+
+
+def stale_reason(snap: snapshots.Snapshot, r: ReadTxn, index_id: bytes) -> str:
+    """Why ``snap`` cannot be used with the store as of ``r``, or ""."""
+    if snap.index_id != index_id:
+        return "snapshot belongs to another index"
+    if snap.watermark < r.counter("log_trimmed_upto"):
+        return f"snapshot watermark {snap.watermark} is older than the trimmed log"
+    if snap.watermark > r.counter("next_seq"):
+        return f"snapshot watermark {snap.watermark} is ahead of the store"
+    return ""
+
+
+def replay_log(r: ReadTxn, memory: Memory) -> int:
+    """Apply the log entries after the watermark, as of ``r``; return how many.
+
+    A segment logged several times is re-read once: replaying reads its state as of
+    ``r``, which is the same for every entry of it.  Entries run on from the watermark
+    without a hole; one missing (a stream trimmed by another client) raises
+    :class:`LogHole` before memory changes, and the caller reloads.
+    """
+    # segment id -> every first hash logged for it: an id can name another chain once
+    # its segment is gone (a tail's id is taken again)
+    latest: dict[int, list[int]] = {}
+    count, last = 0, memory.watermark
+    for seq, seg_id, first_hash in r.log_since(memory.watermark):
+        if seq != last + 1:
+            raise LogHole(f"log entry {last + 1} is missing (the next is {seq})")
+        logged = latest.pop(seg_id, [])  # keep the order of last mention
+        if first_hash not in logged:
+            logged.append(first_hash)
+        latest[seg_id] = logged
+        last = seq
+        count += 1
+    newest = r.counter("next_seq")
+    if last < newest:
+        raise LogHole(f"log entries {last + 1}..{newest} are missing")
+    replay(r, memory, latest)
+    memory.watermark = max(last, newest)
+    return count
+
+
+def replay(r: ReadTxn, memory: Memory, latest: dict[int, list[int]]) -> None:
+    """Bring the directory and the holder filters to the state of ``r`` for the
+    segments in ``latest`` (segment id -> the first hashes logged for it): the entry of
+    each hash the id no longer starts with goes, if it names this id.
+
+    Cost: one record read and check per segment (one round trip for them all on a
+    remote store), and one bitmap operation per holder, not per segment.
+    """
+    seg_ids = list(latest)
+    memory.filters.discard_many_everywhere(seg_ids)
+    held: dict[int, list[int]] = {}
+    directory = memory.directory
+    for seg_id, record in zip(seg_ids, r.raw_records(seg_ids), strict=True):
+        found = None
+        if record is not None:
+            try:
+                found = segment_head(seg_id, record)
+            except CorruptRecordError as exc:
+                log.warning("sarp: replay skips %s", exc)
+        for first_hash in latest[seg_id]:
+            if found is None or first_hash != found[0]:
+                directory.remove(first_hash, seg_id)
+        if found is None:
+            continue
+        directory.add(found[0], seg_id)
+        for holder_id in found[1]:
+            held.setdefault(holder_id, []).append(seg_id)
+    for holder_id, segs in held.items():
+        memory.filters.add_many(holder_id, segs)
+
+
+def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:
+    """Scan every segment (as of ``r``) to rebuild the directory and the holder
+    filters; return how many segments it read.  Cost: one read of every record."""
+    total = r.stat("segments")["entries"]
+    keys = np.empty(total, np.uint64)
+    segs = np.empty(total, np.uint32)
+    by_holder: dict[int, list[int]] = {}
+    count = 0
+    bar = tqdm(r.raw_segments(), total=total, desc="sarp: rebuilding directory", unit="seg",
+               disable=None if progress is None else not progress, leave=False)
+    for seg_id, record in bar:
+        try:
+            seg = decode(seg_id, record)
+        except CorruptRecordError as exc:
+            log.warning("sarp: rebuild skips %s", exc)
+            continue
+        keys[count] = seg.hashes[0]
+        segs[count] = seg_id
+        count += 1
+        for holder_id in seg.holder_ids.tolist():
+            by_holder.setdefault(holder_id, []).append(seg_id)
+    memory.directory = Directory.from_entries(keys[:count], segs[:count])
+    memory.filters = HolderSegments()
+    for holder_id, seg_ids in by_holder.items():
+        memory.filters.add_many(holder_id, seg_ids)
+    memory.watermark = r.counter("next_seq")
+    return count
+
+
+def catch_up(store: Store, r: ReadTxn, memory: Memory, counters) -> bool:
+    """A reader: bring memory to the state of ``r``.  False: retry with a newer ``r``.
+
+    Cost: two meta reads (the index id, the log's counter) when nothing changed; else
+    one segment read per changed segment, or a snapshot load when the writer trimmed
+    the log past us, the log has a hole, or the index was created anew.
+    """
+    index_id = r.index_id()
+    renewed = index_id != store.index_id
+    seq = r.counter("next_seq")
+    if seq == memory.watermark and not renewed:
+        return True
+    if renewed or names_version(r) != memory.holders_seen:
+        memory.load_holders(r)
+    if renewed:
+        # Made anew under us (a Valkey that restarted empty and was written again): its
+        # counters can land where ours stood, so they prove nothing.
+        log.warning("sarp: %s was created anew since this reader caught up; reloading",
+                    store.path)
+        old_id, store.index_id = store.index_id, index_id
+        if not reload(store, r, memory, seq, counters):
+            store.index_id = old_id  # the next attempt sees it anew again
+            return False
+        counters.index_reloads += 1
+        return True
+    if r.counter("log_trimmed_upto") > memory.watermark:
+        return reload(store, r, memory, seq, counters)
+    try:
+        replay_log(r, memory)
+    except LogHole as exc:
+        log.warning("sarp: %s: %s; reloading", store.path, exc)
+        counters.log_holes += 1
+        return reload(store, r, memory, seq, counters)
+    return True
+
+
+def reload(store: Store, r: ReadTxn, memory: Memory, seq: int, counters) -> bool:
+    """A reader: memory from the snapshot and the log after it, or a rebuild in memory
+    when the snapshot cannot be used.  False: retry with a newer ``r``."""
+    try:
+        snap = store.load_snapshot()
+    except snapshots.SnapshotUnusable:
+        snap = None
+    if snap is not None and snap.watermark > seq:
+        return False  # a snapshot newer than this transaction: take a newer one
+    if snap is None or stale_reason(snap, r, store.index_id):
+        rebuild(r, memory)  # in memory only
+        counters.reader_rebuilds += 1
+        return True
+    memory.directory, memory.filters, memory.watermark = (snap.directory, snap.holders,
+                                                          snap.watermark)
+    counters.snapshot_reloads += 1
+    try:
+        replay_log(r, memory)
+    except LogHole:
+        rebuild(r, memory)
+        counters.reader_rebuilds += 1
+    return True
+
+
+@contextlib.contextmanager
+def current_read(store: Store, memory: Memory, counters,
+                 query: np.ndarray | None) -> Iterator[ReadTxn]:
+    """A reader's read transaction, with memory brought up to it first.
+
+    ``query``: the hashes about to be matched, so that a reader of a remote store
+    fetches the records its directory predicts together with the counters of its
+    catch-up, in one round trip.
+    """
+    prefetch = store.capabilities.prefetch
+    for attempt in range(READ_ATTEMPTS):
+        with store.read() as r:
+            if query is not None and prefetch:
+                ids = memory.directory.lookup_many(query)
+                r.prefetch(ids[ids >= 0], with_counters=True)
+            seen = (memory.watermark, memory.holders_seen, counters.index_reloads)
+            if catch_up(store, r, memory, counters):
+                now = (memory.watermark, memory.holders_seen, counters.index_reloads)
+                if prefetch and seen != now:
+                    # A remote store's reads are separate commands: read again, so that
+                    # the records come from the same atomic read as the counters this
+                    # memory is now current with.
+                    if attempt < READ_ATTEMPTS - 1:
+                        continue
+                    r.forget_prefetched()
+                yield r
+                return
+    raise StoreError(f"{store.path}: the writer kept replacing its snapshot; try again")
