@@ -349,20 +349,15 @@ class Packer:
                 w.release_blocks(done)
             return False
 
-        if prev is not None:
-            seg, o = prev
-            blocks = seg.hashes.size
-            split_at = None
-            if 0 < blocks - 1 - o <= SPLIT_TAIL_BLOCKS:
-                split_at = blocks = o + 1
-            if o == blocks - 1 and blocks < cap:
-                k = min(cap - blocks, n - i)
-                if not claim(chain[i : i + k], seg.seg_id, blocks):
-                    return None
-                placements.append((seg, split_at, i, k))
-                i += k
-        while i < n:
-            k = min(cap, n - i)
+        split_at, fill, sizes = placement(None if prev is None else prev[0].hashes.size,
+                                          None if prev is None else prev[1], n - i, cap)
+        if fill:
+            seg = prev[0]
+            if not claim(chain[i : i + fill], seg.seg_id, prev[1] + 1):
+                return None
+            placements.append((seg, split_at, i, fill))
+            i += fill
+        for k in sizes:
             seg_id = w.new_segment_id()
             if not claim(chain[i : i + k], seg_id, 0):
                 return None
@@ -443,24 +438,20 @@ class Packer:
         holder_id: int,
         meta: np.ndarray | None,
     ) -> None:
-        """Store new blocks ``chain[i:j]``: fill the parent's segment, then new ones."""
-        cap = self.segment_blocks
-        if prev_at is not None:
-            seg = touched.get(prev_at[0])
-            tail_blocks = seg.num_blocks - 1 - prev_at[1]
-            if 0 < tail_blocks <= SPLIT_TAIL_BLOCKS:
-                # A branch just before a segment's end is usually an engine re-hashing
-                # the previous turn's last, partial block: move that short dead end
-                # out so the live chain stays in one segment (one read, not one per turn).
-                self._split(w, touched, seg, prev_at[1] + 1)
-            if prev_at[1] == seg.num_blocks - 1 and seg.num_blocks < cap:
-                k = min(cap - seg.num_blocks, j - i)
-                base = seg.num_blocks
-                seg.append(chain[i : i + k], holder_id, None if meta is None else meta[i : i + k])
-                w.put_blocks(chain[i : i + k], seg.seg_id, base)
-                i += k
-        while i < j:
-            k = min(cap, j - i)
+        """Store new blocks ``chain[i:j]`` where :func:`placement` says: fill the parent's
+        segment, then new ones."""
+        seg = touched.get(prev_at[0]) if prev_at is not None else None
+        split_at, fill, sizes = placement(None if seg is None else seg.num_blocks,
+                                          None if seg is None else prev_at[1], j - i,
+                                          self.segment_blocks)
+        if split_at is not None:
+            self._split(w, touched, seg, split_at)
+        if fill:
+            base = seg.num_blocks
+            seg.append(chain[i : i + fill], holder_id, None if meta is None else meta[i : i + fill])
+            w.put_blocks(chain[i : i + fill], seg.seg_id, base)
+            i += fill
+        for k in sizes:
             seg = Segment(
                 seg_id=w.new_segment_id(),
                 start_pos=start_pos + i,
@@ -579,6 +570,31 @@ class Packer:
                     plan.removed_blocks += int(seg.presence[rows[0]].sum())
                     seg.presence[rows[0]] = 0
                     touched.cleared(seg_id)
+
+
+def placement(seg_blocks: int | None, offset: int | None, count: int,
+              cap: int) -> tuple[int | None, int, list[int]]:
+    """The placement rule: where ``count`` new blocks go after the block at ``offset``
+    of a segment of ``seg_blocks`` blocks (None, None: there is no such segment, the
+    chain starts here).  Returns ``(split_at, fill, sizes)``: split that segment at
+    offset ``split_at`` first (None: no split; a branch 1 to ``SPLIT_TAIL_BLOCKS``
+    blocks before its end moves that dead-end tail out, so the live chain stays in
+    one segment), then append ``fill`` blocks to it (it ends at the parent and has
+    room), then start new segments of these sizes (up to ``cap`` blocks each).
+    Both Python write paths call it; ``packing.c`` mirrors it.
+
+    >>> placement(10, 9, 5, 12), placement(10, 7, 5, 12), placement(None, None, 5, 2)
+    ((None, 2, [3]), (8, 4, [1]), (None, 0, [2, 2, 1]))
+    """
+    split_at, fill = None, 0
+    if seg_blocks is not None:
+        blocks = seg_blocks
+        if 0 < blocks - 1 - offset <= SPLIT_TAIL_BLOCKS:
+            split_at = blocks = offset + 1
+        if offset == blocks - 1 and blocks < cap:
+            fill = min(cap - blocks, count)
+    rest = count - fill
+    return split_at, fill, [min(cap, rest - at) for at in range(0, rest, cap)]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
