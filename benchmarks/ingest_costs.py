@@ -35,7 +35,7 @@ import time
 import lmdb
 import numpy as np
 
-from sarp import native, packing, store_lmdb
+from sarp import native, packing, store_lmdb, writeset
 from sarp.bench import ingest
 from sarp.bench.run import load_requests
 from sarp.serving import events
@@ -47,7 +47,7 @@ PARTS = {
     "write records": (store_lmdb.LmdbWriteTxn, "put_segment"),
     "insert walk (all of it)": (packing.Packer, "_walk_insert"),
     "remove runs (all of it)": (packing.Packer, "_remove_runs"),
-    "flush (all of it)": (packing.Touched, "flush"),
+    "flush (all of it)": (writeset.Touched, "flush"),
 }
 
 

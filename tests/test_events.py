@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import sarp
+from sarp.serving.applier import apply
 from sarp.serving.events import (
     ENCODING_STYLES,
     BadEvent,
@@ -17,7 +18,6 @@ from sarp.serving.events import (
     Malformed,
     Removed,
     Stored,
-    apply,
     decode,
     encode_batch,
 )

@@ -24,7 +24,8 @@ from servekit import Serve, call, match, metrics, source_metric
 
 import sarp
 from sarp.bench.cluster import EnginePublisher, HostileEngine, SimEngine
-from sarp.serving.events import apply, decode, encode_batch
+from sarp.serving.applier import apply
+from sarp.serving.events import decode, encode_batch
 
 
 def chain(rng: random.Random, n: int = 4) -> list[int]:

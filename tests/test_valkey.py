@@ -157,7 +157,8 @@ def _write(proc: subprocess.Popen, k: int) -> list:
 
 
 def test_a_second_writer_is_refused_while_the_lease_is_held(url):
-    from sarp.store_valkey import connect, parse_url
+    from sarp.store import parse_url
+    from sarp.store_valkey import connect
 
     settings = parse_url(url)
     client = connect(settings)

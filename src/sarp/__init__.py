@@ -8,6 +8,9 @@
 (2, {'w3': 2})
 """
 
+# Most indexes are folders: the LMDB backend is imported with sarp, so that opening one
+# does not pay for importing lmdb (the valkey client is imported only for a URL).
+from . import store_lmdb  # noqa: F401
 from .errors import (
     ChainConflictError,
     CorruptRecordError,

@@ -38,11 +38,12 @@ from .check import check
 from .errors import CorruptRecordError, IndexClosedError, LeaseLostError, ReadOnlyIndexError
 from .hashing import HashesLike, as_hashes
 from .holders import DEFAULT_MEDIUM, check_instance, held_blocks, holder_name
-from .ops import as_meta, chain_after, prepare, prepare_all
-from .packing import Packer, Plan
+from .ops import Batch, BatchResult, as_meta, chain_after, prepare_all
+from .packing import Packer
 from .recovery import Memory
-from .store import DEFAULT_MAX_READERS, ReadTxn, Store, is_url, open_store
+from .store import DEFAULT_MAX_READERS, ReadTxn, Store, check_int, is_url, open_store
 from .verify import Match, PrefixWalk, walk_many, walk_one
+from .writeset import Plan
 
 log = logging.getLogger("sarp")
 
@@ -135,8 +136,8 @@ class Index:
     def __init__(self, path: str | os.PathLike, store_options: dict, *, segment_blocks: int,
                  snapshot_every_changes: int, progress: bool | None, readonly: bool) -> None:
         """See :func:`open` (``store_options`` are :func:`sarp.store.open_store`'s)."""
-        _check_int("segment_blocks", segment_blocks, 1, MAX_SEGMENT_BLOCKS)
-        _check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
+        check_int("segment_blocks", segment_blocks, 1, MAX_SEGMENT_BLOCKS)
+        check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
         started = time.perf_counter()
         self.path = path if is_url(path) else Path(path)
         self._memory = Memory.empty()
@@ -351,7 +352,7 @@ class Index:
         ...     [type(e).__name__ for _, e in b.result.failed], index.match([1, 2, 3]).num_blocks
         (['ParentNotFoundError'], 2)
         """
-        return Batch(self)
+        return Batch(self._apply_prepared)
 
     def apply_batch(self, ops: Sequence[tuple]) -> BatchResult:
         """Apply ``ops`` in one write transaction (see :meth:`batch`).
@@ -595,48 +596,3 @@ class Index:
         """Every (instance, medium) the index has seen."""
         with self._lock, self._read():
             return sorted(self._memory.holders.names.values())
-
-
-@dataclass(slots=True)
-class BatchResult:
-    """What a batch did: operations refused (position, error), blocks new and removed."""
-
-    operations: int
-    failed: list[tuple[int, Exception]]
-    new_blocks: int
-    removed_per_op: list[int]
-
-
-class Batch:
-    """Operations collected for one transaction: ``with index.batch() as b: b.insert(...)``."""
-
-    def __init__(self, index: Index) -> None:
-        self._index = index
-        self._ops: list[tuple] = []
-        self.result: BatchResult | None = None
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, exc_type, *exc: object) -> None:
-        if exc_type is None:
-            n = len(self._ops)
-            self.result = self._index._apply_prepared(self._ops, list(range(n)), [], n)
-
-    def insert(self, hashes: HashesLike, parent: int | bytes | None = None, *, holder: str,
-               medium: str = DEFAULT_MEDIUM) -> None:
-        """Add an insert (as :meth:`Index.insert`, without ``meta``)."""
-        self._ops.append(prepare(("insert", hashes, parent, holder, medium)))
-
-    def remove(self, hashes: HashesLike, *, holder: str, medium: str = DEFAULT_MEDIUM) -> None:
-        """Add a remove (as :meth:`Index.remove`)."""
-        self._ops.append(prepare(("remove", hashes, holder, medium)))
-
-    def clear(self, holder: str, medium: str | None = None) -> None:
-        """Add a clear (as :meth:`Index.clear`)."""
-        self._ops.append(prepare(("clear", holder, medium)))
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r}; pass an int from {low} to {high}")

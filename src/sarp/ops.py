@@ -10,12 +10,13 @@ that names the value and the fix.  Nothing here touches the store.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .hashing import HashesLike, as_hash, as_hashes, repeats
-from .holders import check_instance, holder_name
+from .holders import DEFAULT_MEDIUM, check_instance, holder_name
 
 
 def prepare(op: tuple) -> tuple:
@@ -91,3 +92,44 @@ def as_meta(meta: Sequence[int] | np.ndarray | None, num_blocks: int) -> np.ndar
     if values.size and (values.min() < 0 or values.max() > np.iinfo(np.int64).max):
         raise ValueError("meta values must be ints in [0, 2**63); -1 is reserved for 'none'")
     return values.astype(np.int64)
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What a batch did: operations refused (position, error), blocks new and removed."""
+
+    operations: int
+    failed: list[tuple[int, Exception]]
+    new_blocks: int
+    removed_per_op: list[int]
+
+
+class Batch:
+    """Operations collected for one transaction: ``with index.batch() as b: b.insert(...)``."""
+
+    def __init__(self, apply: Callable[[list[tuple], list[int], list, int], BatchResult]
+                 ) -> None:
+        self._apply = apply  # the index's: (prepared, positions, failed, operations)
+        self._ops: list[tuple] = []
+        self.result: BatchResult | None = None
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        if exc_type is None:
+            n = len(self._ops)
+            self.result = self._apply(self._ops, list(range(n)), [], n)
+
+    def insert(self, hashes: HashesLike, parent: int | bytes | None = None, *, holder: str,
+               medium: str = DEFAULT_MEDIUM) -> None:
+        """Add an insert (as :meth:`Index.insert`, without ``meta``)."""
+        self._ops.append(prepare(("insert", hashes, parent, holder, medium)))
+
+    def remove(self, hashes: HashesLike, *, holder: str, medium: str = DEFAULT_MEDIUM) -> None:
+        """Add a remove (as :meth:`Index.remove`)."""
+        self._ops.append(prepare(("remove", hashes, holder, medium)))
+
+    def clear(self, holder: str, medium: str | None = None) -> None:
+        """Add a clear (as :meth:`Index.clear`)."""
+        self._ops.append(prepare(("clear", holder, medium)))

@@ -54,7 +54,7 @@ class Memory:
                    HolderSegments(), Holders())
 
     def apply(self, plan) -> None:
-        """Bring memory up to date with a committed write's :class:`sarp.packing.Plan`."""
+        """Bring memory up to date with a committed write's :class:`sarp.writeset.Plan`."""
         self.holders.learn(plan.holder_names)  # new, or ids reused
         directory, filters = self.directory, self.filters
         for seg_id, first_hash, holder_ids, is_new in plan.segments:

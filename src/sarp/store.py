@@ -22,7 +22,9 @@ packer read instead of probing attributes.
 from __future__ import annotations
 
 import os
+import re
 import struct
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ ID_STRIDE = 8
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
 COUNTERS = ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id")
+TABLES = ("meta", "segments", "blocks", "holders", "log")
 
 U64 = struct.Struct(">Q")  # meta counters, segment and log keys, block keys
 BLOCK_VALUE = struct.Struct("<IH")  # blocks: segment id, offset
@@ -88,6 +91,12 @@ def counter_value(raw: bytes | None, name: str, where) -> int:
         raise DamagedIndexError(f"{where}: meta counter {name!r} is {len(raw)} bytes, not 8; "
                                 "the index is damaged: sarp repair can salvage its records")
     return U64.unpack(raw)[0]
+
+
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}={value!r}; pass an int from {low} to {high}")
 
 
 def check_durability(durability: object) -> str:
@@ -357,3 +366,39 @@ def open_store(path: str | os.PathLike, *, durability: str = "sync", create: boo
 
     return LmdbStore(path, durability=durability, map_size_bytes=map_size_bytes,
                      create=create, readonly=readonly, max_readers=max_readers)
+
+
+SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}  # -> TLS
+
+
+PASSWORD_ENV = "SARP_VALKEY_PASSWORD"
+
+
+NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def parse_url(url: str) -> dict:
+    """Connection settings and namespace of a ``valkey://`` URL; ValueError names the fix.
+
+    >>> parse_url("valkey://127.0.0.1:6390/prod")["namespace"]
+    'prod'
+    """
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{url!r}: unknown scheme {scheme!r}; pass a folder path, or "
+            "valkey://HOST:PORT/NAMESPACE (also redis://, and rediss:// or valkeys:// with TLS)")
+    namespace = parts.path.lstrip("/")
+    if not NAMESPACE.fullmatch(namespace):
+        raise ValueError(
+            f"{url!r}: the namespace {namespace!r} must be 1 to 64 characters from "
+            "[A-Za-z0-9_.:-], e.g. valkey://127.0.0.1:6379/kv-index")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise ValueError(f"{url!r}: the port is not a number; e.g. valkey://HOST:6379/NS") from None
+    return {"host": parts.hostname or "127.0.0.1", "port": port, "namespace": namespace,
+            "username": urllib.parse.unquote(parts.username) if parts.username else None,
+            "password": urllib.parse.unquote(parts.password) if parts.password
+            else os.environ.get(PASSWORD_ENV), "ssl": SCHEMES[scheme]}

@@ -11,9 +11,7 @@ salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
 
 from __future__ import annotations
 
-import fcntl
 import os
-import resource
 import struct
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -30,9 +28,19 @@ from .errors import (
     DamagedIndexError,
     IndexLockedError,
     NotAnIndexError,
-    ReadersFullError,
     StoreError,
     StoreFullError,
+)
+from .folder import (
+    REPAIR_HINT,
+    check_data_file,
+    check_readable,
+    no_room,
+    read_state,
+    readers_full,
+    take_data_lock,
+    take_folder,
+    write_state,
 )
 from .segment import Segment, decode, writable
 from .store import (
@@ -42,10 +50,12 @@ from .store import (
     HOLDER_ID,
     LOG_VALUE,
     MAX_HOLDERS,
+    TABLES,
     U64,
     Capabilities,
     WriteLogic,
     check_durability,
+    check_int,
     check_version,
     checked_name,
     counter_value,
@@ -53,8 +63,6 @@ from .store import (
     holder_names,
 )
 
-LOCK_FILE = "sarp.lock"
-LOW_DISK_BYTES = 64 << 20  # a failed write with less room than this is a full disk
 MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
 T = TypeVar("T")
 
@@ -82,71 +90,41 @@ class LmdbStore:
     # records and lookups are pages of this process's map: about a microsecond each
     capabilities = Capabilities(local_reads=True, prefetch=False)
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        durability: str = "sync",
-        map_size_bytes: int = 1 << 36,
-        create: bool = True,
-        readonly: bool = False,
-        max_readers: int = DEFAULT_MAX_READERS,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, *, durability: str = "sync",
+                 map_size_bytes: int = 1 << 36, create: bool = True, readonly: bool = False,
+                 max_readers: int = DEFAULT_MAX_READERS) -> None:
         check_durability(durability)
-        if isinstance(map_size_bytes, bool) or not isinstance(map_size_bytes, int) or (
-            map_size_bytes < 1 << 20
-        ):
-            raise ValueError(f"map_size_bytes={map_size_bytes!r}; pass an int of at least 1 MiB")
-        if isinstance(max_readers, bool) or not isinstance(max_readers, int) or not (
-            1 <= max_readers <= 1 << 16
-        ):
-            raise ValueError(f"max_readers={max_readers!r}; pass an int from 1 to 65536")
+        check_int("map_size_bytes", map_size_bytes, 1 << 20, 1 << 62)
+        check_int("max_readers", max_readers, 1, 1 << 16)
         self.path = Path(path)
         self.durability = durability
         self.readonly = readonly
         self.max_readers = max_readers
         self._lock_fd = None
         if readonly:
-            _check_readable(self.path)
+            check_readable(self.path)
         else:
-            _check_path(self.path, create)
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-                self._lock_fd = _take_lock(self.path / LOCK_FILE)
-            except OSError as exc:  # a read-only disk, a file in the way, no permission
-                raise ValueError(f"{self.path}: cannot create or lock the index folder "
-                                 f"({exc.strerror}); pass a folder this user can write")from None
+            self._lock_fd = take_folder(self.path, create)
         try:
             check_data_file(self.path / "data.mdb")
         except BaseException:
             self._release_lock()
             raise
         try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size_bytes,
-                max_dbs=8,
-                max_readers=max_readers,
-                sync=durability == "sync",
-                metasync=durability == "sync",
-                readahead=False,
-                lock=True,
-                readonly=readonly,
-                create=not readonly,
-            )
+            self.env = lmdb.open(str(self.path), map_size=map_size_bytes, max_dbs=8,
+                                 max_readers=max_readers, sync=durability == "sync",
+                                 metasync=durability == "sync", readahead=False, lock=True,
+                                 readonly=readonly, create=not readonly)
             if readonly:
                 self._open_tables_readonly()
             else:
-                self._data_lock_fd = _take_data_lock(self.path / "data.mdb")
-                self.meta_db = self.env.open_db(b"meta")
-                self.segments_db = self.env.open_db(b"segments")
-                self.blocks_db = self.env.open_db(b"blocks")
-                self.holders_db = self.env.open_db(b"holders")
-                self.log_db = self.env.open_db(b"log")
+                self._data_lock_fd = take_data_lock(self.path / "data.mdb")
+                for name in TABLES:
+                    setattr(self, f"{name}_db", self.env.open_db(name.encode()))
                 self._init_meta()
         except lmdb.ReadersFullError as exc:
             self.close()
-            raise _readers_full(self.path, self.max_readers, exc) from exc
+            raise readers_full(self.path, self.max_readers, exc) from exc
         except lmdb.Error as exc:
             self.close()
             if "already open in this process" in str(exc):
@@ -178,10 +156,10 @@ class LmdbStore:
     def _open_tables_readonly(self) -> None:
         """Open the named tables without creating anything (a reader writes nothing)."""
         try:
-            for name in (b"meta", b"segments", b"blocks", b"holders", b"log"):
+            for name in TABLES:
                 # Without txn=, py-lmdb opens each table in a read transaction of its
                 # own and keeps the handle; a handle opened in our txn would not last.
-                setattr(self, f"{name.decode()}_db", self.env.open_db(name, create=False))
+                setattr(self, f"{name}_db", self.env.open_db(name.encode(), create=False))
         except lmdb.NotFoundError:
             raise NotAnIndexError(
                 f"{self.path}: an LMDB environment without sarp's tables; not an index yet"
@@ -201,7 +179,7 @@ class LmdbStore:
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)  # 0: take the size the writer set
             except lmdb.ReadersFullError as exc:
-                raise _readers_full(self.path, self.max_readers, exc) from exc
+                raise readers_full(self.path, self.max_readers, exc) from exc
         return self.env.begin(**kwargs)
 
     def close(self) -> None:
@@ -227,20 +205,11 @@ class LmdbStore:
 
     def load_state(self, name: str) -> bytes | None:
         """A small state file kept beside the index (the subscriber's resume point)."""
-        try:
-            return (self.path / name).read_bytes()
-        except FileNotFoundError:
-            return None
+        return read_state(self.path, name)
 
     def save_state(self, name: str, data: bytes, durable: bool) -> None:
         """Replace the state file ``name`` atomically (fsync'ed when ``durable``)."""
-        tmp = self.path / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self.path / name)
+        write_state(self.path, name, data, durable)
 
     def files(self) -> list[Path]:
         """The LMDB files of this index (for size accounting and cache eviction)."""
@@ -271,7 +240,7 @@ class LmdbStore:
                 # LMDB reports a full disk as a failed write (often EIO): look at the room
                 # left, so that the caller gets StoreFullError and what to do.  The
                 # transaction was aborted: the index is as it was, usable once there is room.
-                room = _no_room(self.path)
+                room = no_room(self.path)
                 if room is not None:
                     raise StoreFullError(f"{self.path}: the write failed ({exc}): {room}; "
                                          "the index is unchanged") from exc
@@ -289,28 +258,6 @@ class LmdbStore:
     def counter(self, name: str) -> int:
         with self._begin() as txn:
             return counter_value(txn.get(name.encode(), db=self.meta_db), name, self.path)
-
-    def num_segments(self) -> int:
-        with self._begin() as txn:
-            return txn.stat(self.segments_db)["entries"]
-
-    def iter_raw_segments(self) -> Iterator[tuple[int, bytes]]:
-        with self.read() as r:
-            yield from r.raw_segments()
-
-    def iter_blocks(self) -> Iterator[tuple[int, int, int]]:
-        """(hash, segment id, offset) for every entry of the ``blocks`` table."""
-        with self.read() as r:
-            yield from r.blocks()
-
-    def holder_names(self) -> dict[int, str]:
-        with self.read() as r:
-            return r.holder_names()
-
-    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
-        """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
-        with self.read() as r:
-            yield from r.log_since(seq)
 
     def trim_log(self, upto: int) -> None:
         """Delete log entries with sequence <= ``upto`` (a durable snapshot covers them)."""
@@ -362,7 +309,7 @@ class LmdbReadTxn:
             # A damaged page met while reading: sarp's error, naming the file, not lmdb's.
             raise DamagedIndexError(
                 f"{self._store.path / 'data.mdb'}: reading failed ({exc_type.__name__}: {exc}); "
-                f"the file is damaged. {_REPAIR_HINT.format(path=self._store.path)}"
+                f"the file is damaged. {REPAIR_HINT.format(path=self._store.path)}"
             ) from exc
 
     def record(self, seg_id: int) -> bytes | None:
@@ -592,21 +539,6 @@ class LmdbWriteTxn(WriteLogic):
         return counter_value(raw, name, self._store.path)
 
 
-def _check_path(path: Path, create: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise NotAnIndexError(f"{path} is a file, not a sarp index directory; pass a directory")
-    if not path.exists():
-        if not create:
-            raise NotAnIndexError(f"{path} does not exist; pass create=True to make a new index")
-        return
-    names = {p.name for p in path.iterdir()} - {LOCK_FILE}
-    if names and "data.mdb" not in names:
-        raise NotAnIndexError(
-            f"{path} is a non-empty directory without a sarp index ({sorted(names)[:5]}); "
-            "pass a new or empty directory"
-        )
-
-
 def _items(cur, prefix: bytes) -> list[tuple[bytes, bytes]]:
     """A cursor's entries whose keys start with ``prefix``, in key order."""
     out = []
@@ -695,127 +627,3 @@ def salvage_meta(path: str, conn) -> None:
         env.close()
 
 
-_REPAIR_HINT = ("Salvage what can be read with: sarp repair {path} --out NEW_FOLDER "
-                "(or restore a copy; sarp serve can also rebuild it from the engines' "
-                "replay buffers)")
-_LMDB_MAGIC = 0xBEEFC0DE
-_PAGE_HEADER_BYTES = 16
-_META = struct.Struct("<IIQQIHH")  # magic, version, address, map size, then the free DB
-_META_TAIL = struct.Struct("<QQ")  # last page number, transaction id (after both DBs)
-_META_TAIL_AT = _PAGE_HEADER_BYTES + 24 + 2 * 48
-# md_root of the free-page DB and of the main DB: the last field of each 48-byte MDB_db
-_ROOTS_AT = (_PAGE_HEADER_BYTES + 24 + 40, _PAGE_HEADER_BYTES + 24 + 48 + 40)
-_U64_LE = struct.Struct("<Q")
-_NO_PAGE = (1 << 64) - 1  # P_INVALID: an empty tree
-
-
-def check_data_file(data: Path) -> None:
-    """Refuse an LMDB file that is truncated or is not LMDB, before LMDB maps it.
-
-    LMDB trusts its file: a tree page past the end of ``data.mdb`` kills the process
-    with SIGBUS when it is touched, and a damaged meta page trips an assertion
-    (abort).  The newer valid meta page names the root page of each of LMDB's two
-    trees (the free-page tree and the main one, which holds sarp's tables); a root
-    past the end of the file, or a file that ends inside a page, means it was
-    truncated.  (The meta's "last page" is no bound: LMDB may count pages a
-    transaction allocated and freed again without ever writing them.)  Cost: one
-    read of two pages.
-    """
-    try:
-        size = data.stat().st_size
-        with data.open("rb") as f:
-            head = f.read(2 * 65536)
-    except FileNotFoundError:
-        return
-    metas = []
-    first = _META.unpack_from(head, _PAGE_HEADER_BYTES) if len(head) >= 64 else None
-    page_size = first[4] if first and first[0] == _LMDB_MAGIC else 0
-    for at in (0, page_size) if page_size else (0,):
-        if at + _META_TAIL_AT + _META_TAIL.size > len(head):
-            continue
-        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
-        if magic == _LMDB_MAGIC:
-            roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
-            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
-            metas.append((txnid, roots))
-    if not metas or page_size < 512:
-        raise DamagedIndexError(
-            f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
-            f"an index. {_REPAIR_HINT.format(path=data.parent)}"
-        )
-    _, roots = max(metas)
-    pages = size // page_size
-    if size % page_size:
-        # LMDB writes whole pages: a file that ends inside one was cut short.
-        raise DamagedIndexError(
-            f"{data}: {size} bytes is not a whole number of {page_size}-byte pages: the file "
-            f"was truncated. {_REPAIR_HINT.format(path=data.parent)}"
-        )
-    beyond = [r for r in roots if r != _NO_PAGE and r >= pages]
-    if beyond:
-        raise DamagedIndexError(
-            f"{data}: {size} bytes ({pages} pages), but its last committed transaction has a "
-            f"tree root at page {beyond[0]}: the file was truncated. "
-            f"{_REPAIR_HINT.format(path=data.parent)}"
-        )
-
-
-def _check_readable(path: Path) -> None:
-    if not (path / "data.mdb").is_file():
-        raise NotAnIndexError(
-            f"{path} holds no sarp index yet (no data.mdb); a reader opens an existing index: "
-            "start the writer (sarp serve, or sarp.open without readonly) first"
-        )
-
-
-def _readers_full(path: Path, max_readers: int, exc: Exception) -> ReadersFullError:
-    return ReadersFullError(
-        f"{path}: LMDB's reader table is full ({exc}); every process with the index open "
-        f"takes a slot. Close some readers, or have the writer open the index with a larger "
-        f"max_readers (now {max_readers}; the first process to open the index sets it)"
-    )
-
-
-def _no_room(path: Path) -> str | None:
-    """Why a write may have found no room (a nearly full disk, a file-size limit), if so."""
-    stat = os.statvfs(path)
-    free = stat.f_bavail * stat.f_frsize
-    if free < LOW_DISK_BYTES:
-        return f"the disk holding it has {free:,} bytes free; free some space"
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    data = path / "data.mdb"
-    if soft != resource.RLIM_INFINITY and data.exists() and (
-            data.stat().st_size + LOW_DISK_BYTES > soft):
-        return f"this process may write files of at most {soft:,} bytes (ulimit -f); raise it"
-    return None
-
-
-def _take_data_lock(data: Path) -> int:
-    """A second writer lock, on ``data.mdb`` itself: a script that deletes a stale-looking
-    ``sarp.lock`` must not let two writers in (each would trust its own snapshot)."""
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise IndexLockedError(
-            f"{data.parent} is open for writing in another process (its data.mdb is locked, "
-            "even though sarp.lock was not: was sarp.lock deleted?); close the other writer"
-        ) from None
-    return fd
-
-
-def _take_lock(lock_path: Path) -> int:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise IndexLockedError(
-            f"{lock_path.parent} is open in another process (pid {holder}); "
-            "one process owns an index at a time: close it there first"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd

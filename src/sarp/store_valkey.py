@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -68,106 +65,16 @@ from .store import (
     counter_value,
     hash_keys,
     holder_names,
+    parse_url,
 )
+from .valkey_scripts import COMMIT, READ, RENEW, SET
 
 log = logging.getLogger("sarp.valkey")
 
-SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}  # -> TLS
-PASSWORD_ENV = "SARP_VALKEY_PASSWORD"
 DEFAULT_LEASE_S = 10.0
-_NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _TABLES = ("meta", "seg", "blk", "hold")  # hashes a write changes, in script order
 _UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
-
-# KEYS: lease meta seg blk hold log.  ARGV: lease value, trim MINID ("" for none),
-# then per table of _TABLES: n, n field/value pairs, m, m fields to delete; then
-# k, k (stream id, value) pairs.  Chunks keep unpack() under Lua's stack limit.
-_COMMIT = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return redis.error_reply('SARPFENCED this writer no longer holds the lease')
-end
-local i = 3
-for t = 2, 5 do
-  local n = tonumber(ARGV[i]); i = i + 1
-  local j = 0
-  while j < n do
-    local args = {}
-    for k = j, math.min(n, j + 400) - 1 do
-      args[#args + 1] = ARGV[i + 2 * k]; args[#args + 1] = ARGV[i + 2 * k + 1]
-    end
-    redis.call('HSET', KEYS[t], unpack(args))
-    j = j + 400
-  end
-  i = i + 2 * n
-  n = tonumber(ARGV[i]); i = i + 1
-  j = 0
-  while j < n do
-    local args = {}
-    for k = j, math.min(n, j + 800) - 1 do args[#args + 1] = ARGV[i + k] end
-    redis.call('HDEL', KEYS[t], unpack(args))
-    j = j + 800
-  end
-  i = i + n
-end
-local n = tonumber(ARGV[i]); i = i + 1
-for k = 0, n - 1 do
-  redis.call('XADD', KEYS[6], ARGV[i + 2 * k], 'v', ARGV[i + 2 * k + 1])
-end
-if ARGV[2] ~= '' then redis.call('XTRIM', KEYS[6], 'MINID', ARGV[2]) end
-return 1
-"""
-# KEYS: lease, the key to set.  ARGV: lease value, its new value.
-_SET = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return redis.error_reply('SARPFENCED this writer no longer holds the lease')
-end
-redis.call('SET', KEYS[2], ARGV[2])
-return 1
-"""
-# KEYS: meta seg.  ARGV: segment ids.  The counters and the records, in one atomic read.
-_READ = """
-local values = {}
-for j = 1, #ARGV, 500 do
-  local got = redis.call('HMGET', KEYS[2], unpack(ARGV, j, math.min(#ARGV, j + 499)))
-  for k = 1, #got do values[#values + 1] = got[k] end
-end
-return {redis.call('HGETALL', KEYS[1]), values}
-"""
-# KEYS: lease.  ARGV: lease value, milliseconds (0: release).
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if tonumber(ARGV[2]) == 0 then redis.call('DEL', KEYS[1]) else
-  redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 1
-"""
-
-
-def parse_url(url: str) -> dict:
-    """Connection settings and namespace of a ``valkey://`` URL; ValueError names the fix.
-
-    >>> parse_url("valkey://127.0.0.1:6390/prod")["namespace"]
-    'prod'
-    """
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"{url!r}: unknown scheme {scheme!r}; pass a folder path, or "
-            "valkey://HOST:PORT/NAMESPACE (also redis://, and rediss:// or valkeys:// with TLS)")
-    namespace = parts.path.lstrip("/")
-    if not _NAMESPACE.fullmatch(namespace):
-        raise ValueError(
-            f"{url!r}: the namespace {namespace!r} must be 1 to 64 characters from "
-            "[A-Za-z0-9_.:-], e.g. valkey://127.0.0.1:6379/kv-index")
-    try:
-        port = parts.port or 6379
-    except ValueError:
-        raise ValueError(f"{url!r}: the port is not a number; e.g. valkey://HOST:6379/NS") from None
-    return {"host": parts.hostname or "127.0.0.1", "port": port, "namespace": namespace,
-            "username": urllib.parse.unquote(parts.username) if parts.username else None,
-            "password": urllib.parse.unquote(parts.password) if parts.password
-            else os.environ.get(PASSWORD_ENV), "ssl": SCHEMES[scheme]}
 
 
 def connect(settings: dict):
@@ -218,10 +125,10 @@ class ValkeyStore:
         try:
             self.client = connect(self.settings)
             self._aof = durability == "sync" and _aof_enabled(self.client)
-            self._commit = self.client.register_script(_COMMIT)
-            self._set = self.client.register_script(_SET)
-            self._renew = self.client.register_script(_RENEW)
-            self._read_script = self.client.register_script(_READ)
+            self._commit = self.client.register_script(COMMIT)
+            self._set = self.client.register_script(SET)
+            self._renew = self.client.register_script(RENEW)
+            self._read_script = self.client.register_script(READ)
             exists = self.client.hget(self.keys["meta"], b"format_version") is not None
             if not exists and (readonly or not create):
                 raise NotAnIndexError(
@@ -555,7 +462,7 @@ class ValkeyReadTxn:
 
 class ValkeyWriteTxn(WriteLogic):
     """A write's reads (through its own pending changes) and its changes, committed at
-    the end by one fenced script (:data:`_COMMIT`)."""
+    the end by one fenced script (:data:`COMMIT`)."""
 
     capabilities = ValkeyStore.capabilities
 

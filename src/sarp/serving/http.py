@@ -25,7 +25,7 @@ of the index and its own aiohttp server.  Processes, not threads, because ingest
 and matching are both CPU work in Python: in one process they would take turns on
 the GIL, and a burst of queries would stall ingestion.  serve's process owns the
 listening socket and deals each accepted connection to the workers in turn (its
-file descriptor passed over a Unix socket pair, :class:`ConnectionDealer`): a
+file descriptor passed over a Unix socket pair, :mod:`sarp.serving.workers`): a
 gateway's pool of 8 keep-alive connections lands 4 and 4 on two workers, where
 ``SO_REUSEPORT``'s hash put 7 on one of them in one run of 5; and workers whose
 serve is gone see their socket pair close and exit instead of answering on.
@@ -41,7 +41,6 @@ from __future__ import annotations
 import array
 import asyncio
 import concurrent.futures
-import contextlib
 import hmac
 import json
 import logging
@@ -51,7 +50,6 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +60,7 @@ import orjson
 from .. import native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
+from .guard import Guard, sweep
 
 log = logging.getLogger("sarp.http")
 
@@ -75,8 +74,6 @@ MAX_REQUEST_BLOCKS = 1 << 18
 MAX_REQUEST_CHAINS = 4096
 HEARTBEAT_S = 0.1  # a worker's loop stamps its slot this often
 SWITCH_INTERVAL_S = 0.001  # the workers' GIL hand-over interval (Python's default: 5 ms)
-STALE_S = 0.5  # a worker stamped longer ago gets no new connections ...
-HUNG_S = 5.0  # ... and is killed and replaced after this
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 
@@ -96,240 +93,6 @@ class HttpConfig:
     request_timeout_s: float = 10.0  # a request's headers and body arrive within this
     answer_timeout_s: float = 30.0  # ... and its answer goes out within this
     idle_timeout_s: float = 30.0  # a keep-alive connection with nothing asked is closed
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port).
-
-    >>> parse_address("127.0.0.1:8080"), parse_address("[::1]:8080")
-    (('127.0.0.1', 8080), ('::1', 8080))
-    """
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--http {text!r}: write HOST:PORT, e.g. 127.0.0.1:8080 "
-                         "or [::1]:8080")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def access_token(address: str, token_file: str | None,
-                 allow_unauthenticated: bool = False) -> str | None:
-    """The bearer token in ``token_file`` (None without one); refuses to serve
-    ``address`` beyond loopback without a token unless ``allow_unauthenticated``.
-
-    >>> access_token("127.0.0.1:8080", None) is None
-    True
-    """
-    token = None
-    if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"--http-token-file {token_file}: cannot read it "
-                             f"({exc.strerror}); give a readable file holding the token") from None
-        if not token or any(c.isspace() for c in token):
-            raise ValueError(f"--http-token-file {token_file}: write one token (no spaces) "
-                             "in it, e.g. the output of: openssl rand -hex 32")
-    if token is None and not is_loopback(parse_address(address)[0]):
-        if not allow_unauthenticated:
-            raise ValueError(
-                f"--http {address}: this binds beyond loopback, where anyone who can reach "
-                "the port could read the index and /metrics; pass --http-token-file FILE "
-                "(clients send 'Authorization: Bearer TOKEN'), or "
-                "--http-allow-unauthenticated behind a proxy that checks callers")
-        log.warning("sarp: serving HTTP on %s without authentication "
-                    "(--http-allow-unauthenticated)", address)
-    return token
-
-
-def is_loopback(host: str) -> bool:
-    """Does ``host`` name only loopback addresses?
-
-    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("0.0.0.0")
-    (True, True, False)
-    """
-    import ipaddress
-
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
-
-
-class ConnectionDealer:
-    """serve's side of the HTTP service: listens on HOST:PORT and deals each accepted
-    connection to the next live worker, round robin.
-
-    A connection's file descriptor goes to its worker over a Unix socket pair
-    (``SCM_RIGHTS``); the worker serves it to the end (keep-alive included).
-    Dealing in turn spreads a client's connections evenly, whatever their ports;
-    one accept per connection costs serve's process a few microseconds, and
-    requests never pass through it.  Binding here also means a port in use fails
-    ``sarp serve`` at once, with the address in the message.
-
-    Cost: one accept and one ``sendmsg`` per connection, on a thread of serve.
-
-    >>> dealer = ConnectionDealer("127.0.0.1", 0, workers=2)
-    >>> len(dealer.worker_ends), dealer.listener.getsockname()[0]
-    (2, '127.0.0.1')
-    >>> dealer.close()
-    """
-
-    def __init__(self, host: str, port: int, workers: int) -> None:
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)[0][0]
-            self.listener = socket.create_server((host, port), family=family, backlog=1024)
-        except OSError as exc:
-            raise ValueError(f"--http {host}:{port}: cannot listen there ({exc}); pick a free "
-                             "port, or stop what holds it") from exc
-        import multiprocessing
-
-        # each worker's event loop stamps its slot (CLOCK_MONOTONIC is one clock for
-        # every process); a slot stamped longer ago than STALE_S is dealt nothing
-        self.heartbeats = multiprocessing.get_context("spawn").RawArray("d", workers)
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                 for _ in range(workers)]
-        self._ours = [a for a, _ in pairs]
-        self.worker_ends = [b for _, b in pairs]  # one per worker process, passed at spawn
-        self._live = list(range(workers))
-        self._next = 0
-        self._lock = threading.Lock()  # the dealing thread against renew()
-        self._thread = threading.Thread(target=self._deal, name="sarp-http-dealer",
-                                        daemon=True)
-        self._started = False
-
-    def start(self) -> None:
-        """Start dealing (after the workers were spawned with :attr:`worker_ends`)."""
-        for end in self.worker_ends:
-            end.close()  # the workers hold their copies
-        self._thread.start()
-        self._started = True
-
-    def _deal(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return  # closed: serve is stopping
-            with conn, self._lock:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                while self._live:
-                    k = self._pick()
-                    try:
-                        socket.send_fds(self._ours[k], [b"c"], [conn.fileno()])
-                        break
-                    except OSError as exc:  # that worker is gone
-                        log.error("sarp: HTTP worker %d is gone (%s); dealing to the others",
-                                  k, exc)
-                        self._live.remove(k)
-                else:
-                    log.error("sarp: no HTTP worker is left; connection refused")
-
-    def _pick(self) -> int:
-        """The next live worker in turn whose loop stamped its slot lately (one that
-        stopped answering, SIGSTOP or a long request, gets nothing new); any live one
-        when none did."""
-        now = time.monotonic()
-        for _ in range(len(self._live)):
-            k = self._live[self._next % len(self._live)]
-            self._next += 1
-            if now - self.heartbeats[k] <= STALE_S:
-                return k
-        k = self._live[self._next % len(self._live)]
-        self._next += 1
-        return k
-
-    def renew(self, k: int) -> socket.socket:
-        """A new socket pair for worker slot ``k``, whose process is gone; returns the
-        end for its replacement (spawn it with that, then close it here)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with self._lock:
-            self._ours[k].close()
-            self._ours[k] = ours
-            if k not in self._live:
-                self._live.append(k)
-                self._live.sort()
-        return theirs
-
-    def close(self) -> None:
-        """Stop accepting, and tell the workers (their socket pairs close)."""
-        with contextlib.suppress(OSError):  # closed already
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
-        self.listener.close()
-        if self._started:
-            self._thread.join(timeout=5)
-        for end in self._ours + self.worker_ends:
-            end.close()
-
-
-class HttpService:
-    """serve's HTTP side: the :class:`ConnectionDealer` and the worker processes.
-
-    :meth:`check`, called from serve's loop, replaces a worker that died (killed,
-    out of memory, a bug) with a new one in its slot, at most once per
-    ``RESTART_EVERY_S`` per slot, so one that cannot start does not spin.
-
-    Cost: a worker is a process with its own readonly open of the index.
-    """
-
-    RESTART_EVERY_S = 5.0
-    STARTUP_S = 30.0  # a new worker's first stamp may take this long (imports, the open)
-
-    def __init__(self, dealer: ConnectionDealer, config: HttpConfig) -> None:
-        import multiprocessing
-
-        self.dealer, self.config = dealer, config
-        self._ctx = multiprocessing.get_context("spawn")
-        self.procs = [self._spawn(k, end) for k, end in enumerate(dealer.worker_ends)]
-        self._last_start = [time.monotonic()] * len(self.procs)
-        self.restarts = 0
-        self.hung = 0  # workers killed for missing their heartbeat
-        dealer.start()
-
-    def _spawn(self, k: int, end: socket.socket):
-        self.dealer.heartbeats[k] = 0.0
-        proc = self._ctx.Process(target=worker_main,
-                                 args=(self.config, end, self.dealer.heartbeats, k),
-                                 name=f"sarp-http-{k}", daemon=True)
-        proc.start()
-        return proc
-
-    def check(self) -> None:
-        """Restart the workers that died since the last call."""
-        now = time.monotonic()
-        for k, proc in enumerate(self.procs):
-            beat = self.dealer.heartbeats[k]  # 0 until its loop runs
-            stamp = beat if beat > 0 else self._last_start[k] + self.STARTUP_S
-            if proc.is_alive() and now - stamp > HUNG_S:
-                log.error("sarp: HTTP worker %d (pid %s) has not answered for %.0f s; "
-                          "killing it", k, proc.pid, now - self.dealer.heartbeats[k])
-                self.hung += 1
-                proc.kill()
-                proc.join(timeout=5)
-            if proc.is_alive() or now - self._last_start[k] < self.RESTART_EVERY_S:
-                continue
-            log.error("sarp: HTTP worker %d (pid %s) died with exit code %s; starting another",
-                      k, proc.pid, proc.exitcode)
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(proc.pid, self.config.metrics_dir)
-            end = self.dealer.renew(k)
-            self.procs[k] = self._spawn(k, end)
-            end.close()
-            self._last_start[k] = now
-            self.restarts += 1
-
-    def close(self) -> None:
-        """Stop dealing, stop the workers (SIGTERM, then SIGKILL after 5 s)."""
-        self.dealer.close()  # no new connections for workers on their way out
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
 
 
 # -- the status file the writer keeps --------------------------------------------------------
@@ -536,11 +299,19 @@ def _show(value: object) -> str:
 # -- the worker -----------------------------------------------------------------------------
 
 
+def mark_worker_dead(pid: int, metrics_dir: str) -> None:
+    """Fold a dead worker's metrics files into the totals (prometheus_client's
+    multiprocess mode), so its replacement starts its own."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, metrics_dir)
+
+
 def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
                 slot: int = 0) -> None:
     """One HTTP worker process: a readonly open of the index, and an aiohttp server
-    for the connections serve's :class:`ConnectionDealer` passes over ``channel``.
-    Its loop stamps ``heartbeats[slot]`` every ``HEARTBEAT_S``.  It stops at SIGTERM
+    for the connections serve's dealer (:mod:`sarp.serving.workers`) passes over
+    ``channel``.  Its loop stamps ``heartbeats[slot]`` every ``HEARTBEAT_S``.  It stops at SIGTERM
     or SIGINT, or when serve closes (or loses) its end."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
     import uvloop
@@ -557,72 +328,6 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
         uvloop.run(_serve_dealt(make_app(index, config), channel, heartbeats, slot))
     finally:
         index.close()
-
-
-class _Guard(asyncio.Protocol):
-    """Wraps aiohttp's protocol for one connection to bound its time: headers and body
-    within ``request_timeout_s`` of their first byte, an answer within
-    ``answer_timeout_s``, and no more than ``idle_timeout_s`` between requests
-    (:class:`HttpConfig`).  aiohttp has only the last (its keep-alive timeout), and
-    half-sent requests held connections for ever.  :func:`_sweep` enforces them."""
-
-    def __init__(self, inner, guards: dict, config: HttpConfig) -> None:
-        self.inner, self.guards, self.config = inner, guards, config
-        self.transport = None
-        self.pending_since: float | None = None  # first byte of a request not yet answered
-        self.inflight_since: float | None = None  # handler running since
-        self.last_activity = time.monotonic()
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.guards[transport] = self
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        now = time.monotonic()
-        self.last_activity = now
-        if self.pending_since is None and self.inflight_since is None:
-            self.pending_since = now
-        self.inner.data_received(data)
-
-    def eof_received(self):
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc) -> None:
-        self.guards.pop(self.transport, None)
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-    def started(self) -> None:
-        self.pending_since, self.inflight_since = None, time.monotonic()
-
-    def answered(self) -> None:
-        self.inflight_since, self.last_activity = None, time.monotonic()
-
-    def expired(self, now: float) -> str | None:
-        config = self.config
-        if self.inflight_since is not None:
-            return "answer" if now - self.inflight_since > config.answer_timeout_s else None
-        if self.pending_since is not None:
-            return "request" if now - self.pending_since > config.request_timeout_s else None
-        return "idle" if now - self.last_activity > config.idle_timeout_s else None
-
-
-async def _sweep(guards: dict, closed, every_s: float) -> None:
-    while True:
-        await asyncio.sleep(every_s)
-        now = time.monotonic()
-        for transport, guard in list(guards.items()):
-            why = guard.expired(now)
-            if why is not None:
-                closed.labels(why).inc()
-                guards.pop(transport, None)
-                transport.abort()
 
 
 async def _heartbeat(heartbeats, slot: int) -> None:
@@ -645,14 +350,14 @@ async def _serve_dealt(app, channel: socket.socket, heartbeats=None, slot: int =
     adopting: set[asyncio.Task] = set()
     guards: dict = app["guards"]
     every_s = min(1.0, config.request_timeout_s / 4, config.idle_timeout_s / 4)
-    chores = [loop.create_task(_sweep(guards, app["closed"], every_s))]
+    chores = [loop.create_task(sweep(guards, app["closed"], every_s))]
     if heartbeats is not None:
         chores.append(loop.create_task(_heartbeat(heartbeats, slot)))
 
     async def adopt(conn: socket.socket) -> None:
         try:
             await loop.connect_accepted_socket(
-                lambda: _Guard(runner.server(), guards, config), conn)
+                lambda: Guard(runner.server(), guards, config), conn)
         except OSError:  # the client left before we got to it
             conn.close()
 

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import StoreError
-from .subscriber import ReplayBudget, Source, Subscriber
+from .sources import ReplayBudget, Source
+from .subscriber import Subscriber
 
 log = logging.getLogger("sarp.serve")
 
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
     dealer = None
     if args.http:
-        from .http import ConnectionDealer, access_token, parse_address
+        from .access import access_token, parse_address
+        from .workers import ConnectionDealer
 
         if args.http_workers < 1:
             raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
@@ -190,7 +192,8 @@ def _report(subscriber: Subscriber) -> None:
 
 
 def _start_http(args, dealer, status_dir: str):
-    from .http import HttpConfig, HttpService
+    from .http import HttpConfig
+    from .workers import HttpService
 
     host, port = dealer.listener.getsockname()[:2]
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")

@@ -7,7 +7,8 @@ request (one round trip) and counts the leading blocks some holder has.
 
 from __future__ import annotations
 
-from ...store_valkey import connect, parse_url
+from ...store import parse_url
+from ...store_valkey import connect
 from ._common import BaselineMatch, keys_of
 
 

@@ -1,0 +1,248 @@
+"""Decoded event batches applied to the index: each engine rank is one holder, a batch
+one index transaction, and an event that cannot be applied is skipped, counted and
+logged (at a limited rate) without stopping the rest.  The decoder is
+:mod:`sarp.serving.events`; the subscriber (:mod:`sarp.serving.subscriber`) hands
+batches here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..errors import ChainConflictError, IndexClosedError, ParentNotFoundError, StoreError
+from ..holders import DEFAULT_MEDIUM
+from .events import Batch, Cleared, Malformed, Removed, Stored
+
+log = logging.getLogger("sarp.events")
+
+
+def holder_name(source: str, dp_rank: int | None) -> str:
+    """The holder a source's blocks are stored under: ``NAME``, or ``NAME#r`` per DP rank.
+
+    Real publishers always send a rank (vLLM and SGLang send 0 without data
+    parallelism), so engines followed by ``sarp serve`` appear as ``NAME#r``.
+
+    >>> holder_name("w3", None), holder_name("w3", 1)
+    ('w3', 'w3#1')
+    """
+    return source if dp_rank is None else f"{source}#{dp_rank}"
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    skipped_orphans: int = 0  # stores whose parent is not held (an event was lost)
+    skipped_groups: int = 0  # events for KV cache groups other than the first
+    bad_events: Counter = field(default_factory=Counter)  # skipped, by kind
+    seconds: float = 0.0  # time spent applying
+
+
+class RateLimitedLog:
+    """Warnings about faults from outside, one per (who, kind) at first sight and then
+    at most one per ``interval_s``, each saying how many were held back since.
+
+    Cost: a dict lookup per warning.
+
+    >>> RateLimitedLog(log).warn("e0", "bad_frame", "sarp: e0 sent a bad frame")
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger, self.interval_s = logger, interval_s
+        self._last: dict[tuple[str, str], float] = {}
+        self._suppressed: Counter = Counter()
+
+    def warn(self, who: str, kind: str, message: str) -> None:
+        key, now = (who, kind), time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[key] += 1
+            return
+        if len(self._last) > 100_000:  # a stream of new names must not grow it for ever
+            self._last.clear()
+        more = self._suppressed.pop(key, 0)
+        self._last[key] = now
+        self.logger.warning("%s%s", message,
+                            f" ({more} more like it since the last report)" if more else "")
+
+
+_bad_event_log = RateLimitedLog(log)
+
+
+def apply(index, source: str, batch: Batch, stats: ApplyStats | None = None, *,
+          dp_rank: int | None = None) -> ApplyStats:
+    """Apply a decoded batch from engine ``source`` to ``index`` (one index batch).
+
+    ``BlockStored`` -> ``insert`` under holder ``source#rank`` (``dp_rank`` when
+    given, else the batch's rank; plain ``source`` when neither) and the event's
+    medium; ``BlockRemoved`` -> ``remove``; ``AllBlocksCleared`` -> ``clear`` of that
+    holder in every medium.  Only KV cache group 0 (or events without a group) is
+    applied; see ``skipped_groups``.
+
+    A bad event never stops the batch.  It is counted in ``bad_events`` by kind,
+    logged (rate-limited) and skipped, keeping the index on the side of knowing
+    less than the engine: a store that cannot be applied is not stored (a store
+    whose parent is not held is ``skipped_orphans``); a removal that cannot be
+    applied as sent drops its blocks from every medium of the holder, or, when
+    even its hashes cannot be read, clears the holder.  Errors of the store
+    itself (``StoreError``) are not bad events and propagate.
+
+    Cost: one index write transaction (see :class:`Applier` for many batches in one).
+
+    >>> import tempfile, sarp
+    >>> from sarp.serving.events import decode, encode_batch
+    >>> with sarp.open(tempfile.mkdtemp()) as index:
+    ...     s = apply(index, "e0", decode(encode_batch([("stored", [5, 6, 5], None, "GPU"),
+    ...                                                 ("stored", [1, 2], None, "GPU")])))
+    ...     dict(s.bad_events), index.match([1, 2]).by_holder
+    ({'repeated_hash': 1}, {'e0': 2})
+    """
+    stats = stats or ApplyStats()
+    applier = Applier(index)
+    applier.add(source, batch, stats, dp_rank=dp_rank)
+    applier.flush()
+    return stats
+
+
+class Applier:
+    """Turns decoded batches into index operations and applies many in one transaction.
+
+    ``add`` queues a batch's events; ``flush`` applies everything queued with one
+    :meth:`sarp.Index.apply_batch` (one commit, each touched segment written once)
+    and settles the counts: what was stored and removed, and each refused
+    operation as a bad event or an orphan.  A removal the index refused is
+    followed, in a second batch, by a clear of its holder (never more than the
+    engine).
+
+    Cost: one write transaction per flush.
+    """
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self._ops: list[tuple] = []
+        self._meta: list[tuple[ApplyStats, str, str]] = []  # per op: stats, holder, kind
+        self._batches: list[ApplyStats] = []
+
+    @property
+    def pending_ops(self) -> int:
+        return len(self._ops)
+
+    def discard(self) -> None:
+        """Drop everything queued (a write failed: the batches are asked for again)."""
+        self._ops, self._meta, self._batches = [], [], []
+
+    def add(self, source: str, batch: Batch, stats: ApplyStats, *,
+            dp_rank: int | None = None) -> None:
+        """Queue a decoded batch's events (nothing is written until :meth:`flush`)."""
+        holder = holder_name(source, batch.dp_rank if dp_rank is None else dp_rank)
+        for event in batch.events:
+            stats.events += 1
+            if getattr(event, "group_idx", None) not in (None, 0):
+                # Hybrid models report each KV cache group separately; a block counts as
+                # cached when group 0 (full attention) has it, so other groups' events
+                # could only make the index claim blocks group 0 does not hold.
+                stats.skipped_groups += 1
+            elif isinstance(event, Stored):
+                self._queue(stats, holder, "store",
+                            ("insert", event.block_hashes, event.parent, holder, event.medium))
+            elif isinstance(event, Removed):
+                self._queue(stats, holder, "remove",
+                            ("remove", event.block_hashes, holder, event.medium))
+            elif isinstance(event, Cleared):
+                self._queue(stats, holder, "clear", ("clear", holder, None))
+            else:
+                self._add_malformed(stats, holder, event)
+        self._batches.append(stats)
+
+    def _queue(self, stats: ApplyStats, holder: str, kind: str, op: tuple) -> None:
+        self._ops.append(op)
+        self._meta.append((stats, holder, kind))
+
+    def _add_malformed(self, stats: ApplyStats, holder: str, event: Malformed) -> None:
+        _bad(stats, holder, event.kind, event.reason)
+        if event.event_type != "BlockRemoved":
+            return  # a store not applied, or an event we do not know: the index knows less
+        if event.block_hashes is None:
+            # A removal of blocks we cannot name: only forgetting the holder is safe.
+            self._queue(stats, holder, "clear", ("clear", holder, None))
+            return
+        for medium in self._media_of(holder):
+            self._queue(stats, holder, "remove", ("remove", event.block_hashes, holder, medium))
+
+    def _media_of(self, holder: str) -> list[str]:
+        known = {m for inst, m in self.index.holders_list() if inst == holder}
+        queued = {op[4] for op in self._ops if op[0] == "insert" and op[3] == holder}
+        return sorted(known | queued | {DEFAULT_MEDIUM})
+
+    def flush(self) -> None:
+        """Apply everything queued in one index batch; settle the counts."""
+        if not self._ops and not self._batches:
+            return
+        started = time.perf_counter()
+        ops, meta, batches = self._ops, self._meta, self._batches
+        self._ops, self._meta, self._batches = [], [], []
+        try:
+            result = self.index.apply_decoded(ops)  # decode checked the hashes
+        except (StoreError, IndexClosedError):
+            raise  # the store itself failed: not the events' fault, nothing to skip
+        except Exception as exc:  # a bug of ours must not stop the stream either
+            log.exception("sarp: applying a batch of %d operations failed", len(ops))
+            self._after_internal_error(ops, meta, exc)
+        else:
+            self._settle(ops, meta, result)
+        share = (time.perf_counter() - started) / max(1, len(batches))
+        for stats in batches:
+            stats.seconds += share  # apply time, split evenly over the batches applied
+            stats.batches += 1
+
+    def _settle(self, ops: list[tuple], meta: list, result) -> None:
+        failed = dict(result.failed)
+        fallback: list[tuple] = []
+        media: dict[str, list[str]] = {}  # a holder's media, read once
+        for i, (op, (stats, holder, kind)) in enumerate(zip(ops, meta, strict=True)):
+            exc = failed.get(i)
+            if exc is None:
+                if kind == "store":
+                    stats.blocks_stored += op[1].size
+                elif kind == "remove":
+                    stats.blocks_removed += result.removed_per_op[i]
+                else:
+                    stats.clears += 1
+                    stats.blocks_removed += result.removed_per_op[i]
+            elif kind == "store":
+                if isinstance(exc, ParentNotFoundError):
+                    stats.skipped_orphans += 1
+                else:
+                    _bad(stats, holder, "chain_conflict" if isinstance(exc, ChainConflictError)
+                         else "rejected", str(exc))
+                # A refused store's hashes may name other blocks than the index's (hashes
+                # the engine did not chain), and a later store may hang under them: the
+                # holder lets go of them, so nothing can be claimed below them.
+                if holder not in media:
+                    media[holder] = self._media_of(holder)
+                fallback.extend(("remove", op[1], holder, medium) for medium in media[holder])
+            else:
+                _bad(stats, holder, "rejected", str(exc))
+                fallback.append(("clear", holder, None))
+        if fallback:
+            self.index.apply_batch(fallback)
+
+    def _after_internal_error(self, ops: list[tuple], meta: list, exc: Exception) -> None:
+        forget = set()
+        for _op, (stats, holder, kind) in zip(ops, meta, strict=True):
+            _bad(stats, holder, "internal_error", repr(exc))
+            if kind != "store":
+                forget.add(holder)  # it may have been a removal: only forgetting is safe
+        if forget:
+            self.index.apply_batch([("clear", h, None) for h in sorted(forget)])
+
+
+def _bad(stats: ApplyStats, holder: str, kind: str, reason: str) -> None:
+    stats.bad_events[kind] += 1
+    _bad_event_log.warn(holder, kind, f"sarp: {holder}: skipped a bad event ({kind}): {reason}")

@@ -1,0 +1,116 @@
+"""A write's working set: the segments one write transaction touched, written once at
+its end (:class:`Touched`), and what it changed (:class:`Plan`), which the index
+applies to memory only after the commit, so a failed write changes nothing in memory.
+:mod:`sarp.packing` fills them; ``packing.c`` mirrors :meth:`Touched.flush`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .segment import Segment, writable
+from .store import WriteTxn
+
+
+@dataclass(slots=True)
+class Plan:
+    """What a committed write changed, to apply to memory afterwards."""
+
+    holder_names: list[tuple[int, str]] = field(default_factory=list)  # created by the write
+    # (segment id, first hash, holder ids now in it or None if deleted, is new)
+    segments: list[tuple[int, int, list[int] | None, bool]] = field(default_factory=list)
+    dropped: dict[int, list[int]] = field(default_factory=dict)
+    new_blocks: int = 0
+    removed_blocks: int = 0
+    removed_per_op: list[int] = field(default_factory=list)  # a batch's, in order
+
+
+class Touched:
+    """Segments read or created inside one write transaction, written back by ``flush``."""
+
+    __slots__ = ("_w", "_segs", "_new", "_heads", "_cleared", "_names")
+
+    def __init__(self, w: WriteTxn) -> None:
+        self._w = w
+        self._segs: dict[int, Segment] = {}
+        self._new: set[int] = set()
+        self._heads: dict[int, int] = {}  # first hash -> id, for segments created here
+        self._cleared: set[int] = set()  # segments where a row may hold nothing now
+        self._names: dict[str, int | None] = {}  # holder name -> id, as looked up here
+
+    def holder_id(self, name: str) -> int | None:
+        """The id of holder ``name`` (None if it has none), looked up once per write."""
+        try:
+            return self._names[name]
+        except KeyError:
+            holder_id = self._names[name] = self._w.holder_id(name, create=False)
+            return holder_id
+
+    def named(self, name: str, holder_id: int) -> None:
+        """Holder ``name`` was just given ``holder_id`` (a reused id drops its old name)."""
+        self._names = {n: h for n, h in self._names.items() if h != holder_id}
+        self._names[name] = holder_id
+
+    def cleared(self, seg_id: int) -> None:
+        """Note that a row of ``seg_id`` may now hold nothing (flush drops such rows)."""
+        self._cleared.add(seg_id)
+
+    def head(self, first_hash: int) -> int | None:
+        """A segment created in this transaction whose first block is ``first_hash``."""
+        return self._heads.get(first_hash)
+
+    def holds(self, seg_id: int) -> bool:
+        """Has this write read, created or emptied segment ``seg_id``?"""
+        return seg_id in self._segs
+
+    def get(self, seg_id: int) -> Segment:
+        seg = self._segs.get(seg_id)
+        if seg is None:
+            seg = self._segs[seg_id] = self._w.segment(seg_id)
+        return seg
+
+    def holder_ids(self) -> set[int]:
+        """Every holder id with a row in a touched segment."""
+        return {int(h) for seg in self._segs.values() for h in seg.holder_ids}
+
+    def holding(self, holder_id: int) -> set[int]:
+        """Touched segments with a row for ``holder_id``."""
+        return {sid for sid, seg in self._segs.items() if holder_id in seg.holder_ids}
+
+    def take_over(self, segments: list[tuple[int, bytes, bool, bool]],
+                  names: dict[str, int | None]) -> None:
+        """Carry on from a batch begun in C: its touched segments as ``(id, record,
+        is_new, cleared)``, in the order first touched, and the holder ids it looked up.
+        """
+        for seg_id, record, is_new, cleared in segments:
+            seg = self._segs[seg_id] = writable(seg_id, record)
+            if is_new:
+                self._new.add(seg_id)
+                self._heads[int(seg.hashes[0])] = seg_id
+            if cleared:
+                self._cleared.add(seg_id)
+        self._names.update(names)
+
+    def add_new(self, seg: Segment) -> None:
+        self._segs[seg.seg_id] = seg
+        self._new.add(seg.seg_id)
+        self._heads[int(seg.hashes[0])] = seg.seg_id
+
+    def flush(self, plan: Plan) -> None:
+        entries = []
+        for seg_id, seg in self._segs.items():
+            dropped = seg.drop_empty_rows() if seg_id in self._cleared else None
+            first_hash = int(seg.hashes[0])
+            if dropped:
+                plan.dropped[seg_id] = dropped
+            if not seg.holder_ids.size:
+                self._w.delete_segment(seg)
+                plan.segments.append((seg_id, first_hash, None, False))
+            else:
+                self._w.put_segment(seg)
+                plan.segments.append(
+                    (seg_id, first_hash, seg.holder_ids.tolist(), seg_id in self._new)
+                )
+            entries.append((seg_id, first_hash))
+        if entries:
+            self._w.log(entries)
