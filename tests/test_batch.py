@@ -53,11 +53,11 @@ def one_by_one(index, op) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_batches_give_the_same_index_as_one_write_at_a_time(tmp_path, seed):
+def test_batches_give_the_same_index_as_one_write_at_a_time(where, seed):
     ops = random_ops(seed, 400)
     rng = random.Random(seed)
-    with sarp.open(tmp_path / "single", durability="nosync", segment_blocks=8) as single, \
-            sarp.open(tmp_path / "batched", durability="nosync", segment_blocks=8) as batched:
+    with sarp.open(where("single"), durability="nosync", segment_blocks=8) as single, \
+            sarp.open(where("batched"), durability="nosync", segment_blocks=8) as batched:
         refused_single = [i for i, op in enumerate(ops) if not one_by_one(single, op)]
         refused_batched, i = [], 0
         while i < len(ops):
@@ -72,12 +72,12 @@ def test_batches_give_the_same_index_as_one_write_at_a_time(tmp_path, seed):
                         == single.blocks_of(holder, medium).tolist())
         assert batched.check() == [] and single.check() == []
         assert batched.stats()["batches"] > 0
-    with sarp.open(tmp_path / "batched") as reopened:  # and it recovers the same
+    with sarp.open(where("batched")) as reopened:  # and it recovers the same
         assert reopened.check() == []
 
 
-def test_a_refused_operation_in_a_batch_leaves_no_trace(tmp_path):
-    with sarp.open(tmp_path / "ix") as index:
+def test_a_refused_operation_in_a_batch_leaves_no_trace(where):
+    with sarp.open(where("ix")) as index:
         index.insert([1, 2, 3], holder="a")
         with index.batch() as b:
             b.insert([10, 11], holder="a")
@@ -92,8 +92,8 @@ def test_a_refused_operation_in_a_batch_leaves_no_trace(tmp_path):
         assert index.check() == []
 
 
-def test_a_clear_in_a_batch_covers_what_the_same_batch_inserted(tmp_path):
-    with sarp.open(tmp_path / "ix") as index:
+def test_a_clear_in_a_batch_covers_what_the_same_batch_inserted(where):
+    with sarp.open(where("ix")) as index:
         index.insert([1, 2], holder="a", medium="GPU")
         result = index.apply_batch([("insert", [3, 4], 2, "a", "GPU"),
                                     ("insert", [7], None, "new", "CPU"),
@@ -105,8 +105,8 @@ def test_a_clear_in_a_batch_covers_what_the_same_batch_inserted(tmp_path):
         assert index.check() == []
 
 
-def test_bad_arguments_are_reported_per_operation_or_raised_by_batch(tmp_path):
-    with sarp.open(tmp_path / "ix") as index:
+def test_bad_arguments_are_reported_per_operation_or_raised_by_batch(where):
+    with sarp.open(where("ix")) as index:
         result = index.apply_batch([("insert", [1, 1], None, "a", "GPU"),
                                     ("insert", [5], None, "a", "GPU"), ("nope",)])
         assert [i for i, _ in result.failed] == [0, 2]
@@ -118,7 +118,7 @@ def test_bad_arguments_are_reported_per_operation_or_raised_by_batch(tmp_path):
         assert b.result.failed == [] and b.result.operations == 0
 
 
-def test_decoded_operations_apply_as_apply_batch_does(tmp_path):
+def test_decoded_operations_apply_as_apply_batch_does(where):
     """The subscriber's entry (hashes already checked by the decoder) gives what
     apply_batch gives, and still refuses a bad holder name, per operation."""
     import numpy as np
@@ -131,7 +131,7 @@ def test_decoded_operations_apply_as_apply_batch_does(tmp_path):
            ("clear", "a#0", "CPU")]
     results = []
     for name, apply in (("decoded", "apply_decoded"), ("checked", "apply_batch")):
-        with sarp.open(tmp_path / name) as index:
+        with sarp.open(where(name)) as index:
             result = getattr(index, apply)(ops)
             results.append(([(i, type(e).__name__) for i, e in result.failed],
                             result.new_blocks, result.removed_per_op,

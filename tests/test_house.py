@@ -136,3 +136,42 @@ def test_modules_stay_short_and_index_is_a_facade():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_one_match_enters_each_room_once(tmp_path, path):
+    """A writer's match enters the facade once and the walk once, and nothing below
+    calls back up into the index (the per-step tools, the directory, the record check
+    and the store's reads, are called from the walk as often as it steps)."""
+    import numpy as np
+
+    import sarp
+    from sarp import native
+
+    if path == "c" and not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}")
+    rng = np.random.default_rng(3)
+    chain = rng.integers(1, 1 << 63, 40, dtype=np.uint64)
+    with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=8) as index:
+        index.insert(chain, holder="w0")
+        index.insert(chain[:20], holder="w1", medium="CPU")  # two holders, steps of 8
+        entries: list[str] = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                callee = frame.f_globals.get("__name__", "")
+                caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+                if callee != caller and callee.startswith("sarp."):
+                    entries.append(callee)
+
+        with native.forced(path):
+            sys.setprofile(profile)
+            try:
+                m = index.match(chain)
+            finally:
+                sys.setprofile(None)
+    assert m.num_blocks == 40
+    rooms = {room: entries.count(room) for room in ("sarp.index", "sarp.verify", "sarp.recovery",
+                                                     "sarp.holders", "sarp.ops", "sarp.packing")}
+    assert rooms == {"sarp.index": 1, "sarp.verify": 1, "sarp.recovery": 0, "sarp.holders": 0,
+                     "sarp.ops": 0, "sarp.packing": 0}, entries

@@ -4,7 +4,6 @@ and a 3-node cluster."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import signal
 import subprocess
@@ -13,22 +12,17 @@ import time
 import uuid
 
 import pytest
+from conftest import valkey_server
 from hypothesis import HealthCheck, settings
 from test_model import SarpVsModel
 
 import sarp
 from sarp.bench.valkey_server import ValkeyCluster, ValkeyServer
 
-_SERVER: ValkeyServer | None = None
-
 
 def shared_server() -> ValkeyServer:
-    """One server for the whole session (namespaces keep the tests apart)."""
-    global _SERVER
-    if _SERVER is None:
-        _SERVER = ValkeyServer()
-        atexit.register(_SERVER.stop)
-    return _SERVER
+    """The session's server (tests/conftest.py; namespaces keep the tests apart)."""
+    return valkey_server()
 
 
 @pytest.fixture

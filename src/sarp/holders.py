@@ -131,11 +131,6 @@ class Holders:
                 return holder_id
         return None
 
-    def grouping(self) -> list[int] | None:
-        """What a match groups holder ids by: instance numbers when some instance holds
-        blocks in two media, else None (every instance is one holder)."""
-        return self.instance_of if self.multi_medium else None
-
 
 def held_blocks(r, filters: HolderSegments, holder_ids: list[int]) -> np.ndarray:
     """Every block ``holder_ids`` hold (as of read transaction ``r``), as sorted uint64.

@@ -42,7 +42,7 @@ from .ops import Batch, BatchResult, as_meta, chain_after, prepare_all
 from .packing import Packer
 from .recovery import Memory
 from .store import DEFAULT_MAX_READERS, ReadTxn, Store, check_int, is_url, open_store
-from .verify import Match, PrefixWalk, walk_many, walk_one
+from .verify import Match, match_chains, match_one
 from .writeset import Plan
 
 log = logging.getLogger("sarp")
@@ -435,19 +435,17 @@ class Index:
         (3, {'w0': 3, 'w1': 2}, {'CPU': 2})
         """
         query = as_hashes(hashes)
-        query_bytes = query.astype("<u8", copy=False).tobytes()
         with self._lock, self._read(query) as r:
-            holders = self._memory.holders  # as caught up
-            walk = PrefixWalk(holders.grouping(), with_meta, with_presence)
             # a reader's read fetched the predicted records with its counters already
-            walk_one(r, self._memory.directory, walk, query, query_bytes, self._stop_at_damage,
-                     prefetched=self.readonly)
+            m = match_one(r, self._memory.directory, self._memory.holders, query,
+                          self._stop_at_damage, with_meta=with_meta,
+                          with_presence=with_presence, prefetched=self.readonly)
             for observe in self._match_observers:
                 observe(query)
             self._counters.matches += 1
-            self._counters.matched_blocks += walk.total
-            self._counters.storage_reads += r.reads
-            return walk.result(holders.names, holders.instance_names, r.reads)
+            self._counters.matched_blocks += m.num_blocks
+            self._counters.storage_reads += m.storage_reads
+            return m
 
     def match_many(self, chains: Sequence[HashesLike], *, with_meta: bool = False,
                    with_presence: bool = False) -> list[Match]:
@@ -472,17 +470,14 @@ class Index:
         if not queries:
             return []
         with self._lock, self._read(np.concatenate(queries)) as r:
-            holders = self._memory.holders  # as caught up
-            walks = [PrefixWalk(holders.grouping(), with_meta, with_presence) for _ in queries]
-            reads = walk_many(r, self._memory.directory, walks, queries, self._stop_at_damage,
-                              prefetch=not self.readonly)
+            out = match_chains(r, self._memory.directory, self._memory.holders, queries,
+                               self._stop_at_damage, with_meta=with_meta,
+                               with_presence=with_presence, prefetch=not self.readonly)
             for query in queries:
                 for observe in self._match_observers:
                     observe(query)
             self._counters.matches += len(queries)
-            self._counters.storage_reads += sum(reads)
-            out = [walk.result(holders.names, holders.instance_names, reads[i])
-                   for i, walk in enumerate(walks)]
+            self._counters.storage_reads += sum(m.storage_reads for m in out)
             self._counters.matched_blocks += sum(m.num_blocks for m in out)
             return out
 

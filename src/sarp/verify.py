@@ -336,6 +336,32 @@ _U64_LE = struct.Struct("<Q")
 LONG_CHAIN = 256  # blocks: match_many walks longer chains one at a time
 
 
+def match_one(r, directory, holders, query: np.ndarray, on_damage, *, with_meta: bool = False,
+              with_presence: bool = False, prefetched: bool = False) -> Match:
+    """The whole of one match on read transaction ``r``: the walk through ``directory``
+    and the store, and the answer named by ``holders`` (:class:`sarp.holders.Holders`,
+    as caught up).  ``on_damage(exc)``: a damaged record stopped the walk.
+
+    Cost: about matched/S + 1 record reads (see :func:`walk_one`).
+    """
+    query_bytes = query.astype("<u8", copy=False).tobytes()
+    walk = PrefixWalk(holders.instance_of if holders.multi_medium else None, with_meta,
+                      with_presence)
+    walk_one(r, directory, walk, query, query_bytes, on_damage, prefetched=prefetched)
+    return walk.result(holders.names, holders.instance_names, r.reads)
+
+
+def match_chains(r, directory, holders, queries: list[np.ndarray], on_damage, *,
+                 with_meta: bool = False, with_presence: bool = False,
+                 prefetch: bool = False) -> list[Match]:
+    """:func:`match_one` for many chains on one read transaction (:func:`walk_many`)."""
+    grouping = holders.instance_of if holders.multi_medium else None
+    walks = [PrefixWalk(grouping, with_meta, with_presence) for _ in queries]
+    reads = walk_many(r, directory, walks, queries, on_damage, prefetch=prefetch)
+    return [walk.result(holders.names, holders.instance_names, reads[i])
+            for i, walk in enumerate(walks)]
+
+
 def walks_in_c(r, walk: PrefixWalk) -> bool:
     """Can ``walk`` be done by the C walk (``verify.c``) on ``r``: the extension is
     loaded, the store's records are local, and only per-holder runs are wanted."""
