@@ -133,3 +133,35 @@ def test_mixed_bytes_and_ints_are_each_read_as_what_they_are():
     assert as_hashes([b"\x01", 5]).tolist() == [1, 5]
     with pytest.raises(ValueError, match="outside 64 bits"):
         as_hashes([b"\x01", 2**70])
+
+
+def test_serves_default_scheme_is_vllms_current_default():
+    # vLLM 0.33 declares --prefix-caching-hash-algo sha256 by default (read from its
+    # wheel by tests/vectors/make_engine_hashes.py); sarp serve hashes token_ids so too
+    import contextlib
+    import io
+
+    import sarp.cli
+    from sarp.hashing import VLLM_ALGOS, VLLM_DEFAULT_SCHEME
+    from sarp.serving.http import HttpConfig
+
+    assert VLLM_ALGOS[VLLM_DEFAULT_SCHEME] == VECTORS["vllm_default_algo"]["vllm-0.33.0"]
+    assert HttpConfig("ix", "metrics").scheme == VLLM_DEFAULT_SCHEME
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
+        sarp.cli.main(["serve", "--help"])
+    assert f"(default {VLLM_DEFAULT_SCHEME}," in " ".join(shown.getvalue().split())
+
+
+@pytest.mark.parametrize("scheme", ["vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash",
+                                    "vllm-xxhash-cbor"])
+def test_equal_extra_keys_hash_equal_however_they_were_built(scheme):
+    # vLLM's tags are literals (one object, which pickle writes once per block); keys
+    # decoded from JSON have a string object per tag, and lists for tuples
+    tokens = list(range(48))
+    literal = [(("mm", "img-a", 0), ("mm", "img-b", 3)), (("lora", "a1", "/p"),), None]
+    decoded = json.loads(json.dumps(literal))
+    assert decoded[0][0][0] is not decoded[0][1][0]  # two "mm" objects
+    got = [sarp.hash_blocks(tokens, 16, scheme=scheme, seed="0", extra_keys=keys).tolist()
+           for keys in (literal, decoded)]
+    assert got[0] == got[1]

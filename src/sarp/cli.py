@@ -100,9 +100,14 @@ def _serve_parser(sub) -> None:
                        help="a keep-alive connection with nothing asked is closed after this")
     serve.add_argument("--http-workers", type=int, default=2,
                        help="HTTP worker processes, each with a readonly open of the index")
-    serve.add_argument("--hash-scheme", default="vllm-sha256-cbor",
-                       choices=["vllm-sha256-cbor", "vllm-sha256", "sglang", "xxh3"],
-                       help="how /v1/match hashes token_ids (the engines' scheme)")
+    from .hashing import VLLM_DEFAULT_SCHEME
+
+    serve.add_argument("--hash-scheme", default=VLLM_DEFAULT_SCHEME,
+                       choices=["vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash",
+                                "vllm-xxhash-cbor", "sglang", "xxh3"],
+                       help="how /v1/match hashes token_ids: the engines' scheme (default "
+                       "vllm-sha256, vLLM's --prefix-caching-hash-algo default sha256; "
+                       "vllm-sha256-cbor for sha256_cbor, and so on)")
     serve.add_argument("--hash-seed", default=None,
                        help="the engines' PYTHONHASHSEED, for the vLLM schemes")
     serve.add_argument("--block-size", type=int, default=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -191,7 +192,12 @@ def _bytes_to_int(b: bytes, name: str) -> int:
     return int.from_bytes(b[-8:], "big")
 
 
-SCHEMES = ("xxh3", "vllm-sha256", "vllm-sha256-cbor", "sglang")
+SCHEMES = ("xxh3", "vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash", "vllm-xxhash-cbor",
+           "sglang")
+# vLLM's --prefix-caching-hash-algo name of each of its schemes; its default is sha256
+VLLM_ALGOS = {"vllm-sha256": "sha256", "vllm-sha256-cbor": "sha256_cbor",
+              "vllm-xxhash": "xxhash", "vllm-xxhash-cbor": "xxhash_cbor"}
+VLLM_DEFAULT_SCHEME = "vllm-sha256"  # vLLM 0.33's default (sha256 of the pickled tuple)
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM 0.12+ when PYTHONHASHSEED is unset (sha256 schemes)
 
 
@@ -212,22 +218,28 @@ def hash_blocks(
     * ``"xxh3"`` (sarp's own): block ``i`` is xxh3-64 of its parent's hash
       (``parent`` for the first block, 0 when ``None``), ``extra`` (a namespace
       such as a LoRA name or cache salt) and its tokens as little-endian uint32;
-    * ``"vllm-sha256"`` / ``"vllm-sha256-cbor"``: vLLM's prefix-caching hashes
-      (``--prefix-caching-hash-algo sha256`` / ``sha256_cbor``): SHA-256 of the
-      pickled / canonical-CBOR tuple ``(parent digest, token ids, extra keys)``,
-      the first block's parent being ``NONE_HASH`` = hash of ``seed``.  ``seed``
-      defaults to ``$PYTHONHASHSEED``, else ``"vllm-none-hash"`` (what vLLM 0.12
-      on uses; vLLM 0.11 and older draw a random seed when ``PYTHONHASHSEED`` is
-      unset, so set it on the engines).  ``extra_keys`` is vLLM's per-block tuple
-      (LoRA, multimodal, cache salt) or ``None``.  The value returned is the low
-      64 bits of each digest, which is what vLLM's events carry;
+    * ``"vllm-sha256"`` (vLLM's default), ``"vllm-sha256-cbor"``, ``"vllm-xxhash"``
+      and ``"vllm-xxhash-cbor"``: vLLM's prefix-caching hashes
+      (``--prefix-caching-hash-algo sha256``, ``sha256_cbor``, ``xxhash``,
+      ``xxhash_cbor``): SHA-256, or xxh3-128, of the pickled / canonical-CBOR tuple
+      ``(parent digest, token ids, extra keys)``, the first block's parent being
+      ``NONE_HASH`` = hash of ``seed``.  ``seed`` defaults to ``$PYTHONHASHSEED``,
+      else ``"vllm-none-hash"`` (what vLLM 0.12 on uses for the sha256 schemes;
+      for the xxhash ones, and in vLLM 0.11 and older, an engine without
+      ``PYTHONHASHSEED`` draws a random seed, so set it on the engines).
+      ``extra_keys`` is vLLM's per-block tuple (LoRA, multimodal, cache salt) or
+      ``None``; equal keys hash equal however they were built (lists are taken as
+      tuples and strings are interned before pickling, as vLLM's tags are literals).
+      The value returned is the low 64 bits of each digest, which is what vLLM's
+      events carry;
     * ``"sglang"``: SGLang 0.5.x's page hash (events without a LoRA or cache-salt
       namespace): SHA-256 of the previous page's digest and the page's tokens as
       little-endian uint32 (uint64 after a 0xff byte for a page with a token of
       2**32 or more); the value is the digest's first 8 bytes.
 
-    For the vLLM and SGLang schemes ``parent`` is the previous block's full 32-byte
-    digest (:func:`block_digests`), since a 64-bit value cannot continue a chain.
+    For the vLLM and SGLang schemes ``parent`` is the previous block's full digest
+    (:func:`block_digests`: 32 bytes, 16 for xxhash), since a 64-bit value cannot
+    continue a chain.
 
     Cost: O(len(token_ids)), one hash call per block.
 
@@ -258,9 +270,10 @@ def block_digests(
     extra_keys: Sequence[tuple | None] | None = None,
     extra: object = None,
 ) -> list[bytes]:
-    """The full 32-byte block digests of an engine's scheme (see :func:`hash_blocks`).
+    """The full block digests of an engine's scheme (see :func:`hash_blocks`): 32 bytes,
+    16 for vLLM's xxhash schemes.
 
-    Cost: one SHA-256 per block over its serialised tokens.
+    Cost: one SHA-256 (or xxh3-128) per block over its serialised tokens.
 
     >>> d = block_digests([1] * 32, 16, scheme="sglang")
     >>> len(d), len(d[0]), block_digests([1] * 16, 16, d[0], scheme="sglang") == d[1:]
@@ -271,9 +284,10 @@ def block_digests(
     if extra is not None:
         raise ValueError(f"extra= is for scheme='xxh3'; for {scheme!r} pass extra_keys= "
                          "(vLLM) or hash without a namespace (SGLang)")
-    if parent is not None and (not isinstance(parent, bytes | bytearray) or len(parent) != 32):
+    size = 16 if "xxhash" in scheme else 32
+    if parent is not None and (not isinstance(parent, bytes | bytearray) or len(parent) != size):
         raise ValueError(f"parent={parent!r}; for scheme {scheme!r} pass the parent block's "
-                         "32-byte digest (block_digests), not its 64-bit event value")
+                         f"{size}-byte digest (block_digests), not its 64-bit event value")
     tokens, num_blocks = _blocks(token_ids, block_size, max_token=(1 << 63) - 1)
     if scheme == "sglang":
         if extra_keys is not None:
@@ -314,14 +328,22 @@ def _xxh3_chain(tokens: np.ndarray, num_blocks: int, block_size: int, parent, ex
 def _vllm_chain(tokens, num_blocks, block_size, parent, scheme, seed, extra_keys) -> list[bytes]:
     import pickle
 
-    if scheme == "vllm-sha256":
-        def digest(obj: object) -> bytes:
-            return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-    else:
-        import cbor2
+    import cbor2
 
+    hash_bytes = xxhash.xxh3_128_digest if "xxhash" in scheme else (
+        lambda data: hashlib.sha256(data).digest())
+    if scheme.endswith("-cbor"):
         def digest(obj: object) -> bytes:
-            return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+            return hash_bytes(cbor2.dumps(obj, canonical=True))
+    else:
+        def digest(obj: object) -> bytes:
+            return hash_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        if extra_keys is not None:
+            # pickle writes a string met twice in one tuple as a reference to the
+            # first when it is the same object: intern them, so that keys equal in
+            # value (decoded from JSON, say) pickle as vLLM's do (its tags are
+            # literals), and JSON's lists as vLLM's tuples
+            extra_keys = [None if keys is None else _interned(keys) for keys in extra_keys]
 
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_SEED)
@@ -333,6 +355,20 @@ def _vllm_chain(tokens, num_blocks, block_size, parent, scheme, seed, extra_keys
         prev = digest((prev, tuple(values[i * block_size : (i + 1) * block_size]), keys))
         out.append(prev)
     return out
+
+
+def _interned(value):
+    """vLLM's form of extra keys decoded from anywhere: lists as tuples (JSON has no
+    tuples; vLLM's keys are tuples), every str interned (equal strings one object).
+
+    >>> _interned([["mm", "h1", 0]]) == (("mm", "h1", 0),)
+    True
+    """
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, tuple | list):
+        return tuple(_interned(v) for v in value)
+    return value
 
 
 def _sglang_chain(tokens, num_blocks, block_size, parent) -> list[bytes]:

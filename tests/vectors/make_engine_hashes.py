@@ -12,7 +12,8 @@ the committed file was made (Python 3.11, x86_64):
     python tests/vectors/make_engine_hashes.py WHEELS > tests/vectors/engine_hashes.json
 
 vLLM: ``hash_block_tokens``, ``init_none_hash`` (with ``resolve_none_hash_seed`` in
-0.33), ``maybe_convert_block_hash`` and the ``sha256`` / ``sha256_cbor`` functions are
+0.33), ``maybe_convert_block_hash`` and the ``sha256`` / ``sha256_cbor`` functions (and
+0.33's ``xxhash`` / ``xxhash_cbor``, with tagged extra keys: ``vllm_more``) are
 taken from the wheel's source files and executed as they are (the modules around
 them import torch, so each function is compiled alone, with the names it uses).
 SGLang: the ``hicache_hash_cpp`` extension built from the wheel's own C++ source,
@@ -27,6 +28,7 @@ import json
 import os
 import pickle
 import random
+import re
 import sys
 from array import array
 from pathlib import Path
@@ -103,6 +105,46 @@ def vllm(root: Path, version: str) -> list[dict]:
     return out
 
 
+def vllm_more(root: Path, version: str) -> list[dict]:
+    """vLLM 0.33's xxhash schemes, and all four with tagged extra keys as vLLM builds
+    them (``("lora", name, path)``, ``("mm", identifier, offset)``: the tags are string
+    literals in vLLM, so one object, which pickle writes once per block)."""
+    import xxhash as xxhash_module
+
+    kv = root / "vllm" / "v1" / "core" / "kv_cache_utils.py"
+    hashing = root / "vllm" / "utils" / "hashing.py"
+    ns: dict = {"hashlib": hashlib, "pickle": pickle, "cbor2": cbor2, "os": os,
+                "_xxhash": xxhash_module, "BlockHash": bytes, "logger": _Logger(),
+                "envs": _Envs()}
+    functions(hashing, {"sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "_xxhash_digest"}, ns)
+    ns["_NON_CRYPTO_HASH_FUNCTIONS"] = frozenset({ns["xxhash"], ns["xxhash_cbor"]})
+    ns["DEFAULT_NONE_HASH_SEED"] = "vllm-none-hash"
+    functions(kv, {"hash_block_tokens", "init_none_hash", "maybe_convert_block_hash",
+                   "resolve_none_hash_seed"}, ns)
+    rng = random.Random(13)
+    out = []
+    tagged = [(("lora", "adapter-1", "/loras/a1"), ("mm", "img-a", 0), ("mm", "img-b", 3)),
+              (("lora", "adapter-1", "/loras/a1"), ("mm", "img-b", -13)), None]
+    for algo in ("xxhash", "xxhash_cbor", "sha256", "sha256_cbor"):
+        for keys in ((None, [("salt-a",), None, ("lora", "adapter-1")], tagged)
+                     if "xxhash" in algo else (tagged,)):
+            os.environ["PYTHONHASHSEED"] = "0"  # xxhash draws a random seed without it
+            ns["init_none_hash"](ns[algo])
+            block_size = rng.choice([4, 16])
+            tokens = [rng.randrange(200_000) for _ in range(block_size * 3 + 1)]
+            parent, hashes = None, []
+            for i in range(3):
+                block = tokens[i * block_size : (i + 1) * block_size]
+                parent = ns["hash_block_tokens"](ns[algo], parent, block,
+                                                 None if keys is None else keys[i])
+                hashes.append(ns["maybe_convert_block_hash"](parent))
+            out.append({"engine": f"vllm-{version}", "scheme": f"vllm-{algo}".replace("_", "-"),
+                        "seed": "0", "block_size": block_size, "tokens": tokens,
+                        "extra_keys": keys, "hashes": hashes})
+    os.environ.pop("PYTHONHASHSEED", None)
+    return out
+
+
 def sglang(root: Path, ext_dir: Path) -> list[dict]:
     sys.path.insert(0, str(ext_dir))
     import hicache_hash_cpp
@@ -123,11 +165,22 @@ def sglang(root: Path, ext_dir: Path) -> list[dict]:
     return out
 
 
+def vllm_default_algo(root: Path) -> str:
+    """The default of ``--prefix-caching-hash-algo``, as the wheel's config declares it."""
+    text = (root / "vllm" / "config" / "cache.py").read_text()
+    found = re.search(r'prefix_caching_hash_algo: PrefixCachingHashAlgo = "(\w+)"', text)
+    if found is None:
+        raise SystemExit(f"{root}: no prefix_caching_hash_algo default found")
+    return found.group(1)
+
+
 def main() -> None:
     wheels = Path(sys.argv[1])
     vectors = (vllm(wheels / "vllm-0.11.0", "0.11.0") + vllm(wheels / "vllm-0.33.0", "0.33.0")
-               + sglang(wheels / "sglang-0.5.23", wheels))
+               + sglang(wheels / "sglang-0.5.23", wheels)
+               + vllm_more(wheels / "vllm-0.33.0", "0.33.0"))
     json.dump({"made_by": "tests/vectors/make_engine_hashes.py (see its docstring)",
+               "vllm_default_algo": {"vllm-0.33.0": vllm_default_algo(wheels / "vllm-0.33.0")},
                "vectors": vectors}, sys.stdout, indent=1)
     print()
 

@@ -85,7 +85,7 @@ class HttpConfig:
 
     index_path: str
     metrics_dir: str
-    scheme: str = "vllm-sha256-cbor"
+    scheme: str = "vllm-sha256"  # vLLM's default (--prefix-caching-hash-algo sha256)
     seed: str | None = None
     block_size: int | None = None
     status_dir: str | None = None  # where the writer's status file is (default: the index)

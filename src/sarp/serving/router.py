@@ -56,8 +56,8 @@ def score(
     """Per-instance prefix scores for one request, best first.
 
     Pass block ``hashes``, or ``token_ids`` and ``block_size``, hashed with
-    :func:`sarp.hash_blocks` in the engines' ``scheme`` (``"vllm-sha256-cbor"``,
-    ``"vllm-sha256"`` with their ``seed``, ``"sglang"``, or sarp's ``"xxh3"``).
+    :func:`sarp.hash_blocks` in the engines' ``scheme`` (``"vllm-sha256"``, vLLM's
+    default, and its other three with their ``seed``, ``"sglang"``, or sarp's ``"xxh3"``).
     ``weights`` maps a medium to its weight; engines' aliases count as their
     canonical tier on both sides (``CPU_PINNED`` and ``cpu`` are ``CPU``,
     ``STORAGE`` is ``DISK``: :mod:`sarp.serving.media`), and a medium ``weights`` does not
