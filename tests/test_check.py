@@ -19,18 +19,64 @@ def build(path):
         assert index.check() == []
 
 
-def damage(path, table: bytes, fn) -> None:
-    """Open the LMDB environment directly (the index must be closed) and change it."""
-    env = lmdb.open(str(path), max_dbs=8)
-    db = env.open_db(table)
-    with env.begin(write=True, db=db) as txn:
-        fn(txn)
-    env.close()
+class Raw:
+    """One table of a closed index, read and changed past sarp: LMDB's environment, or
+    the namespace's hash on Valkey."""
+
+    def __init__(self, path: str, table: str) -> None:
+        self.valkey = "://" in path
+        if self.valkey:
+            import valkey
+
+            from sarp.store import parse_url
+
+            settings = parse_url(path)
+            self.client = valkey.Valkey(host=settings["host"], port=settings["port"])
+            short = {"segments": "seg", "blocks": "blk", "holders": "hold"}[table]
+            self.key = f"sarp:{{{settings['namespace']}}}:{short}"
+        else:
+            self.env = lmdb.open(path, max_dbs=8)
+            self.db = self.env.open_db(table.encode())
+
+    def first(self) -> tuple[bytes, bytearray]:
+        if self.valkey:
+            key = min(self.client.hkeys(self.key))
+            return key, bytearray(self.client.hget(self.key, key))
+        with self.env.begin(db=self.db) as txn:
+            key, value = next(iter(txn.cursor()))
+            return bytes(key), bytearray(value)
+
+    def items(self) -> list[tuple[bytes, bytes]]:
+        if self.valkey:
+            return sorted(self.client.hgetall(self.key).items())
+        with self.env.begin(db=self.db) as txn:
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+
+    def put(self, key: bytes, value: bytes) -> None:
+        if self.valkey:
+            self.client.hset(self.key, key, value)
+        else:
+            with self.env.begin(write=True, db=self.db) as txn:
+                txn.put(key, value)
+
+    def delete(self, key: bytes) -> None:
+        if self.valkey:
+            self.client.hdel(self.key, key)
+        else:
+            with self.env.begin(write=True, db=self.db) as txn:
+                txn.delete(key)
+
+    def close(self) -> None:
+        (self.client if self.valkey else self.env).close()
 
 
-def first_record(txn):
-    key, value = next(iter(txn.cursor()))
-    return key, bytearray(value)
+def damage(path, table: str, fn) -> None:
+    """Change ``table`` of the closed index at ``path`` with ``fn(raw)``."""
+    raw = Raw(str(path), table)
+    try:
+        fn(raw)
+    finally:
+        raw.close()
 
 
 def verify(path) -> subprocess.CompletedProcess:
@@ -38,36 +84,32 @@ def verify(path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-def test_a_flipped_byte_in_a_segment_is_reported_and_never_matched(tmp_path):
-    build(tmp_path / "ix")
+def test_a_flipped_byte_in_a_segment_is_reported_and_never_matched(where):
+    path = where("ix")
+    build(path)
 
-    def flip(txn):
-        key, record = first_record(txn)
+    def flip(raw):
+        key, record = raw.first()
         record[30] ^= 0xFF  # inside the hashes of segment 8, the first
-        txn.put(key, bytes(record))
+        raw.put(key, bytes(record))
 
-    damage(tmp_path / "ix", b"segments", flip)
-    out = verify(tmp_path / "ix")
+    damage(path, "segments", flip)
+    out = verify(path)
     assert out.returncode == 1
     assert "segment 8: checksum mismatch" in out.stdout
-    with sarp.open(tmp_path / "ix") as index:
+    with sarp.open(path) as index:
         m = index.match(list(range(1, 11)))
         assert m.num_blocks == 0  # the damaged first segment ends the verified prefix
         assert index.stats()["corrupt_records"] == 1
 
 
-def test_every_problem_is_reported_with_its_location(tmp_path):
-    build(tmp_path / "ix")
-
-    def drop_block(txn):
-        txn.delete(struct.pack(">Q", 6))  # block 6's entry in the blocks table
-
-    def stray_block(txn):
-        txn.put(struct.pack(">Q", 999), struct.pack("<IH", 77, 0))
-
-    damage(tmp_path / "ix", b"blocks", drop_block)
-    damage(tmp_path / "ix", b"blocks", stray_block)
-    out = verify(tmp_path / "ix")
+def test_every_problem_is_reported_with_its_location(where):
+    path = where("ix")
+    build(path)
+    damage(path, "blocks", lambda raw: raw.delete(struct.pack(">Q", 6)))  # block 6's entry
+    damage(path, "blocks", lambda raw: raw.put(struct.pack(">Q", 999),
+                                               struct.pack("<IH", 77, 0)))
+    out = verify(path)
     assert out.returncode == 1
     assert "blocks table: 6 missing, stored in segment 16 at 1" in out.stdout
     assert "blocks table: 999 -> (77, 0), segments say None" in out.stdout
@@ -93,24 +135,22 @@ def test_a_directory_out_of_step_with_the_store_is_reported(tmp_path):
         assert any(p.startswith("holder filter 1: extra segments [3]") for p in problems)
 
 
-def test_a_changed_byte_in_a_holder_name_is_never_reported_as_a_holder(tmp_path):
+def test_a_changed_byte_in_a_holder_name_is_never_reported_as_a_holder(where):
     # The damage of issue 12: one byte of a stored holder name changed made queries
     # report blocks under a holder that holds nothing, and verify said 0 problems.
-    path = tmp_path / "ix"
+    path = where("ix")
     with sarp.open(path, durability="nosync") as index:
         index.insert([1, 2, 3], holder="w0")
         index.insert([1, 2], holder="w1")
 
-    def rename(txn):
-        cur = txn.cursor()
-        cur.set_range(b"i:")
-        for key, value in cur:
+    def rename(raw):
+        for key, value in raw.items():
             if key.startswith(b"i:") and value.startswith(b"w0"):
-                txn.put(key, b"w9" + value[2:])  # w0 -> w9: one byte
+                raw.put(key, b"w9" + value[2:])  # w0 -> w9: one byte
                 return
         raise AssertionError("no holder w0")
 
-    damage(path, b"holders", rename)
+    damage(path, "holders", rename)
     out = verify(path)
     assert out.returncode == 1 and "fails its checksum" in out.stdout
     with sarp.open(path, readonly=True) as reader:  # a reader: reports no w9, no w0
