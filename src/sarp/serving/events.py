@@ -357,6 +357,54 @@ def _event(kind: object, fields: dict) -> Event:
     return Stored(block_hashes, parent_hash, medium, lora_name, group_idx)
 
 
+def root_stores(payload: bytes, limit: int = 4) -> list[tuple[np.ndarray, list[int], int]]:
+    """Up to ``limit`` stores of a payload that start a chain and carry what their hashes
+    were made from, as ``(block_hashes, token_ids, block_size)``: no parent, token ids
+    for every block, a block size, no LoRA, no extra keys, KV group 0 (the engine's
+    hash of such a store follows from its tokens, the scheme and the seed alone).  For
+    serve's check of the engines' hash scheme (:mod:`sarp.serving.hashcheck`); [] for
+    anything else.
+
+    Cost: a whole msgpack decode of the payload, token ids included: serve runs it on
+    an engine's first batches, not on every one.
+
+    >>> stores = root_stores(encode_batch([("stored", [7, 8], None, "GPU")], ts=1.0))
+    >>> stores[0][0].tolist(), len(stores[0][1]), stores[0][2]
+    ([7, 8], 32, 16)
+    """
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - msgpack raises many kinds; any is "not a batch"
+        return []
+    events = obj.get("events") if isinstance(obj, dict) else (
+        obj[1] if isinstance(obj, list) and len(obj) >= 2 else None)
+    out: list[tuple[np.ndarray, list[int], int]] = []
+    for e in events if isinstance(events, list) else ():
+        if isinstance(e, dict):
+            kind, fields = e.get("type"), e
+        elif isinstance(e, list) and e:
+            kind, fields = e[0], dict(zip(_STORED_FIELDS, e[1:], strict=False))
+        else:
+            continue
+        tokens, size = fields.get("token_ids"), fields.get("block_size")
+        hashes = fields.get("block_hashes")
+        if (kind != "BlockStored" or fields.get("parent_block_hash") is not None
+                or fields.get("lora_id") is not None or fields.get("lora_name") is not None
+                or fields.get("extra_keys") or fields.get("group_idx") not in (None, 0)
+                or type(size) is not int or size <= 0 or not isinstance(tokens, list)
+                or not isinstance(hashes, list) or not hashes
+                or len(tokens) != size * len(hashes)
+                or not all(type(t) is int and t >= 0 for t in tokens)):
+            continue
+        try:
+            out.append((as_hashes(hashes), tokens, size))
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if len(out) >= limit:
+            break
+    return out
+
+
 def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -368,6 +416,7 @@ def encode_batch(
     ts: float = 0.0,
     dp_rank: int | None = None,
     style: str = "vllm-0.11",
+    token_ids: Sequence[list[int] | None] | None = None,
 ) -> bytes:
     """Encode a batch exactly as an engine does (for the simulated cluster and tests).
 
@@ -377,14 +426,17 @@ def encode_batch(
     (positional batch, tagged-array events: vLLM 0.9 to 0.11), ``"vllm-0.33"``
     (positional batch, tagged-map events with default fields omitted: vLLM 0.12
     on) or ``"sglang"`` (positional batch with ``attn_dp_rank`` always present,
-    tagged maps, hashes as signed int64).
+    tagged maps, hashes as signed int64).  ``token_ids``: per event, the tokens a
+    store carries (``BLOCK_SIZE`` per block), or None for ids made up from its hashes
+    (the simulated engines' hashes do not follow from their tokens).
 
     >>> decode(encode_batch([("cleared",)], style="sglang")).events
     [Cleared()]
     """
     if style not in ENCODING_STYLES:
         raise ValueError(f"style={style!r}; pick one of {ENCODING_STYLES}")
-    out = [_encode_event(e, style) for e in events]
+    tokens = token_ids if token_ids is not None else [None] * len(events)
+    out = [_encode_event(e, style, t) for e, t in zip(events, tokens, strict=True)]
     if style == "sglang":
         return msgpack.packb([ts, out, dp_rank])
     return msgpack.packb([ts, out] + ([dp_rank] if dp_rank is not None else []))
@@ -405,7 +457,7 @@ def _tokens_of(hashes) -> list[int]:
     return ((h >> shifts) & np.uint64(0x1FFFF)).tolist()
 
 
-def _encode_event(e: tuple, style: str) -> object:
+def _encode_event(e: tuple, style: str, token_ids: list[int] | None = None) -> object:
     def ints(hashes) -> list[int]:
         values = [int(h) for h in hashes]
         return [v - 2**64 if v >= 2**63 else v for v in values] if style == "sglang" else values
@@ -415,7 +467,7 @@ def _encode_event(e: tuple, style: str) -> object:
     if e[0] == "stored":
         parent = None if e[2] is None else ints([e[2]])[0]
         group = e[4] if len(e) > 4 else None
-        tokens = _tokens_of(e[1])
+        tokens = _tokens_of(e[1]) if token_ids is None else list(token_ids)
         if style == "vllm-0.11":
             return ["BlockStored", ints(e[1]), parent, tokens, BLOCK_SIZE, None, e[3], None]
         event = {"type": "BlockStored", "block_hashes": ints(e[1]), "parent_block_hash": parent,

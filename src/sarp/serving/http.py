@@ -508,7 +508,11 @@ def make_app(index, config: HttpConfig):
         fresh = status is not None and time.time() - status["heartbeat"] < STATUS_FRESH_S
         ready = fresh and status["caught_up"]
         body = {"ready": bool(ready), "caught_up": bool(status and status["caught_up"]),
-                "writer_heartbeat_fresh": bool(fresh)}
+                "writer_heartbeat_fresh": bool(fresh),
+                # engines whose hashes token-id queries cannot find (the index is fine)
+                "hash_mismatches": {key: s["hash_note"] for key, s in
+                                    (status or {}).get("sources", {}).items()
+                                    if s.get("hash_mismatches")}}
         return web.json_response(body, status=200 if ready else 503)
 
     async def metrics(_: web.Request) -> web.Response:
@@ -555,7 +559,9 @@ class _StatusCollector:
                                  "--max-frame-bytes)"),
                  ("failed_replays", "replays over budget or without their end (holders "
                                     "cleared, retried with backoff)"),
-                 ("bad_frames", "frames dropped (bad sequence or shape)"))
+                 ("bad_frames", "frames dropped (bad sequence or shape)"),
+                 ("hash_mismatches", "engine stores whose hashes do not follow from their "
+                                     "tokens with --hash-scheme and --hash-seed"))
 
     def __init__(self, path: Path, index) -> None:
         self.path, self.index = path, index

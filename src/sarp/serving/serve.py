@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import StoreError
+from .hashcheck import HashCheck
 from .sources import ReplayBudget, Source
 from .subscriber import Subscriber
 
@@ -116,7 +117,8 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
                                 probe_after_s=args.probe_after_s or None,
                                 dead_after_s=args.dead_after_s,
                                 max_frame_bytes=args.max_frame_bytes,
-                                replay_budget=ReplayBudget(seconds=args.replay_budget_s))
+                                replay_budget=ReplayBudget(seconds=args.replay_budget_s),
+                                hash_check=HashCheck(args.hash_scheme, args.hash_seed))
         if http:
             # what a killed serve left says it was caught up: the workers must not
             # answer /readyz from it before this serve has checked the engines

@@ -131,4 +131,7 @@ class SourceStats:
     disconnects: int = 0  # live connections dropped (engine gone, or a frame too large)
     failed_replays: int = 0  # replays over budget or without their end (cleared, retried)
     gone: int = 0  # times a probe went unanswered and the holders were cleared
+    hash_checks: int = 0  # stores whose hashes were checked against their tokens
+    hash_mismatches: int = 0  # ... and did not follow from them as serve hashes tokens
+    hash_note: str = ""  # the scheme and seed that would, when one of the known ones does
     applied: ApplyStats = field(default_factory=ApplyStats)

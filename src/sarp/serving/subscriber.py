@@ -62,7 +62,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StoreError
 from .applier import Applier
-from .events import BadEvent, Batch, decode
+from .events import BadEvent, Batch, Stored, decode, root_stores
+from .hashcheck import HashCheck
 from .replay import (
     Job,
     ReplayJobs,
@@ -119,6 +120,7 @@ class Subscriber(ReplayJobs):
         dead_after_s: float = 10.0,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         replay_budget: ReplayBudget | None = None,
+        hash_check: HashCheck | None = None,
     ) -> None:
         if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) \
                 or max_frame_bytes < 1024:
@@ -144,6 +146,9 @@ class Subscriber(ReplayJobs):
         self._on_commit = on_commit  # called with the fingerprints of each commit's batches
         self._queued_fps: list[Fingerprint] = []
         self.stats = {key: SourceStats() for key in self.sources}
+        # sources whose hashes have not yet been checked against their tokens
+        self._hash_check = hash_check
+        self._hash_pending = set(self.sources) if hash_check is not None else set()
         self._live_last: dict[str, int] = {}  # last sequence seen on the live stream
         self._ahead: dict[str, dict[int, int]] = {k: {} for k in self.sources}  # seq -> digest
         self._connects: Counter = Counter()
@@ -515,11 +520,36 @@ class Subscriber(ReplayJobs):
             return 0
         if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
+        if key in self._hash_pending:
+            self._check_hashes(key, payload, batch)
         self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank)
         self._clean.discard(key)
         stats.batches += 1
         self._advance(key, seq, digest, batch.ts)
         return 1
+
+    def _check_hashes(self, key: str, payload: bytes, batch: Batch) -> None:
+        """Do the source's hashes follow from its tokens as serve hashes token ids?
+        Asked of its first batch with a store that starts a chain and carries its
+        tokens (:mod:`sarp.serving.hashcheck`), and again after the source is cleared
+        (a restarted engine may hash otherwise)."""
+        if not any(type(e) is Stored and e.parent is None for e in batch.events):
+            return
+        verdict = self._hash_check.verdict(root_stores(payload))
+        if verdict is None:
+            return
+        self._hash_pending.discard(key)
+        stats = self.stats[key]
+        stats.hash_checks += 1
+        if not verdict[0]:
+            stats.hash_mismatches += 1
+            stats.hash_note = verdict[1]
+            check = self._hash_check
+            log.warning("sarp: %s: its block hashes do not follow from its tokens with "
+                        "--hash-scheme %s --hash-seed %s: token-id queries will match "
+                        "nothing of it; %s", key, check.scheme, check.seed, verdict[1])
+        else:
+            stats.hash_note = ""
 
     def _advance(self, key: str, seq: int, digest: int, ts: float) -> None:
         old = self.state.get(key)
@@ -548,6 +578,8 @@ class Subscriber(ReplayJobs):
         for table in (self.state, self._committed, self._dirty):
             table.pop(key, None)
         self._ahead[key].clear()
+        if self._hash_check is not None:
+            self._hash_pending.add(key)
 
     def _instances(self, key: str) -> list[str]:
         source = self.sources[key]
