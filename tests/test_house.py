@@ -35,6 +35,7 @@ DOORS = {
     "uvloop": {"serving/http.py"},
     "tqdm": {"recovery.py", "workingset/analyzer.py"},  # progress bars of long work
     "matplotlib": {"workingset/cli.py"},
+    "yaml": {"serving/sources.py"},  # the sources file
 }
 CORE_NEVER = ("serving", "bench", "workingset")
 ON_THE_CONTRACT = ("packing.py", "check.py", "recovery.py", "index.py")

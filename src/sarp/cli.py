@@ -65,9 +65,14 @@ def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="follow engines' KV events into an index")
     serve.add_argument("--index", required=True,
                        help="index directory, or valkey://HOST:PORT/NAMESPACE")
-    serve.add_argument("--source", action="append", required=True,
+    serve.add_argument("--source", action="append", default=[],
                        help="NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], repeatable; with --dp-ranks "
                        "the endpoints of rank 0")
+    serve.add_argument("--sources-file", default=None,
+                       help="a YAML or JSON list of engines (a ConfigMap mounted as a file), "
+                       "read again when it changes: engines added are followed, engines "
+                       "gone are cleared. Without --source or --sources-file, serve follows "
+                       "the engines the index's last serve followed")
     serve.add_argument("--dp-ranks", type=int, default=None,
                        help="each source is an engine with this many DP ranks, rank r on the "
                        "ports of rank 0 + r (as vLLM and SGLang bind them); holders NAME#r")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hashing import SCHEMES, VLLM_DEFAULT_SEED, hash_blocks
+from .events import Stored, root_stores
 
 log = logging.getLogger("sarp.subscriber")
 OTHER_SEEDS = (None, VLLM_DEFAULT_SEED, "0")  # None: $PYTHONHASHSEED, else the default
@@ -39,6 +40,25 @@ class HashCheck:
 
     scheme: str
     seed: str | None = None
+
+    def check_batch(self, key: str, payload: bytes, batch, stats) -> bool:
+        """Check source ``key``'s batch if it has a store that starts a chain and carries
+        its tokens; count and name a mismatch in ``stats`` (its ``SourceStats``) and log
+        it.  True when a check was made (the source needs no other until it is cleared).
+        """
+        if not any(type(e) is Stored and e.parent is None for e in batch.events):
+            return False
+        verdict = self.verdict(root_stores(payload))
+        if verdict is None:
+            return False
+        stats.hash_checks += 1
+        stats.hash_note = verdict[1]
+        if not verdict[0]:
+            stats.hash_mismatches += 1
+            log.warning("sarp: %s: its block hashes do not follow from its tokens with "
+                        "--hash-scheme %s --hash-seed %s: token-id queries will match nothing "
+                        "of it; %s", key, self.scheme, self.seed, verdict[1])
+        return True
 
     def verdict(self, stores: list[tuple[np.ndarray, list[int], int]]) -> tuple[bool, str] | None:
         """``(True, "")`` when every store's hashes follow from its tokens as configured;

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import StoreError
 from .hashcheck import HashCheck
-from .sources import ReplayBudget, Source
+from .sources import ReplayBudget, Source, load_sources, read_sources_file, save_sources
 from .subscriber import Subscriber
 
 log = logging.getLogger("sarp.serve")
@@ -66,6 +66,8 @@ def collector_tuned() -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
+    if args.sources_file:
+        read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused at once
     dealer = None
     if args.http:
         from .access import access_token, parse_address
@@ -112,6 +114,17 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
     with sarp.open(args.index, durability=args.durability, **lease) as index:
         log.info("index %s recovered from %s in %.1f ms; following %s", args.index,
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
+        if args.sources_file:
+            sources = _merged(sources, read_sources_file(args.sources_file, args.dp_ranks))
+        if not sources:
+            sources = load_sources(index)
+            if not sources:
+                raise ValueError("no engine to follow: name them with --source or "
+                                 "--sources-file (a restarted serve follows the engines its "
+                                 "index's last serve followed)")
+            log.info("following the engines the last serve followed: %s",
+                     ", ".join(s.key for s in sources))
+        save_sources(index, sources)
         subscriber = Subscriber(index, sources,
                                 replay_idle_timeout_s=args.replay_idle_timeout_s,
                                 probe_after_s=args.probe_after_s or None,
@@ -156,10 +169,13 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
     # or hostile delays only itself, and SIGTERM is seen within one poll.
     subscriber.start_catch_up()
     last_snapshot = last_report = last_status = time.monotonic()
+    watch = _SourcesFile(args, subscriber, index) if args.sources_file else None
     try:
         while not stop["now"]:
             subscriber.poll(100)
             now = time.monotonic()
+            if watch is not None:
+                watch.check(now)
             if now - last_snapshot >= args.snapshot_every_s:
                 try:
                     index.snapshot()
@@ -182,6 +198,66 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             subscriber.save_state(durable=True)
         except StoreError as exc:  # re-applying from the last saved state is harmless
             log.warning("could not save the engines' fingerprints at stop (%s)", exc)
+
+
+def _merged(flags: list[Source], listed: list[Source]) -> list[Source]:
+    """The engines of ``--source`` and of the sources file (the flags win a name)."""
+    keys = {s.key for s in flags}
+    return flags + [s for s in listed if s.key not in keys]
+
+
+class _SourcesFile:
+    """``--sources-file``, read again when it changes (checked every second): engines
+    it adds are followed (their buffers replayed), engines it drops are cleared, and
+    the set is kept with the index.  A file that does not read leaves the set as is."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, args, subscriber: Subscriber, index) -> None:
+        self.args, self.subscriber, self.index = args, subscriber, index
+        self.flags = {s.key for s in subscriber.sources.values()} - {
+            s.key for s in self._listed() or []}
+        self.seen, self.next_at = self._stamp(), 0.0
+
+    def _stamp(self):
+        try:
+            st = Path(self.args.sources_file).stat()
+            return st.st_mtime_ns, st.st_size, st.st_ino
+        except OSError:
+            return None
+
+    def _listed(self) -> list[Source] | None:
+        try:
+            return read_sources_file(self.args.sources_file, self.args.dp_ranks)
+        except ValueError as exc:
+            log.error("sarp: %s; following the engines as before", exc)
+            return None
+
+    def check(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        self.next_at = now + self.EVERY_S
+        stamp = self._stamp()
+        if stamp == self.seen:
+            return
+        self.seen = stamp
+        listed = self._listed()
+        if listed is None:
+            return
+        sub = self.subscriber
+        wanted = {s.key: s for s in listed if s.key not in self.flags}
+        for key, source in list(sub.sources.items()):
+            if key not in self.flags and wanted.get(key) != source:
+                log.info("sarp: %s left the sources file; clearing it", key)
+                sub.remove_source(key)
+        for key, source in wanted.items():
+            if key not in sub.sources:
+                log.info("sarp: %s joined the sources file; following it", key)
+                try:
+                    sub.add_source(source)
+                except ValueError as exc:
+                    log.error("sarp: %s", exc)
+        save_sources(self.index, list(sub.sources.values()))
 
 
 def _report(subscriber: Subscriber) -> None:

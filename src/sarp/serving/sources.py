@@ -5,9 +5,17 @@ counts (:class:`SourceStats`), and what one replay may take (:class:`ReplayBudge
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import logging
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from .applier import ApplyStats, holder_name
+
+log = logging.getLogger("sarp.subscriber")
+STATE_FILE = "subscriber.json"
+STATE_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +143,114 @@ class SourceStats:
     hash_mismatches: int = 0  # ... and did not follow from them as serve hashes tokens
     hash_note: str = ""  # the scheme and seed that would, when one of the known ones does
     applied: ApplyStats = field(default_factory=ApplyStats)
+
+
+def load_fingerprints(index) -> dict[str, Fingerprint]:
+    """What ``subscriber.json`` (kept with the index) says was applied of each source;
+    {} when there is none, or it cannot be read (logged: the engines are asked again)."""
+    try:
+        raw = index.read_state(STATE_FILE)
+        if raw is None:
+            return {}
+        state = json.loads(raw)
+        if "last_seq" in state:  # version 1: sequences only, continuity unprovable
+            return {str(k): Fingerprint(int(v), None, 0.0) for k, v in state["last_seq"].items()}
+        return {str(k): Fingerprint(int(v["seq"]), v["digest"], float(v["ts"]),
+                                    v.get("prev_digest"))
+                for k, v in state["sources"].items()}
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("sarp: ignoring unreadable %s of %s (%s); starting fresh", STATE_FILE,
+                    index.path, exc)
+        return {}
+
+
+def save_fingerprints(index, committed: dict[str, Fingerprint], durable: bool) -> None:
+    """Write ``subscriber.json`` (atomically; fsync when ``durable``)."""
+    data = json.dumps({"version": STATE_VERSION,
+                       "sources": {k: asdict(fp) for k, fp in committed.items()}})
+    index.write_state(STATE_FILE, data.encode(), durable=durable)
+
+
+def plain(obj) -> dict:
+    """A dataclass's fields, nested dataclasses and counters as plain dicts (JSON-ready)."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Counter):
+            value = {str(k): int(v) for k, v in value.items()}
+        elif hasattr(value, "__dataclass_fields__"):
+            value = plain(value)
+        out[f.name] = value
+    return out
+
+
+SOURCES_STATE = "sources.json"  # the engines a serve follows, kept with the index
+
+
+def read_sources_file(path, dp_ranks: int | None = None) -> list[Source]:
+    """The engines a sources file names, in YAML or JSON (a Kubernetes ConfigMap's key,
+    mounted as a file): a list, or a mapping whose ``engines`` is one, of
+    ``NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT]`` strings (as ``--source`` takes) or mappings
+    with ``name``, ``endpoint``, and optionally ``replay_endpoint`` and ``dp_ranks``
+    (default ``dp_ranks``, as ``--dp-ranks``).  A ValueError names the file and the
+    entry.  Cost: one read and parse of the file.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "engines.yaml"
+    >>> _ = f.write_text("engines:\\n  - name: w0\\n    endpoint: tcp://10.0.0.5:5557\\n"
+    ...                  "    dp_ranks: 2\\n  - w1=tcp://10.0.0.6:5557,tcp://10.0.0.6:5558\\n")
+    >>> [s.key for s in read_sources_file(f)]
+    ['w0#0', 'w0#1', 'w1']
+    """
+    import yaml  # the sources file's format: this module is pyyaml's one door
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--sources-file {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--sources-file {path}: not YAML or JSON ({exc})") from None
+    entries = doc.get("engines") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list):
+        raise ValueError(f"--sources-file {path}: write a list of engines, or a mapping with "
+                         "'engines:' holding one (each NAME=PUB[,REPLAY], or a mapping with "
+                         "name and endpoint)")
+    out: list[Source] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            spec, ranks = entry, dp_ranks
+        elif isinstance(entry, dict) and isinstance(entry.get("name"), str) \
+                and isinstance(entry.get("endpoint"), str):
+            replay = entry.get("replay_endpoint")
+            spec = f"{entry['name']}={entry['endpoint']}" + (f",{replay}" if replay else "")
+            ranks = entry.get("dp_ranks", dp_ranks)
+        else:
+            raise ValueError(f"--sources-file {path}: engine {i} is {entry!r}; write "
+                             "NAME=PUB[,REPLAY] or a mapping with name and endpoint")
+        try:
+            out += Source.expand(spec, ranks)
+        except ValueError as exc:
+            raise ValueError(f"--sources-file {path}: engine {i}: {exc}") from None
+    keys = [s.key for s in out]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"--sources-file {path}: an engine is named twice ({keys})")
+    return out
+
+
+def load_sources(index) -> list[Source]:
+    """The engines the last serve of this index followed ([] when it kept none)."""
+    raw = index.read_state(SOURCES_STATE)
+    if raw is None:
+        return []
+    try:
+        return [Source(str(s["name"]), str(s["endpoint"]), s.get("replay_endpoint"),
+                       s.get("dp_rank")) for s in json.loads(raw)["sources"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("sarp: ignoring unreadable %s of %s (%s)", SOURCES_STATE, index.path, exc)
+        return []
+
+
+def save_sources(index, sources: list[Source]) -> None:
+    """Keep the engines followed with the index, so a restarted serve follows them."""
+    index.write_state(SOURCES_STATE, json.dumps(
+        {"sources": [asdict(s) for s in sources]}).encode(), durable=True)

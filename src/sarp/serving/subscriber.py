@@ -51,18 +51,16 @@ stopped (re-applying a batch is harmless: every event sets or clears holder bits
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, fields
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import StoreError
 from .applier import Applier
-from .events import BadEvent, Batch, Stored, decode, root_stores
+from .events import BadEvent, Batch, decode
 from .hashcheck import HashCheck
 from .replay import (
     Job,
@@ -72,12 +70,18 @@ from .replay import (
     parse_frames,
     recv_message,
 )
-from .sources import Fingerprint, ReplayBudget, Source, SourceStats
+from .sources import (
+    Fingerprint,
+    ReplayBudget,
+    Source,
+    SourceStats,
+    load_fingerprints,
+    plain,
+    save_fingerprints,
+)
 
 log = logging.getLogger("sarp.subscriber")
 
-STATE_FILE = "subscriber.json"
-STATE_VERSION = 2
 TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 MAX_BATCH_OPS = 16384  # events applied in one index transaction, at most
 MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit,
@@ -137,7 +141,7 @@ class Subscriber(ReplayJobs):
         self.sources = {s.key: s for s in sources}
         self.replay_idle_timeout_s = replay_idle_timeout_s
         self._ctx = context or zmq.Context.instance()
-        self.state: dict[str, Fingerprint] = self._load_state()  # applied or queued
+        self.state: dict[str, Fingerprint] = load_fingerprints(index)  # applied or queued
         self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
         self._applier = Applier(index)
@@ -176,17 +180,77 @@ class Subscriber(ReplayJobs):
         self._monitors: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
         for source in sources:
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
-            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sock.connect(source.endpoint)
-            self._subs[sock] = source.key
-            self._sub_of[source.key] = sock
-            self._monitors[monitor] = source.key
-            self._poller.register(monitor, zmq.POLLIN)
-            self._poller.register(sock, zmq.POLLIN)
+            self._connect(source)
+
+    def _connect(self, source: Source) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(source.endpoint)
+        self._subs[sock] = source.key
+        self._sub_of[source.key] = sock
+        self._monitors[monitor] = source.key
+        self._poller.register(monitor, zmq.POLLIN)
+        self._poller.register(sock, zmq.POLLIN)
+
+    # -- engines that come and go -----------------------------------------------------------
+
+    def add_source(self, source: Source) -> None:
+        """Follow one more engine from now on, while every other goes on: its SUB socket
+        connects, and its continuity is checked as at start-up (its replay buffer is
+        asked, a job the polls feed).  A ValueError for a key already followed, or a name
+        followed both per rank and whole.  Cost: two sockets, one replay request.
+        """
+        key = source.key
+        names = {(s.name, s.dp_rank is None) for s in self.sources.values()}
+        if key in self.sources or (source.name, source.dp_rank is not None) in names:
+            raise ValueError(f"source {key!r} is followed already (or its engine name is, "
+                             "per rank or whole); unregister it first")
+        self.sources[key] = source
+        self.stats[key] = SourceStats()
+        self._ahead[key] = {}
+        self._heard[key] = time.monotonic()
+        if self._hash_check is not None:
+            self._hash_pending.add(key)
+        self._connect(source)
+        self._unchecked.add(key)
+        self._start_job(key, self._resync(key, "registered"), startup=True)
+
+    def remove_source(self, key: str) -> None:
+        """Stop following ``key`` (an engine that left): its sockets close, its replay
+        job ends, and its holders are cleared, since the index must not claim blocks of
+        an engine it no longer hears; its fingerprint is dropped.  KeyError if it is not
+        followed.  Cost: a clear of its holders (their segments only).
+        """
+        self.sources[key]  # noqa: B018 - the KeyError says it is not followed
+        job = self._jobs.get(key)
+        if job is not None:
+            job.gen.close()
+            self._end_job(job, saving=False)
+        self.flush()  # what was queued of it goes first, then its clear
+        for instance in self._instances(key):
+            self.index.clear(instance)
+        sock = self._sub_of.pop(key)
+        monitor = next(m for m, k in self._monitors.items() if k == key)
+        for s in (sock, monitor):
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(s)
+        sock.disable_monitor()
+        sock.close(linger=0)
+        monitor.close(linger=0)
+        del self._subs[sock], self._monitors[monitor]
+        for probe in [p for p, (k, _) in self._probes.items() if k == key]:
+            self._end_probe(probe)
+        for table in (self.state, self._committed, self._dirty, self._ahead, self._heard,
+                      self._live_last, self._retry_at, self._backoff, self.last_applied_at,
+                      self.stats, self.sources):
+            table.pop(key, None)
+        for group in (self._verify, self._gone, self._unchecked, self._clean,
+                      self._hash_pending):
+            group.discard(key)
+        self.save_state()
 
     @property
     def last_seq(self) -> dict[str, int]:
@@ -195,28 +259,9 @@ class Subscriber(ReplayJobs):
 
     # -- state -------------------------------------------------------------------------------
 
-    def _load_state(self) -> dict[str, Fingerprint]:
-        try:
-            raw = self.index.read_state(STATE_FILE)
-            if raw is None:
-                return {}
-            state = json.loads(raw)
-            if "last_seq" in state:  # version 1: sequences only, continuity unprovable
-                return {str(k): Fingerprint(int(v), None, 0.0)
-                        for k, v in state["last_seq"].items()}
-            return {str(k): Fingerprint(int(v["seq"]), v["digest"], float(v["ts"]),
-                                        v.get("prev_digest"))
-                    for k, v in state["sources"].items()}
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("sarp: ignoring unreadable %s of %s (%s); starting fresh", STATE_FILE,
-                        self.index.path, exc)
-            return {}
-
     def save_state(self, durable: bool = False) -> None:
         """Write the fingerprints (atomically; fsync when ``durable``)."""
-        data = json.dumps({"version": STATE_VERSION,
-                           "sources": {k: asdict(fp) for k, fp in self._committed.items()}})
-        self.index.write_state(STATE_FILE, data.encode(), durable=durable)
+        save_fingerprints(self.index, self._committed, durable)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -520,36 +565,14 @@ class Subscriber(ReplayJobs):
             return 0
         if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
-        if key in self._hash_pending:
-            self._check_hashes(key, payload, batch)
+        if key in self._hash_pending and self._hash_check.check_batch(key, payload, batch,
+                                                                      stats):
+            self._hash_pending.discard(key)  # again after a clear (a restarted engine)
         self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank)
         self._clean.discard(key)
         stats.batches += 1
         self._advance(key, seq, digest, batch.ts)
         return 1
-
-    def _check_hashes(self, key: str, payload: bytes, batch: Batch) -> None:
-        """Do the source's hashes follow from its tokens as serve hashes token ids?
-        Asked of its first batch with a store that starts a chain and carries its
-        tokens (:mod:`sarp.serving.hashcheck`), and again after the source is cleared
-        (a restarted engine may hash otherwise)."""
-        if not any(type(e) is Stored and e.parent is None for e in batch.events):
-            return
-        verdict = self._hash_check.verdict(root_stores(payload))
-        if verdict is None:
-            return
-        self._hash_pending.discard(key)
-        stats = self.stats[key]
-        stats.hash_checks += 1
-        if not verdict[0]:
-            stats.hash_mismatches += 1
-            stats.hash_note = verdict[1]
-            check = self._hash_check
-            log.warning("sarp: %s: its block hashes do not follow from its tokens with "
-                        "--hash-scheme %s --hash-seed %s: token-id queries will match "
-                        "nothing of it; %s", key, check.scheme, check.seed, verdict[1])
-        else:
-            stats.hash_note = ""
 
     def _advance(self, key: str, seq: int, digest: int, ts: float) -> None:
         old = self.state.get(key)
@@ -599,20 +622,5 @@ class Subscriber(ReplayJobs):
         pairs, which counts the pairs, and ``json.dumps`` then refuses the tuple keys
         (a single bad event stopped ``serve --http``; tests/test_hardening.py).
         """
-        return {key: {**_plain(s), "last_seq": self.last_seq.get(key)}
+        return {key: {**plain(s), "last_seq": self.last_seq.get(key)}
                 for key, s in self.stats.items()}
-
-
-def _plain(obj) -> dict:
-    """A dataclass's fields, nested dataclasses and counters as plain dicts."""
-    out = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, Counter):
-            value = {str(k): int(v) for k, v in value.items()}
-        elif hasattr(value, "__dataclass_fields__"):
-            value = _plain(value)
-        out[f.name] = value
-    return out
-
-
