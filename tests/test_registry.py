@@ -120,3 +120,67 @@ def test_serve_without_engines_says_how_to_name_them(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sarp.cli", "serve", "--index",
                           str(tmp_path / "ix")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--sources-file" in out.stderr, out.stderr[-2000:]
+
+
+def test_register_unregister_and_workers_in_the_indexers_shapes(tmp_path):
+    """The shapes of Dynamo's standalone indexer (Mooncake RFC #1403): an engine
+    registered at runtime is followed (its buffer replayed), listed by /workers, and
+    unregistering clears it; a restart keeps the registrations; a bad body is a 400
+    naming the field, and with a token the admin endpoints ask for it."""
+    from servekit import Serve, call, match
+
+    def post(port: int, path: str, obj, headers=None):
+        return call(port, "POST", path, json.dumps(obj).encode(), headers=headers)
+
+    def held_by(port: int, hashes: list[int], instance: str) -> int:
+        status, body = match(port, {"block_hashes": hashes})
+        assert status == 200, body
+        return next((s["matched_blocks"] for s in body["instances"]
+                     if s["instance"] == instance), 0)
+
+    first, other = engine("7"), engine("8")
+    ca, cb = chains(8, 1)[0], chains(9, 1)[0]
+    listed = tmp_path / "engines.yaml"
+    listed.write_text(f"- 8={other.publisher.endpoint},{other.publisher.replay_endpoint}\n")
+    try:
+        first.serve(ca)
+        other.serve(cb)
+        with Serve(tmp_path / "ix", [], "--sources-file", str(listed)) as serve:
+            serve.wait_ready()
+            body = {"instance_id": 7, "endpoint": first.publisher.endpoint,
+                    "replay_endpoint": first.publisher.replay_endpoint, "dp_rank": 0}
+            assert post(serve.port, "/register", body) == (200, {
+                "status": "registered", "instance_id": 7, "dp_rank": 0})
+            serve.wait_for(lambda: held_by(serve.port, ca, "7#0") == len(ca),
+                           what="the registered engine, replayed")
+            listed_7 = {"instance_id": 7, "endpoints": {"0": first.publisher.endpoint}}
+            serve.wait_for(lambda: listed_7 in call(serve.port, "GET", "/workers")[1],
+                           what="/workers listing it (the status is written every 0.5 s)")
+            assert {"instance_id": 8, "endpoints": {"0": other.publisher.endpoint}} in call(
+                serve.port, "GET", "/workers")[1]
+            assert post(serve.port, "/register", {"instance_id": 7}) [0] == 400
+            assert post(serve.port, "/register", {"instance_id": 7, "endpoint": "10.0.0.5"})[1][
+                "field"] == "endpoint"
+            assert post(serve.port, "/unregister", {"instance_id": 99})[0] == 404
+            time.sleep(1.5)  # the sources file's engine stays: /register is not the file's
+            assert held_by(serve.port, cb, "8#0") == len(cb)
+        with Serve(tmp_path / "ix", [], "--sources-file", str(listed)) as again:
+            again.wait_ready()  # the registration was kept with the index
+            again.wait_for(lambda: held_by(again.port, ca, "7#0") == len(ca), what="7 again")
+            assert post(again.port, "/unregister", {"instance_id": 7})[0] == 200
+            assert held_by(again.port, ca, "7#0") == 0  # cleared as it went
+            again.wait_for(lambda: all(w["instance_id"] != 7 for w in
+                                       call(again.port, "GET", "/workers")[1]),
+                           what="/workers without it")
+        token = tmp_path / "token"
+        token.write_text("s3cret\n")
+        with Serve(tmp_path / "ix", [], "--sources-file", str(listed), "--http-token-file",
+                   str(token)) as guarded:
+            guarded.wait_ready()
+            body = {"instance_id": 7, "endpoint": first.publisher.endpoint}
+            assert post(guarded.port, "/register", body)[0] == 401
+            assert post(guarded.port, "/register", body,
+                        headers={"Authorization": "Bearer s3cret"})[0] == 200
+    finally:
+        first.publisher.close()
+        other.publisher.close()

@@ -61,11 +61,10 @@ from .. import native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
 from .guard import Guard, sweep
+from .status import STATUS_FRESH_S, read_status, registration_problem, submit
 
 log = logging.getLogger("sarp.http")
 
-STATUS_FILE = "serve-status.json"
-STATUS_FRESH_S = 10.0  # /readyz wants a writer heartbeat at most this old
 MAX_BODY_BYTES = 8 << 20  # 1M hashes as JSON text
 # Work one request may ask for: 262,144 blocks is 4M tokens at block size 16, past any
 # context an engine serves, and hashing that many in the vLLM schemes takes about a
@@ -93,40 +92,6 @@ class HttpConfig:
     request_timeout_s: float = 10.0  # a request's headers and body arrive within this
     answer_timeout_s: float = 30.0  # ... and its answer goes out within this
     idle_timeout_s: float = 30.0  # a keep-alive connection with nothing asked is closed
-
-
-# -- the status file the writer keeps --------------------------------------------------------
-
-
-def write_status(index_path: Path, subscriber, *, caught_up: bool, started: float,
-                 worker_restarts: int = 0) -> None:
-    """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``."""
-    now = time.time()
-    sources = {}
-    for key, summary in subscriber.summary().items():
-        applied = summary.pop("applied")
-        last = subscriber.last_applied_at.get(key)
-        sources[key] = {**summary, "events": applied["events"],
-                        "bad_events": dict(applied["bad_events"]),
-                        "skipped_orphans": applied["skipped_orphans"],
-                        "seconds_since_last_applied": None if last is None else now - last}
-    status = {"pid": os.getpid(), "started": started, "heartbeat": now,
-              "caught_up": caught_up, "sources": sources,
-              "http_worker_restarts": worker_restarts,
-              "store_errors": getattr(subscriber, "store_errors", 0)}
-    tmp = index_path / (STATUS_FILE + ".tmp")
-    tmp.write_text(json.dumps(status))
-    os.replace(tmp, index_path / STATUS_FILE)
-
-
-def read_status(index_path: Path) -> dict | None:
-    try:
-        return json.loads((index_path / STATUS_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-# -- requests -------------------------------------------------------------------------------
 
 
 class BadRequest(ValueError):
@@ -522,12 +487,36 @@ def make_app(index, config: HttpConfig):
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def admin(op: str):
+        async def handle(request: web.Request) -> web.Response:
+            try:
+                obj = orjson.loads(await request.read())
+            except orjson.JSONDecodeError as exc:
+                return refuse("body", f"not JSON ({exc})")
+            problem = registration_problem(obj, op)
+            if problem is not None:
+                return refuse(*problem)
+            got = await asyncio.to_thread(submit, path, {**obj, "op": op})
+            return web.json_response(got["body"], status=got["status"])
+        return handle
+
+    async def workers(_: web.Request) -> web.Response:
+        # Dynamo's shape: [{"instance_id": 1, "endpoints": {"0": "tcp://..."}}]
+        listed: dict[str, dict[str, str]] = {}
+        for e in (read_status(path) or {}).get("engines", []):
+            listed.setdefault(e["name"], {})[str(e["dp_rank"] or 0)] = e["endpoint"]
+        return web.json_response([{"instance_id": int(n) if n.isdigit() else n, "endpoints": eps}
+                                  for n, eps in sorted(listed.items())])
+
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guarded])
     app["guards"], app["closed"], app["config"] = guards, closed, config
     app.router.add_post("/v1/match", match)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/register", admin("register"))  # engines at runtime (RFC #1403)
+    app.router.add_post("/unregister", admin("unregister"))
+    app.router.add_get("/workers", workers)
     return app
 
 

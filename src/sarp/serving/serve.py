@@ -114,17 +114,8 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
     with sarp.open(args.index, durability=args.durability, **lease) as index:
         log.info("index %s recovered from %s in %.1f ms; following %s", args.index,
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
-        if args.sources_file:
-            sources = _merged(sources, read_sources_file(args.sources_file, args.dp_ranks))
-        if not sources:
-            sources = load_sources(index)
-            if not sources:
-                raise ValueError("no engine to follow: name them with --source or "
-                                 "--sources-file (a restarted serve follows the engines its "
-                                 "index's last serve followed)")
-            log.info("following the engines the last serve followed: %s",
-                     ", ".join(s.key for s in sources))
-        save_sources(index, sources)
+        sources, registered = _chosen(args, sources, load_sources(index))
+        save_sources(index, sources, registered)
         subscriber = Subscriber(index, sources,
                                 replay_idle_timeout_s=args.replay_idle_timeout_s,
                                 probe_after_s=args.probe_after_s or None,
@@ -135,14 +126,14 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
         if http:
             # what a killed serve left says it was caught up: the workers must not
             # answer /readyz from it before this serve has checked the engines
-            from .http import write_status
+            from .status import write_status
 
             write_status(Path(status_dir), subscriber, caught_up=False, started=time.time())
         service = _start_http(args, dealer, status_dir) if http else None
         try:
             with collector_tuned():
                 _follow(args, index, subscriber, stop, Path(status_dir) if http else None,
-                        service)
+                        service, registered)
         finally:
             subscriber.close()
             if service is not None:
@@ -155,8 +146,8 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
 
 
 def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
-            service=None) -> None:
-    from .http import write_status
+            service=None, registered: set[str] | None = None) -> None:
+    from .status import write_status
 
     started = time.time()
     with_status = path is not None
@@ -169,13 +160,16 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
     # or hostile delays only itself, and SIGTERM is seen within one poll.
     subscriber.start_catch_up()
     last_snapshot = last_report = last_status = time.monotonic()
-    watch = _SourcesFile(args, subscriber, index) if args.sources_file else None
+    registered = set() if registered is None else registered  # the keys /register added
+    watch = _SourcesFile(args, subscriber, index, registered) if args.sources_file else None
     try:
         while not stop["now"]:
             subscriber.poll(100)
             now = time.monotonic()
             if watch is not None:
                 watch.check(now)
+            if with_status:
+                _registry(path, subscriber, index, registered)
             if now - last_snapshot >= args.snapshot_every_s:
                 try:
                     index.snapshot()
@@ -200,10 +194,29 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             log.warning("could not save the engines' fingerprints at stop (%s)", exc)
 
 
-def _merged(flags: list[Source], listed: list[Source]) -> list[Source]:
-    """The engines of ``--source`` and of the sources file (the flags win a name)."""
-    keys = {s.key for s in flags}
-    return flags + [s for s in listed if s.key not in keys]
+def _chosen(args, flags: list[Source], kept: list[tuple[Source, bool]]
+            ) -> tuple[list[Source], set[str]]:
+    """The engines to follow, and the keys of those registered at runtime: those of
+    ``--source`` and of the sources file (the flags win a name) and those registered
+    with the last serve; or, with neither flag, every engine the last serve followed."""
+    if not flags and not args.sources_file:
+        if not kept:
+            raise ValueError("no engine to follow: name them with --source or --sources-file "
+                             "(a restarted serve follows the engines its index's last serve "
+                             "followed)")
+        log.info("following the engines the last serve followed: %s",
+                 ", ".join(s.key for s, _ in kept))
+        return [s for s, _ in kept], {s.key for s, reg in kept if reg}
+    chosen = {s.key: s for s in flags}
+    if args.sources_file:
+        for s in read_sources_file(args.sources_file, args.dp_ranks):
+            chosen.setdefault(s.key, s)
+    registered = set()
+    for s, reg in kept:
+        if reg and s.key not in chosen:
+            chosen[s.key] = s
+            registered.add(s.key)
+    return list(chosen.values()), registered
 
 
 class _SourcesFile:
@@ -213,10 +226,14 @@ class _SourcesFile:
 
     EVERY_S = 1.0
 
-    def __init__(self, args, subscriber: Subscriber, index) -> None:
+    def __init__(self, args, subscriber: Subscriber, index, registered: set[str]) -> None:
         self.args, self.subscriber, self.index = args, subscriber, index
-        self.flags = {s.key for s in subscriber.sources.values()} - {
-            s.key for s in self._listed() or []}
+        self.registered = registered
+        # the engines the file put there (not those of --source or of /register)
+        flags = {s.key for spec in args.source for s in Source.expand(spec, args.dp_ranks)}
+        self.flags = flags | registered
+        self.managed = ({s.key for s in self._listed() or []} & set(subscriber.sources)) \
+            - self.flags
         self.seen, self.next_at = self._stamp(), 0.0
 
     def _stamp(self):
@@ -245,19 +262,61 @@ class _SourcesFile:
         if listed is None:
             return
         sub = self.subscriber
-        wanted = {s.key: s for s in listed if s.key not in self.flags}
-        for key, source in list(sub.sources.items()):
-            if key not in self.flags and wanted.get(key) != source:
+        wanted = {s.key: s for s in listed}
+        for key in sorted(self.managed):
+            if key in sub.sources and wanted.get(key) != sub.sources[key]:
                 log.info("sarp: %s left the sources file; clearing it", key)
                 sub.remove_source(key)
+        self.managed = {k for k in self.managed if k in sub.sources}
         for key, source in wanted.items():
-            if key not in sub.sources:
+            if key not in sub.sources and key not in self.flags | self.registered:
                 log.info("sarp: %s joined the sources file; following it", key)
                 try:
                     sub.add_source(source)
+                    self.managed.add(key)
                 except ValueError as exc:
                     log.error("sarp: %s", exc)
-        save_sources(self.index, list(sub.sources.values()))
+        save_sources(self.index, list(sub.sources.values()), self.registered)
+
+
+def _registry(status_dir: Path, subscriber: Subscriber, index, registered: set[str]) -> None:
+    """Apply the HTTP workers' ``/register`` and ``/unregister`` requests (between two
+    polls) and answer each; the engines followed are kept with the index."""
+    from .status import answer, take
+
+    changed = False
+    for taken, req in take(status_dir):
+        name, rank = str(req["instance_id"]), req.get("dp_rank")
+        if req["op"] == "register":
+            source = Source(name, req["endpoint"], req.get("replay_endpoint"), rank or 0)
+            known = subscriber.sources.get(source.key)
+            try:
+                if known is not None and known != source:
+                    subscriber.remove_source(source.key)  # registered again elsewhere
+                if known != source:
+                    subscriber.add_source(source)
+                    changed = True
+                registered.add(source.key)
+                answer(taken, 200, {"status": "registered", "instance_id": req["instance_id"],
+                                    "dp_rank": rank or 0})
+            except ValueError as exc:
+                answer(taken, 409, {"error": str(exc), "field": "instance_id"})
+            continue
+        keys = [k for k, s in subscriber.sources.items()
+                if s.name == name and (rank is None or (s.dp_rank or 0) == rank)]
+        for key in keys:
+            subscriber.remove_source(key)  # its holders are cleared
+            registered.discard(key)
+        changed |= bool(keys)
+        if keys:
+            answer(taken, 200, {"status": "unregistered", "instance_id": req["instance_id"],
+                                "removed": keys})
+        else:
+            answer(taken, 404, {"error": f"instance {name} (dp rank {rank}) is not "
+                                         "registered; GET /workers lists those that are",
+                                "field": "instance_id"})
+    if changed:
+        save_sources(index, list(subscriber.sources.values()), registered)
 
 
 def _report(subscriber: Subscriber) -> None:

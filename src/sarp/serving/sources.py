@@ -237,20 +237,24 @@ def read_sources_file(path, dp_ranks: int | None = None) -> list[Source]:
     return out
 
 
-def load_sources(index) -> list[Source]:
-    """The engines the last serve of this index followed ([] when it kept none)."""
+def load_sources(index) -> list[tuple[Source, bool]]:
+    """The engines the last serve of this index followed, each with whether it came
+    by ``/register`` (rather than ``--source`` or the sources file); [] when none."""
     raw = index.read_state(SOURCES_STATE)
     if raw is None:
         return []
     try:
-        return [Source(str(s["name"]), str(s["endpoint"]), s.get("replay_endpoint"),
-                       s.get("dp_rank")) for s in json.loads(raw)["sources"]]
+        return [(Source(str(s["name"]), str(s["endpoint"]), s.get("replay_endpoint"),
+                        s.get("dp_rank")), bool(s.get("registered")))
+                for s in json.loads(raw)["sources"]]
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("sarp: ignoring unreadable %s of %s (%s)", SOURCES_STATE, index.path, exc)
         return []
 
 
-def save_sources(index, sources: list[Source]) -> None:
-    """Keep the engines followed with the index, so a restarted serve follows them."""
-    index.write_state(SOURCES_STATE, json.dumps(
-        {"sources": [asdict(s) for s in sources]}).encode(), durable=True)
+def save_sources(index, sources: list[Source], registered: set[str]) -> None:
+    """Keep the engines followed with the index (``registered``: the keys of those that
+    came by ``/register``), so that a restarted serve follows them."""
+    index.write_state(SOURCES_STATE, json.dumps({"sources": [
+        {**asdict(s), "registered": s.key in registered} for s in sources]}).encode(),
+        durable=True)

@@ -1,0 +1,144 @@
+"""What serve's writer and its HTTP workers tell each other, through files in the
+status folder (the index folder, or a folder of serve's for an index on Valkey):
+
+* ``serve-status.json``, written by the writer every 0.5 s (atomically): the
+  subscriber's counters per source, whether every source has been checked since
+  start, a heartbeat, and the engines followed; read by the workers for ``/metrics``,
+  ``/readyz`` and ``/workers``;
+* ``registry/``, requests of the workers' ``/register`` and ``/unregister``: a worker
+  writes ``<id>.json`` (atomically), the writer applies it between two polls and writes
+  ``<id>.done`` with the answer, which the worker waits for and returns.
+
+Cost: one small file write per status period; a directory scan per writer loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+STATUS_FILE = "serve-status.json"
+STATUS_FRESH_S = 10.0  # /readyz wants a writer heartbeat at most this old
+REGISTRY = "registry"
+ANSWER_S = 10.0  # a worker waits this long for the writer to apply a request
+
+
+def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: float,
+                 worker_restarts: int = 0) -> None:
+    """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``."""
+    now = time.time()
+    sources = {}
+    for key, summary in subscriber.summary().items():
+        applied = summary.pop("applied")
+        last = subscriber.last_applied_at.get(key)
+        sources[key] = {**summary, "events": applied["events"],
+                        "bad_events": dict(applied["bad_events"]),
+                        "skipped_orphans": applied["skipped_orphans"],
+                        "seconds_since_last_applied": None if last is None else now - last}
+    status = {"pid": os.getpid(), "started": started, "heartbeat": now,
+              "caught_up": caught_up, "sources": sources,
+              "engines": [asdict(s) for s in subscriber.sources.values()],
+              "http_worker_restarts": worker_restarts,
+              "store_errors": getattr(subscriber, "store_errors", 0)}
+    tmp = status_dir / (STATUS_FILE + ".tmp")
+    tmp.write_text(json.dumps(status))
+    os.replace(tmp, status_dir / STATUS_FILE)
+
+
+def read_status(status_dir: Path) -> dict | None:
+    """The writer's last status, or None (not written yet, or being replaced)."""
+    try:
+        return json.loads((status_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def submit(status_dir: Path, request: dict, timeout_s: float = ANSWER_S) -> dict:
+    """A worker's side: hand ``request`` to the writer and wait for its answer (a dict
+    with ``status`` and the body), or a 503 answer when none comes within
+    ``timeout_s``.  Blocking: call it off the event loop."""
+    folder = status_dir / REGISTRY
+    folder.mkdir(exist_ok=True)
+    name = uuid.uuid4().hex
+    tmp = folder / f"{name}.tmp"
+    tmp.write_text(json.dumps(request))
+    os.replace(tmp, folder / f"{name}.json")
+    done = folder / f"{name}.done"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            answer = json.loads(done.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.01)
+            continue
+        done.unlink(missing_ok=True)
+        return answer
+    with contextlib.suppress(OSError):
+        (folder / f"{name}.json").unlink()  # not taken: withdrawn
+    return {"status": 503, "body": {"error": "the writer did not answer in "
+                                             f"{timeout_s:.0f} s; try again",
+                                    "field": "writer"}}
+
+
+_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def registration_problem(obj: object, op: str) -> tuple[str, str] | None:
+    """What is wrong with a ``/register`` or ``/unregister`` body (in the shapes of
+    Dynamo's standalone indexer and Mooncake RFC #1403), as ``(field, message)``; None
+    when nothing is.
+
+    >>> registration_problem({"instance_id": 1, "endpoint": "tcp://10.0.0.5:5557"}, "register")
+    >>> registration_problem({"instance_id": 1}, "register")[0]
+    'endpoint'
+    """
+    if not isinstance(obj, dict):
+        return "body", 'send a JSON object, e.g. {"instance_id": 1, "endpoint": "tcp://H:P"}'
+    iid = obj.get("instance_id")
+    if not (type(iid) is int and iid >= 0 or isinstance(iid, str) and iid
+            and not set(iid) & set("#=,") and len(iid) <= 100):
+        return "instance_id", (f"instance_id={iid!r}; pass an int >= 0 or a name without "
+                               "#, = or ,")
+    rank = obj.get("dp_rank")
+    if rank is not None and not (type(rank) is int and 0 <= rank <= 4095):
+        return "dp_rank", f"dp_rank={rank!r}; pass an int from 0 to 4095"
+    if op == "register":
+        for field, needed in (("endpoint", True), ("replay_endpoint", False)):
+            value = obj.get(field)
+            if (value is not None or needed) and not (
+                    isinstance(value, str) and value.startswith(_ENDPOINT_SCHEMES)):
+                return field, (f"{field}={value!r}; pass the engine's ZeroMQ endpoint, e.g. "
+                               "tcp://10.0.0.5:5557")
+    return None
+
+
+def take(status_dir: Path) -> list[tuple[Path, dict]]:
+    """The writer's side: the requests waiting, oldest first, each taken (renamed) so
+    that a worker that gave up cannot withdraw it half-applied."""
+    folder = status_dir / REGISTRY
+    try:
+        names = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+    except OSError:
+        return []
+    out = []
+    for path in names:
+        taken = path.with_suffix(".taken")
+        try:
+            os.replace(path, taken)
+            out.append((taken, json.loads(taken.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def answer(taken: Path, status: int, body: object) -> None:
+    """The writer's answer to a taken request."""
+    tmp = taken.with_suffix(".done.tmp")
+    tmp.write_text(json.dumps({"status": status, "body": body}))
+    os.replace(tmp, taken.with_suffix(".done"))
+    taken.unlink(missing_ok=True)
