@@ -120,6 +120,7 @@ def test_serve_without_engines_says_how_to_name_them(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sarp.cli", "serve", "--index",
                           str(tmp_path / "ix")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--sources-file" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "ix").exists()  # refused before anything was made
 
 
 def test_register_unregister_and_workers_in_the_indexers_shapes(tmp_path):
@@ -158,17 +159,19 @@ def test_register_unregister_and_workers_in_the_indexers_shapes(tmp_path):
                            what="/workers listing it (the status is written every 0.5 s)")
             assert {"instance_id": 8, "endpoints": {"0": other.publisher.endpoint}} in call(
                 serve.port, "GET", "/workers")[1]
-            assert post(serve.port, "/register", {"instance_id": 7}) [0] == 400
+            assert post(serve.port, "/register", {"instance_id": 7})[0] == 400
             assert post(serve.port, "/register", {"instance_id": 7, "endpoint": "10.0.0.5"})[1][
                 "field"] == "endpoint"
             assert post(serve.port, "/unregister", {"instance_id": 99})[0] == 404
             time.sleep(1.5)  # the sources file's engine stays: /register is not the file's
             assert held_by(serve.port, cb, "8#0") == len(cb)
         with Serve(tmp_path / "ix", [], "--sources-file", str(listed)) as again:
-            again.wait_ready()  # the registration was kept with the index
-            again.wait_for(lambda: held_by(again.port, ca, "7#0") == len(ca), what="7 again")
+            again.wait_ready()  # the registration was kept with the index: 7 is followed
+            first.serve(ca + [91, 92])
+            again.wait_for(lambda: held_by(again.port, ca + [91, 92], "7#0") == len(ca) + 2,
+                           what="7's new store, after the restart")
             assert post(again.port, "/unregister", {"instance_id": 7})[0] == 200
-            assert held_by(again.port, ca, "7#0") == 0  # cleared as it went
+            assert held_by(again.port, ca + [91, 92], "7#0") == 0  # cleared as it went
             again.wait_for(lambda: all(w["instance_id"] != 7 for w in
                                        call(again.port, "GET", "/workers")[1]),
                            what="/workers without it")

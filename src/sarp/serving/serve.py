@@ -111,7 +111,16 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
     http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
     status_dir = tempfile.mkdtemp(prefix="sarp-status-") if on_valkey else args.index
-    with sarp.open(args.index, durability=args.durability, **lease) as index:
+    named = bool(sources or args.sources_file)
+    try:  # with no engine named, follow the last serve's: the index must exist already
+        index = sarp.open(args.index, durability=args.durability, create=named, **lease)
+    except sarp.NotAnIndexError:
+        if named:
+            raise
+        raise ValueError("no engine to follow: name them with --source or --sources-file "
+                         f"(there is no index at {args.index} whose last serve's engines "
+                         "could be followed)") from None
+    with index:
         log.info("index %s recovered from %s in %.1f ms; following %s", args.index,
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
         sources, registered = _chosen(args, sources, load_sources(index))
