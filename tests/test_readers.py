@@ -244,3 +244,44 @@ def test_verify_and_stats_work_beside_a_running_writer(tmp_path):
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
         assert '"blocks": 3' in out.stdout
+
+
+_PINNING_READER = """
+import sys, time, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8)
+txn = env.begin()  # a read transaction, as a worker holds one mid-match
+print("pinned", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_reader_killed_inside_a_transaction_stops_pinning_pages_once_released(tmp_path):
+    """A process killed mid-read leaves its LMDB reader slot behind, and the pages it
+    pins are never reused: every write grows the file.  The writer frees such slots
+    (at open, at each snapshot, and serve when it replaces a worker)."""
+    import signal
+
+    path = tmp_path / "ix"
+    data = path / "data.mdb"
+
+    def churn(index, start: int) -> int:
+        before = data.stat().st_size
+        for k in range(start, start + 300):
+            chain = list(range(10_000 * k + 1, 10_000 * k + 60))
+            index.insert(chain, holder="w0")
+            index.remove(chain, holder="w0")
+        return data.stat().st_size - before
+
+    with sarp.open(path, durability="nosync", segment_blocks=8) as index:
+        churn(index, 1)  # the file at its working size
+        reader = subprocess.Popen([sys.executable, "-c", _PINNING_READER, str(path)],
+                                  stdout=subprocess.PIPE, text=True)
+        assert reader.stdout.readline().strip() == "pinned"
+        reader.send_signal(signal.SIGKILL)
+        reader.wait(timeout=10)
+        pinned = churn(index, 1000)
+        assert index.release_dead_readers() == 1
+        churn(index, 2000)  # the pinned pages come free here
+        released = churn(index, 3000)
+        assert pinned > 0 and released < pinned / 4, (pinned, released)
+        assert index.release_dead_readers() == 0

@@ -499,10 +499,20 @@ class Index:
             watermark = store.counter("next_seq")
             size = store.save_snapshot(watermark, self._memory.directory, self._memory.filters)
             store.trim_log(watermark)
+            store.release_dead_readers()  # so the pages the trim freed can be reused
             self._snapshot_present = True
             self._counters.snapshots += 1
             self._counters.changes_since_snapshot = 0
             return size
+
+    def release_dead_readers(self) -> int:
+        """Free what processes that died inside a read transaction still hold (LMDB's
+        reader slots: until then the pages they pin are not reused and the file grows);
+        return how many.  Done at a writer's open and at every snapshot; ``sarp serve``
+        also does it when it replaces an HTTP worker.  Cost: a look at each used slot.
+        """
+        with self._lock:
+            return self._live_store().release_dead_readers()
 
     def read_state(self, name: str) -> bytes | None:
         """A small named value kept with the index, or None: the file ``name`` in the

@@ -122,6 +122,7 @@ class LmdbStore:
                 for name in TABLES:
                     setattr(self, f"{name}_db", self.env.open_db(name.encode()))
                 self._init_meta()
+                self.release_dead_readers()  # slots a killed process left pin pages
         except lmdb.ReadersFullError as exc:
             self.close()
             raise readers_full(self.path, self.max_readers, exc) from exc
@@ -214,6 +215,13 @@ class LmdbStore:
     def files(self) -> list[Path]:
         """The LMDB files of this index (for size accounting and cache eviction)."""
         return [self.path / "data.mdb", self.path / "lock.mdb"]
+
+    def release_dead_readers(self) -> int:
+        """Free the reader-table slots of processes that died inside a read transaction
+        (a worker killed mid-match); LMDB cannot reuse the pages such a slot pins, so
+        until then every write grows ``data.mdb``.  Returns how many were freed.  Cost:
+        one look at each used slot (a lock probe per process)."""
+        return self.env.reader_check() if self.env is not None else 0
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.files() if p.exists())

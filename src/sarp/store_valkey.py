@@ -238,6 +238,10 @@ class ValkeyStore:
             self.client = None
         self._lease_value = None
 
+    def release_dead_readers(self) -> int:
+        """Nothing to free: Valkey readers hold no slot."""
+        return 0
+
     def disk_bytes(self) -> int:
         """Bytes the namespace's keys take in the server (``MEMORY USAGE``)."""
         return sum(self.client.memory_usage(key) or 0 for key in self.keys.values())

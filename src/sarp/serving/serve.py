@@ -188,7 +188,10 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 last_snapshot = now
             if with_status and now - last_status >= STATUS_EVERY_S:
                 if service is not None:
+                    replaced = service.restarts + service.hung
                     service.check()  # a worker that died or hangs is replaced
+                    if service.restarts + service.hung != replaced:
+                        index.release_dead_readers()  # what it held mid-match
                 write_status(path, subscriber, caught_up=subscriber.caught_up,
                              started=started,
                              worker_restarts=service.restarts if service else 0)
