@@ -31,6 +31,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -497,6 +498,10 @@ class Soak:
                         and result["healthz_p99_ms"] <= 50
                         and result["rss_max_mib"] <= args.max_rss_mib
                         and result["worker_replaced_by_serve"])
+        if result["ok"]:
+            shutil.rmtree(work, ignore_errors=True)  # kept, with serve's log, when not
+        else:
+            result["kept"] = str(work)
         return result
 
 
