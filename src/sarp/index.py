@@ -506,11 +506,9 @@ class Index:
             return size
 
     def release_dead_readers(self) -> int:
-        """Free what processes that died inside a read transaction still hold (LMDB's
-        reader slots: until then the pages they pin are not reused and the file grows);
-        return how many.  Done at a writer's open and at every snapshot; ``sarp serve``
-        also does it when it replaces an HTTP worker.  Cost: a look at each used slot.
-        """
+        """Free the LMDB reader slots of processes that died mid-read (the pages they pin
+        are never reused); how many.  Also done at open, at each snapshot, and by serve
+        when it replaces a worker.  Cost: a look at each used slot."""
         with self._lock:
             return self._live_store().release_dead_readers()
 

@@ -72,10 +72,8 @@ _OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
 
 def _block_items(hashes: np.ndarray, seg_id: int,
                  first_offset: int) -> Iterator[tuple[bytes, bytes]]:
-    """``blocks`` table entries placing ``hashes`` at ``seg_id``, from ``first_offset`` on.
-
-    The values are made by ``map`` over prepacked offsets: C, no Python per block.
-    """
+    """``blocks`` entries placing ``hashes`` at ``seg_id`` from ``first_offset`` on; the
+    values are made by ``map`` over prepacked offsets (C, no Python per block)."""
     prefix = struct.pack("<I", seg_id)
     values = map(prefix.__add__, _OFFSETS[first_offset : first_offset + hashes.size])
     return zip(hash_keys(hashes), values, strict=True)
@@ -217,10 +215,8 @@ class LmdbStore:
         return [self.path / "data.mdb", self.path / "lock.mdb"]
 
     def release_dead_readers(self) -> int:
-        """Free the reader-table slots of processes that died inside a read transaction
-        (a worker killed mid-match); LMDB cannot reuse the pages such a slot pins, so
-        until then every write grows ``data.mdb``.  Returns how many were freed.  Cost:
-        one look at each used slot (a lock probe per process)."""
+        """Free the slots of readers that died mid-transaction (their pinned pages would
+        never be reused); how many.  Cost: a lock probe per process with a slot."""
         return self.env.reader_check() if self.env is not None else 0
 
     def disk_bytes(self) -> int:
@@ -415,10 +411,8 @@ class LmdbWriteTxn(WriteLogic):
         self.release_blocks(seg.hashes)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Segment id and offset of each hash (segment id 0 where absent), batched.
-
-        Cost: one LMDB lookup per hash, in one cursor call.
-        """
+        """Segment id and offset of each hash (segment id 0 where absent), batched: one
+        LMDB lookup per hash, in one cursor call."""
         seg_ids = np.zeros(hashes.size, dtype=np.uint32)
         offsets = np.zeros(hashes.size, dtype=np.uint16)
         found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
@@ -434,10 +428,8 @@ class LmdbWriteTxn(WriteLogic):
         return seg_ids, offsets
 
     def locate_one(self, block_hash: int) -> tuple[int, int]:
-        """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent.
-
-        Cost: one LMDB lookup.
-        """
+        """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent
+        (one LMDB lookup)."""
         value = self.txn.get(U64.pack(block_hash), db=self._store.blocks_db)
         return (0, 0) if value is None else BLOCK_VALUE.unpack(value)
 
