@@ -11,7 +11,8 @@ setup(
             "sarp._native",
             # each C file beside the Python it mirrors (src/sarp/native.h lists them)
             sources=["src/sarp/native.c", "src/sarp/verify.c", "src/sarp/packing.c",
-                     "src/sarp/serving/events.c", "src/sarp/serving/http.c"],
+                     "src/sarp/serving/events.c", "src/sarp/serving/http.c",
+                     "src/sarp/tokenkeys.c"],
             depends=["src/sarp/native.h", "src/sarp/vendor/xxhash.h"],
             extra_compile_args=["-O2"],
             optional=True,

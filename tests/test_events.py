@@ -266,11 +266,13 @@ def test_media_aliases_map_to_canonical_tiers(tmp_path):
         assert index.blocks_of("e#0", medium="CPU").tolist() == [1]
 
 
-def _same_batch(a, b) -> bool:
+def _same_batch(a, b, tokens: bool = True) -> bool:
     def same_event(x, y) -> bool:
         if type(x) is not type(y):
             return False
         for name in x.__slots__:
+            if not tokens and name in ("token_ids", "block_size"):
+                continue
             u, v = getattr(x, name), getattr(y, name)
             if isinstance(u, np.ndarray) or isinstance(v, np.ndarray):
                 if u is None or v is None or u.dtype != v.dtype or not np.array_equal(u, v):
@@ -341,8 +343,10 @@ def test_reading_past_token_ids_gives_what_the_full_decode_gives():
             if _decode_common(payload) is not None:
                 # Read past unchecked: bytes inside the token ids that are not valid
                 # text (or a valid extension) sink the full decode only. Such a
-                # mutant still decodes to its unmutated payload's events.
-                assert _same_batch(decode(payload), _decode_full(base_of[payload]))
+                # mutant still decodes to its unmutated payload's events, but for the
+                # token ids, which it no longer has (they are not all ints).
+                assert _same_batch(decode(payload), _decode_full(base_of[payload]),
+                                   tokens=False)
                 lenient += 1
             else:
                 with pytest.raises(BadEvent):

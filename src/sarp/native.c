@@ -10,15 +10,16 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 10
+#define ABI_VERSION 11
 
 unsigned long long sarp_calls[CALL_KINDS];
 
-/* calls() -> (examine, walk, pack_batch, decode_batch, u64_array): calls so far */
+/* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys): calls so
+ * far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
-                         sarp_calls[CALL_U64_ARRAY]);
+                         sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS]);
 }
 
 static PyMethodDef methods[] = {
@@ -34,14 +35,17 @@ static PyMethodDef methods[] = {
     {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
      "pack_batch(ctx, ops, segment_blocks, split_tail, deferred): Packer.batch's inserts "
      "and removes"},
+    {"token_keys", (PyCFunction)(void (*)(void))sarp_token_keys, METH_FASTCALL,
+     "token_keys(data, width, block_size, seed, parent): see sarp.tokenkeys"},
     {"calls", calls, METH_NOARGS,
-     "calls(): (examine, walk, pack_batch, decode_batch, u64_array) calls so far"},
+     "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
-    "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch); each "
+    "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
+    "token_keys); each "
     "has a Python reference.", -1,
     methods,
 };

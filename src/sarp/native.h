@@ -1,6 +1,7 @@
 /* What sarp._native's translation units share.  Each C file sits beside the Python it
  * mirrors and is named after it: verify.c (examine, walk), packing.c (pack_batch),
- * serving/events.c (decode_batch), serving/http.c (u64_array); native.c is the module
+ * serving/events.c (decode_batch), serving/http.c (u64_array), tokenkeys.c (token_keys);
+ * native.c is the module
  * (native.py is its only loader).  The segment record's layout is read in one place,
  * here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
@@ -19,10 +20,12 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_decode_batch(PyObject *self, PyObject *arg);
+PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Calls of each entry point since the module loaded (native.calls(): the tests that
  * hold C to its Python reference assert which path ran).  Counted with the GIL held. */
-enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_KINDS };
+enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
+       CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -30,8 +30,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 10  # native.c's ABI_VERSION
-PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array")  # _native.calls()
+ABI = 11  # native.c's ABI_VERSION
+# in the order of _native.calls()
+PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys")
 _TRUE = ("1", "true", "yes", "on")
 
 

@@ -255,13 +255,15 @@ static int chain_fault(const uint64_t *hashes, size_t n, int has_parent, uint64_
     return fault;
 }
 
-enum { F_HASHES, F_PARENT, F_MEDIUM, F_LORA, F_GROUP, F_SKIP, F_READ };
+enum { F_HASHES, F_PARENT, F_MEDIUM, F_LORA, F_GROUP, F_TOKENS, F_BSIZE, F_SKIP, F_READ };
 
 /* Which field a name is, for an event of `kind` (0 stored, 1 removed, 2 other). */
 static int field_of(const uint8_t *s, size_t n, int kind) {
 #define IS(lit) (n == sizeof(lit) - 1 && memcmp(s, lit, n) == 0)
+    if (kind == 0 && IS("token_ids")) return F_TOKENS;
     if (IS("token_ids") || IS("extra_keys")) return F_SKIP;
     if (kind == 2) return F_READ;
+    if (kind == 0 && IS("block_size")) return F_BSIZE;
     if (IS("block_hashes")) return F_HASHES;
     if (IS("medium")) return F_MEDIUM;
     if (IS("group_idx")) return F_GROUP;
@@ -271,8 +273,32 @@ static int field_of(const uint8_t *s, size_t n, int kind) {
 #undef IS
 }
 
-static const int STORED_ARRAY[] = {F_HASHES, F_PARENT, F_SKIP, F_READ, F_READ, F_MEDIUM,
+static const int STORED_ARRAY[] = {F_HASHES, F_PARENT, F_TOKENS, F_BSIZE, F_READ, F_MEDIUM,
                                    F_LORA, F_SKIP, F_GROUP};
+
+/* Token ids and fields read past (not checked: their text need not be UTF-8). */
+static int unchecked(int f) { return f == F_SKIP || f == F_TOKENS; }
+
+/* A store's token ids as a bytes of u32s (machine order), or None when absent or not
+ * all ints from 0 to 2**32 - 1 (such a store is keyed through its engine hashes). */
+static PyObject *read_tokens(const uint8_t *at, const uint8_t *end) {
+    size_t n;
+    Reader f = {at, end};
+    if (at == NULL || read_container(&f, 0, &n) != 1 || !need(&f, n)) return Py_NewRef(Py_None);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 4));
+    if (out == NULL) return NULL;
+    uint32_t *t = (uint32_t *)PyBytes_AS_STRING(out);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t v;
+        int negative;
+        if (read_int(&f, &v, &negative) != 1 || negative || v > 0xFFFFFFFFu) {
+            Py_DECREF(out);
+            return Py_NewRef(Py_None);
+        }
+        t[i] = (uint32_t)v;
+    }
+    return out;
+}
 static const int REMOVED_ARRAY[] = {F_HASHES, F_MEDIUM, F_GROUP};
 
 /* An optional str field (absent or nil: None), as a new reference; NULL when it holds
@@ -313,7 +339,7 @@ static PyObject *read_event(Reader *r) {
         for (size_t i = 0; i + 1 < count; i++) {
             int f = i < known ? names[i] : F_SKIP;
             if (f < F_SKIP) where[f] = r->p;
-            if (skip(r, f != F_SKIP, 0) != 1) return NULL;
+            if (skip(r, !unchecked(f), 0) != 1) return NULL;
         }
     } else {
         if (read_container(r, 1, &count) != 1) return NULL;
@@ -337,7 +363,7 @@ static PyObject *read_event(Reader *r) {
             }
             if (f0 < F_SKIP) stored[f0] = r->p;
             if (f1 < F_SKIP) removed[f1] = r->p;
-            if (skip(r, f0 != F_SKIP, 0) != 1) return NULL;
+            if (skip(r, !unchecked(f0), 0) != 1) return NULL;
         }
         if (type_at == NULL) return NULL;
         Reader t = {type_at, r->end};
@@ -354,6 +380,7 @@ static PyObject *read_event(Reader *r) {
     PyObject *hashes = read_hashes(&h);
     if (hashes == NULL) return NULL;
     PyObject *medium = NULL, *lora = NULL, *group = NULL, *parent = NULL, *out = NULL;
+    PyObject *tokens = NULL, *block_size = NULL;
     uint64_t v, parent_hash = 0;
     int negative, has_parent = 0;
     medium = opt_str(where[F_MEDIUM], r->end);
@@ -377,9 +404,22 @@ static PyObject *read_event(Reader *r) {
                        (size_t)PyByteArray_GET_SIZE(hashes) / 8, has_parent, parent_hash)) {
         goto done;
     }
-    out = Py_BuildValue("(sNNNNN)", "BlockStored", hashes, parent, medium, lora, group);
-    hashes = parent = medium = lora = group = NULL;
+    uint64_t size = 0;
+    int got_size = opt_int(where[F_BSIZE], r->end, &size, &negative);
+    if (got_size == 1 && !negative && size > 0 && size <= 0xFFFF) {
+        tokens = read_tokens(where[F_TOKENS], r->end);
+        block_size = tokens == Py_None ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(size);
+    } else {
+        tokens = Py_NewRef(Py_None);
+        block_size = Py_NewRef(Py_None);
+    }
+    if (tokens == NULL || block_size == NULL) goto done;
+    out = Py_BuildValue("(sNNNNNNN)", "BlockStored", hashes, parent, medium, lora, group,
+                        tokens, block_size);
+    hashes = parent = medium = lora = group = tokens = block_size = NULL;
 done:
+    Py_XDECREF(tokens);
+    Py_XDECREF(block_size);
     Py_XDECREF(hashes);
     Py_XDECREF(parent);
     Py_XDECREF(medium);
@@ -390,7 +430,8 @@ done:
 
 /* decode_batch(payload) -> (ts, dp_rank | None, [event, ...]) | None
  * event: ("BlockStored", hashes, parent | None, medium | None, lora_name | None,
- * group_idx | None), ("BlockRemoved", hashes, medium | None, group_idx | None) or
+ * group_idx | None, token_ids | None, block_size | None) with token ids as a bytes of
+ * u32s, ("BlockRemoved", hashes, medium | None, group_idx | None) or
  * ("AllBlocksCleared",); hashes are a bytearray of uint64s in the machine's order.
  * None: let the Python decoder read this payload. */
 PyObject *sarp_decode_batch(PyObject *self, PyObject *arg) {

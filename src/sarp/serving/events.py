@@ -63,6 +63,10 @@ class Stored:
     medium: str = DEFAULT_MEDIUM
     lora_name: str | None = None
     group_idx: int | None = None
+    # the tokens (uint32) and the tokens per block, when the engine sent them as ints
+    # that fit (what token keys are made of: sarp.tokenkeys)
+    token_ids: np.ndarray | None = field(default=None, compare=False)
+    block_size: int | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -154,7 +158,9 @@ def _from_native(got: tuple | None) -> Batch | None:
             medium = _canonical(e[3])
             if medium is None:
                 return None
-            events.append(Stored(np.frombuffer(e[1], np.uint64), e[2], medium, e[4], e[5]))
+            tokens = None if e[6] is None else np.frombuffer(e[6], np.uint32)
+            events.append(Stored(np.frombuffer(e[1], np.uint64), e[2], medium, e[4], e[5],
+                                 tokens, e[7]))
         elif e[0] == "BlockRemoved":
             medium = _canonical(e[2])
             if medium is None:
@@ -179,9 +185,10 @@ def _decode_full(payload: bytes) -> Batch:
         raise BadEvent(f"malformed event batch: {exc}") from None
 
 
-# Fields of a store that sarp never reads and that make most of its bytes (16 or so
-# token ids per block): the streaming decode reads past them without building them.
-_SKIPPED = frozenset({"token_ids", "extra_keys"})
+# Fields of a store that sarp never reads: the streaming decode reads past them without
+# building them.  Token ids (most of a store's bytes) are read on their own
+# (_read_tokens), so that text in them that is not UTF-8 does not sink the batch.
+_SKIPPED = frozenset({"extra_keys"})
 _ARRAY_TYPES = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])  # msgpack array headers
 _MAP_TYPES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # and map headers
 
@@ -245,6 +252,8 @@ def _event_streamed(unpacker: msgpack.Unpacker, payload: bytes) -> Event | None:
             name = names[i] if i < len(names) else None
             if name is None or name in _SKIPPED:
                 unpacker.skip()
+            elif name == "token_ids":
+                fields[name] = _read_tokens(unpacker, payload)
             else:
                 fields[name] = unpacker.unpack()
     elif head in _MAP_TYPES:
@@ -252,12 +261,25 @@ def _event_streamed(unpacker: msgpack.Unpacker, payload: bytes) -> Event | None:
             key = unpacker.unpack()
             if key in _SKIPPED:
                 unpacker.skip()
+            elif key == "token_ids":
+                fields[key] = _read_tokens(unpacker, payload)
             else:
                 fields[key] = unpacker.unpack()
         kind = fields.get("type")
     else:
         return None
     return _checked_event(kind, fields)
+
+
+def _read_tokens(unpacker: msgpack.Unpacker, payload: bytes) -> object:
+    """The token ids at the unpacker's position (None when they cannot be read),
+    read past either way."""
+    start = unpacker.tell()
+    unpacker.skip()
+    try:
+        return msgpack.unpackb(payload[start:unpacker.tell()], raw=False)
+    except Exception:  # msgpack raises several unrelated types on bad input
+        return None
 
 
 def _batch(obj: object) -> Batch:
@@ -354,7 +376,25 @@ def _event(kind: object, fields: dict) -> Event:
     if lora_name is not None and not isinstance(lora_name, str):
         raise _Fault("malformed", f"BlockStored.lora_name must be a string, got "
                                   f"{_show(lora_name)}")
-    return Stored(block_hashes, parent_hash, medium, lora_name, group_idx)
+    tokens, block_size = _tokens(fields.get("token_ids"), fields.get("block_size"))
+    return Stored(block_hashes, parent_hash, medium, lora_name, group_idx, tokens, block_size)
+
+
+def _tokens(tokens: object, block_size: object) -> tuple[np.ndarray | None, int | None]:
+    """A store's token ids as uint32 and its block size, or ``(None, None)`` when they
+    are absent or not ints that fit (the store is then keyed through its hashes)."""
+    if (type(block_size) is not int or not 0 < block_size <= 0xFFFF
+            or not isinstance(tokens, list | tuple)):
+        return None, None
+    try:
+        arr = np.array(tokens, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None, None
+    if arr.ndim != 1 or (arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF)):
+        return None, None
+    out = arr.astype(np.uint32)
+    out.flags.writeable = False  # as the C decoder's, a view of bytes
+    return out, block_size
 
 
 def root_stores(payload: bytes, limit: int = 4) -> list[tuple[np.ndarray, list[int], int]]:
