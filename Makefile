@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh clone: `make bench` and `make test`.
 PYTHON ?= python3
 VENV := .venv
+DYNAMO := .venv-dynamo
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_ARGS ?=
 SOAK_S ?= 120
 
-.PHONY: bench test lint soak clean
+.PHONY: bench test lint soak clean dynamo
 
 # sarp._native (the match walk and the batch write in C) builds with the system's C compiler; without one
 # (or with SARP_USE_ZIG=1) with zig's, from the ziglang wheel. If neither can build it,
@@ -29,7 +30,16 @@ $(STAMP): pyproject.toml setup.py src/sarp/native.c src/sarp/verify.c src/sarp/p
 bench: $(STAMP)
 	$(BIN)/sarp bench --json bench-results/builtin.json --plot bench-results/builtin.png $(BENCH_ARGS)
 
-test: $(STAMP)
+# Dynamo's standalone indexer (ai-dynamo-runtime 1.6.1), the reference of the RFC #1403
+# conformance test, in a venv of its own; a failed install leaves FAILED and the test skips.
+$(DYNAMO)/.installed:
+	rm -rf $(DYNAMO) && $(PYTHON) -m venv $(DYNAMO)
+	$(DYNAMO)/bin/python -m pip install --quiet "ai-dynamo-runtime==1.6.1" && touch $@ || \
+	  echo "pip install ai-dynamo-runtime==1.6.1 failed (see make's output)" > $(DYNAMO)/FAILED
+
+dynamo: $(DYNAMO)/.installed
+
+test: $(STAMP) $(DYNAMO)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
 
@@ -42,4 +52,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache
+	rm -rf $(VENV) $(DYNAMO) bench-results .pytest_cache

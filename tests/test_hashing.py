@@ -89,7 +89,8 @@ def _tuples(value):
 
 def _vector_id(v: dict) -> str:
     keys = "keys" if v["extra_keys"] else "plain"
-    return f"{v['engine']}-{v['scheme']}-seed{v['seed']}-bs{v['block_size']}-{keys}"
+    lora = f"-lora{v['lora_name']}" if v.get("lora_name") else ""
+    return f"{v['engine']}-{v['scheme']}-seed{v['seed']}-bs{v['block_size']}-{keys}{lora}"
 
 
 @pytest.mark.parametrize("vector", VECTORS["vectors"], ids=_vector_id)

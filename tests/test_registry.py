@@ -150,15 +150,19 @@ def test_register_unregister_and_workers_in_the_indexers_shapes(tmp_path):
             serve.wait_ready()
             body = {"instance_id": 7, "endpoint": first.publisher.endpoint,
                     "replay_endpoint": first.publisher.replay_endpoint, "dp_rank": 0}
-            assert post(serve.port, "/register", body) == (200, {
-                "status": "registered", "instance_id": 7, "dp_rank": 0})
+            assert post(serve.port, "/register", body) == (201, {
+                "status": "ok", "instance_id": 7, "dp_rank": 0})  # Dynamo's 201
             serve.wait_for(lambda: held_by(serve.port, ca, "7#0") == len(ca),
                            what="the registered engine, replayed")
-            listed_7 = {"instance_id": 7, "endpoints": {"0": first.publisher.endpoint}}
-            serve.wait_for(lambda: listed_7 in call(serve.port, "GET", "/workers")[1],
+            def worker(iid: int) -> dict | None:
+                return next((w for w in call(serve.port, "GET", "/workers")[1]
+                             if w["instance_id"] == iid), None)
+
+            serve.wait_for(lambda: worker(7) is not None,
                            what="/workers listing it (the status is written every 0.5 s)")
-            assert {"instance_id": 8, "endpoints": {"0": other.publisher.endpoint}} in call(
-                serve.port, "GET", "/workers")[1]
+            assert worker(7)["endpoints"] == {"0": first.publisher.endpoint}
+            assert worker(8)["endpoints"] == {"0": other.publisher.endpoint}
+            assert worker(8)["model_name"] is None  # keyed by its engine's hashes
             assert post(serve.port, "/register", {"instance_id": 7})[0] == 400
             assert post(serve.port, "/register", {"instance_id": 7, "endpoint": "10.0.0.5"})[1][
                 "field"] == "endpoint"
@@ -183,7 +187,60 @@ def test_register_unregister_and_workers_in_the_indexers_shapes(tmp_path):
             body = {"instance_id": 7, "endpoint": first.publisher.endpoint}
             assert post(guarded.port, "/register", body)[0] == 401
             assert post(guarded.port, "/register", body,
-                        headers={"Authorization": "Bearer s3cret"})[0] == 200
+                        headers={"Authorization": "Bearer s3cret"})[0] == 201
     finally:
         first.publisher.close()
         other.publisher.close()
+
+
+def test_a_sources_file_entry_with_a_model_has_its_blocks_keyed_by_tokens(tmp_path):
+    from sarp.serving.sources import read_sources_file
+    from sarp.tokenkeys import model_root
+
+    f = tmp_path / "engines.yaml"
+    f.write_text("- {name: '7', endpoint: 'tcp://10.0.0.5:5557', model_name: llama,\n"
+                 "   block_size: 16, routing_group: team-a, dp_ranks: 2}\n"
+                 "- w1=tcp://10.0.0.6:5557\n")
+    ranked, plain = read_sources_file(f)[:2], read_sources_file(f)[2]
+    assert [(s.key, s.model, s.tenant, s.block_size) for s in ranked] == [
+        ("7#0", "llama", "team-a", 16), ("7#1", "llama", "team-a", 16)]
+    assert ranked[0].root == model_root("llama", "team-a") and plain.root is None
+    f.write_text("- {name: '7', endpoint: 'tcp://10.0.0.5:5557', model_name: llama}\n")
+    with pytest.raises(ValueError, match="block_size=None"):
+        read_sources_file(f)
+
+
+def test_rfc_queries_and_registrations_refuse_bad_input_naming_the_field(tmp_path):
+    from servekit import Serve, call
+
+    def post(port: int, path: str, obj):
+        return call(port, "POST", path, json.dumps(obj).encode())
+
+    with Serve(tmp_path / "ix", []) as serve:  # no engine named: it waits for /register
+        serve.wait_ready()
+        port = serve.port
+        assert post(port, "/query", {"token_ids": [1], "model_name": "llama"})[0] == 404
+        bad = {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5557", "model_name": "llama"}
+        assert post(port, "/register", bad)[1]["field"] == "block_size"
+        assert post(port, "/register", {**bad, "block_size": 16})[0] == 201
+        # a second block size for the model is refused, and changes nothing
+        other = {**bad, "instance_id": 2, "block_size": 32}
+        status, body = post(port, "/register", other)
+        assert status == 409 and body["field"] == "block_size"
+        serve.wait_for(lambda: post(port, "/query", {"token_ids": [],
+                                                     "model_name": "llama"})[0] == 200,
+                       what="the model known to the workers")
+        for body, field in (({"token_ids": [-1], "model_name": "llama"}, "token_ids[0]"),
+                            ({"token_ids": "12", "model_name": "llama"}, "token_ids"),
+                            ({"token_ids": [1]}, "model_name"),
+                            ({"token_ids": [1], "model_name": "llama", "lora_name": 3},
+                             "lora_name"),
+                            ([1, 2], "body")):
+            status, got = post(port, "/query", body)
+            assert (status, got["field"]) == (400, field), got
+        assert post(port, "/query_by_hash", {"block_hashes": [1.5],
+                                             "model_name": "llama"})[1]["field"] == \
+            "block_hashes"
+        workers = call(port, "GET", "/workers")[1]
+        assert [(w["instance_id"], w["model_name"], w["block_size"]) for w in workers] == [
+            (1, "llama", 16)]

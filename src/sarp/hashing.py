@@ -232,10 +232,12 @@ def hash_blocks(
       tuples and strings are interned before pickling, as vLLM's tags are literals).
       The value returned is the low 64 bits of each digest, which is what vLLM's
       events carry;
-    * ``"sglang"``: SGLang 0.5.x's page hash (events without a LoRA or cache-salt
-      namespace): SHA-256 of the previous page's digest and the page's tokens as
-      little-endian uint32 (uint64 after a 0xff byte for a page with a token of
-      2**32 or more); the value is the digest's first 8 bytes.
+    * ``"sglang"``: SGLang 0.5.x's page hash: SHA-256 of the previous page's digest
+      and the page's tokens as little-endian uint32 (uint64 after a 0xff byte for a
+      page with a token of 2**32 or more); the value is the digest's first 8 bytes.
+      ``seed`` is the request's ``cache_salt`` (the first page then chains on
+      ``sha256("sglang-cache-salt-v1\\0" + salt)``); a LoRA adapter (SGLang's
+      ``extra_key``) does not enter SGLang 0.5.23's event hashes.
 
     For the vLLM and SGLang schemes ``parent`` is the previous block's full digest
     (:func:`block_digests`: 32 bytes, 16 for xxhash), since a 64-bit value cannot
@@ -292,6 +294,8 @@ def block_digests(
     if scheme == "sglang":
         if extra_keys is not None:
             raise ValueError("extra_keys= is for the vLLM schemes")
+        if parent is None and seed is not None:  # SGLang's cache-salt namespace
+            parent = hashlib.sha256(b"sglang-cache-salt-v1\0" + seed.encode()).digest()
         return _sglang_chain(tokens, num_blocks, block_size, parent)
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise ValueError(f"extra_keys has {len(extra_keys)} entries; pass one per full block "

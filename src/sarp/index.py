@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import recovery
+from . import aliases, recovery
 from .check import check
 from .errors import CorruptRecordError, IndexClosedError, LeaseLostError, ReadOnlyIndexError
 from .hashing import HashesLike, as_hashes
@@ -391,7 +391,7 @@ class Index:
             store = self._writable_store("batch")
             if not prepared:
                 return BatchResult(num_ops, failed, 0, [0] * num_ops)
-            plan, refused = store.write(lambda w: self._packer.batch(w, prepared))
+            plan, refused = store.write(lambda w: aliases.pack(w, self._packer, prepared))
             self._apply(plan)
             failed += [(positions[j], exc) for j, exc in refused]
             failed.sort(key=lambda f: f[0])

@@ -36,13 +36,19 @@ def prepare(op: tuple) -> tuple:
     raise ValueError(f"batch operation {kind!r}; use 'insert', 'remove' or 'clear'")
 
 
+_DECODED = ("insert", "remove", "insert_engine", "remove_engine")
+
+
 def prepare_all(ops: Sequence[tuple], hashes_checked: bool = False
                 ) -> tuple[list[tuple], list[int], list[tuple[int, Exception]]]:
     """``(prepared, their positions in ops, [(position, error)] for the refused)``.
 
     ``hashes_checked``: the event decoder has checked the hashes already (uint64
     arrays, no hash twice, a parent not among them), so only the holder names are,
-    once per name.  Cost: O(blocks) for the hash checks; a dict read per operation
+    once per name.  Then ops may also be ``("insert_engine", hashes, parent, holder,
+    medium, root, tokens, block_size, lora_name)`` and ``("remove_engine", hashes,
+    holder, medium, root)``, of engines whose blocks are keyed by their tokens
+    (:mod:`sarp.aliases`).  Cost: O(blocks) for the hash checks; a dict read per operation
     when ``hashes_checked``.
     """
     prepared, positions, failed = [], [], []
@@ -50,13 +56,19 @@ def prepare_all(ops: Sequence[tuple], hashes_checked: bool = False
     for i, op in enumerate(ops):
         try:
             kind = op[0] if hashes_checked else None
-            if kind in ("insert", "remove"):
-                key = (op[3], op[4]) if kind == "insert" else (op[2], op[3])
+            if kind in _DECODED:
+                key = (op[3], op[4]) if kind[0] == "i" else (op[2], op[3])
                 name = names.get(key)
                 if name is None:
                     name = names[key] = holder_name(*key)
-                prepared.append(("insert", op[1], op[2], name, None) if kind == "insert"
-                                else ("remove", op[1], name))
+                if kind == "insert":
+                    prepared.append(("insert", op[1], op[2], name, None))
+                elif kind == "remove":
+                    prepared.append(("remove", op[1], name))
+                elif kind == "insert_engine":  # sarp.aliases resolves these in the write
+                    prepared.append((kind, op[1], op[2], name, *op[5:]))
+                else:
+                    prepared.append((kind, op[1], name, op[4]))
             else:
                 prepared.append(prepare(op))
             positions.append(i)

@@ -14,6 +14,9 @@ big-endian, so byte order is numeric order):
               ``s:<id>`` -> the name's checksum (xxh3-64)
 ``log``       sequence (u64)    -> segment id (u32) + its first hash (u64), LE: every
               segment a write touched, replayed on restart after the snapshot watermark
+``aliases``   model root (u64) + engine hash (u64) -> token key (u64): the engine's
+              hash of each block of an engine whose blocks are keyed by their tokens
+              (:mod:`sarp.tokenkeys`, :mod:`sarp.aliases`)
 
 A backend names what it can do in :class:`Capabilities`, which the index and the
 packer read instead of probing attributes.
@@ -47,7 +50,7 @@ ID_STRIDE = 8
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
 COUNTERS = ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id")
-TABLES = ("meta", "segments", "blocks", "holders", "log")
+TABLES = ("meta", "segments", "blocks", "holders", "log", "aliases")  # aliases: last
 
 U64 = struct.Struct(">Q")  # meta counters, segment and log keys, block keys
 BLOCK_VALUE = struct.Struct("<IH")  # blocks: segment id, offset
@@ -55,6 +58,7 @@ BLOCK_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u2")])
 LOG_VALUE = struct.Struct("<IQ")  # log: segment id, first hash
 HOLDER_ID = struct.Struct(">H")  # holders: the value of n:<name>, the suffix of i: and s:
 T = TypeVar("T")
+_ABSENT = bytes(8)
 
 
 def is_url(path: object) -> bool:
@@ -214,6 +218,9 @@ class WriteTxn(Protocol):
     def holder_id(self, name: str, create: bool, reclaim=None) -> int | None: ...
     def forget_holders(self, holder_ids: list[int]) -> None: ...
     def new_segment_id(self) -> int: ...
+    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]: ...
+    def alias_put(self, items: list[tuple[bytes, bytes]]) -> None: ...
+    def alias_delete(self, keys: list[bytes]) -> None: ...
 
 
 class Store(Protocol):
@@ -238,12 +245,32 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+def alias_keys(root: int, hashes: np.ndarray) -> list[bytes]:
+    """The ``aliases`` keys of engine hashes under a model root (16 bytes each, BE).
+
+    >>> alias_keys(1, np.array([2], np.uint64))[0].hex()
+    '00000000000000010000000000000002'
+    """
+    keys = np.empty(hashes.size, dtype=[("root", ">u8"), ("hash", ">u8")])
+    keys["root"], keys["hash"] = root, hashes
+    return keys.view("V16").tolist()
+
+
 class WriteLogic:
     """What a write does the same way on every store, over a backend's primitives
     (``counter``, ``set_counter``, ``put_meta``, ``segment_exists``, ``holder_get``,
-    ``holder_put``, ``holder_items``) and ``_store.path``."""
+    ``holder_put``, ``holder_items``, ``alias_found``) and ``_store.path``."""
 
     __slots__ = ()
+
+    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(token keys, found)`` of engine hashes under ``root`` (key 0 where not
+        found).  Cost: one batched lookup (one cursor call, or one ``HMGET``)."""
+        keys = alias_keys(root, hashes)
+        found = self.alias_found(keys)
+        values = [found.get(k, _ABSENT) for k in keys]
+        return (np.frombuffer(b"".join(values), ">u8").astype(np.uint64),
+                np.array([v is not _ABSENT for v in values], bool))
 
     def create_meta(self) -> None:
         """A new index's meta: format version, a new index id, zero counters, and the

@@ -1,11 +1,10 @@
 """The store on LMDB (a folder): :mod:`sarp.store`'s contract, and the only module that
 imports lmdb.
 
-The contract's five tables are named LMDB databases in ``data.mdb`` (``meta``,
-``segments``, ``blocks``, ``holders``, ``log``), with the keys and values
-:mod:`sarp.store` gives.  Here: the environment and its locks (``sarp.lock`` and a
-lock on ``data.mdb``), map growth, a check of the file before LMDB maps it, the
-salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
+The contract's tables (``sarp.store.TABLES``) are named LMDB databases in ``data.mdb``,
+with the keys and values :mod:`sarp.store` gives.  Here: the environment and its locks
+(``sarp.lock`` and a lock on ``data.mdb``), map growth, a check of the file before LMDB
+maps it, the salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
 :mod:`sarp.errors` (here and nowhere else).
 """
 
@@ -155,7 +154,7 @@ class LmdbStore:
     def _open_tables_readonly(self) -> None:
         """Open the named tables without creating anything (a reader writes nothing)."""
         try:
-            for name in TABLES:
+            for name in TABLES[:-1]:  # not aliases: only a writer reads them
                 # Without txn=, py-lmdb opens each table in a read transaction of its
                 # own and keeps the handle; a handle opened in our txn would not last.
                 setattr(self, f"{name}_db", self.env.open_db(name.encode(), create=False))
@@ -241,9 +240,8 @@ class LmdbStore:
             except lmdb.MapFullError:
                 self._grow()
             except lmdb.Error as exc:
-                # LMDB reports a full disk as a failed write (often EIO): look at the room
-                # left, so that the caller gets StoreFullError and what to do.  The
-                # transaction was aborted: the index is as it was, usable once there is room.
+                # LMDB reports a full disk as a failed write (often EIO): the caller gets
+                # StoreFullError; the transaction was aborted, the index is as it was.
                 room = no_room(self.path)
                 if room is not None:
                     raise StoreFullError(f"{self.path}: the write failed ({exc}): {room}; "
@@ -366,8 +364,7 @@ class LmdbReadTxn:
             yield U64.unpack(key)[0], seg_id, offset
 
     def holder_names(self) -> dict[int, str | None]:
-        """Holder id -> ``instance\\0medium``; ``None`` for a name that fails its checksum
-        (a damaged name must never be reported as holding blocks)."""
+        """Holder id -> ``instance\\0medium``; ``None`` for one that fails its checksum."""
         required = self._txn.get(b"name_sums", db=self._store.meta_db) is not None
         db = self._store.holders_db
         return holder_names(_items(self._txn.cursor(db=db), b"i:"),
@@ -411,8 +408,7 @@ class LmdbWriteTxn(WriteLogic):
         self.release_blocks(seg.hashes)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Segment id and offset of each hash (segment id 0 where absent), batched: one
-        LMDB lookup per hash, in one cursor call."""
+        """Segment id and offset of each hash (segment id 0 where absent): one cursor call."""
         seg_ids = np.zeros(hashes.size, dtype=np.uint32)
         offsets = np.zeros(hashes.size, dtype=np.uint16)
         found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
@@ -503,18 +499,12 @@ class LmdbWriteTxn(WriteLogic):
         self.txn.abort()
 
     def release_blocks(self, hashes: np.ndarray) -> None:
-        """Delete the ``blocks`` entries of ``hashes`` (a dead segment's, or a claim undone).
-
-        Consumed in C: no Python per block.
-        """
+        """Delete the ``blocks`` entries of ``hashes`` (consumed in C: no Python per block)."""
         deque(map(partial(self.txn.delete, db=self._store.blocks_db), hash_keys(hashes)),
               maxlen=0)
 
     def log(self, entries: list[tuple[int, int]]) -> None:
-        """Append ``(segment id, first hash)`` entries to the log, in order.
-
-        Cost: one counter update and one appending ``putmulti``.
-        """
+        """Append ``(segment id, first hash)`` entries to the log (one appending putmulti)."""
         first = self.take_seqs(len(entries))
         self.txn.cursor(db=self._store.log_db).putmulti(
             [(U64.pack(first + i), LOG_VALUE.pack(seg_id, first_hash))
@@ -523,8 +513,7 @@ class LmdbWriteTxn(WriteLogic):
     def holder_get(self, key: bytes) -> bytes | None:
         return self.txn.get(key, db=self._store.holders_db)
 
-    def holder_put(self, key: bytes, value: bytes | None) -> None:
-        """Set (or with None delete) one entry of the holders table."""
+    def holder_put(self, key: bytes, value: bytes | None) -> None:  # None: delete
         if value is None:
             self.txn.delete(key, db=self._store.holders_db)
         else:
@@ -533,6 +522,15 @@ class LmdbWriteTxn(WriteLogic):
     def holder_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         """The holders table's entries whose keys start with ``prefix``, in key order."""
         return _items(self.txn.cursor(db=self._store.holders_db), prefix)
+
+    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        return dict(self.txn.cursor(db=self._store.aliases_db).getmulti(keys))
+
+    def alias_put(self, items: list[tuple[bytes, bytes]]) -> None:
+        self.txn.cursor(db=self._store.aliases_db).putmulti(items)
+
+    def alias_delete(self, keys: list[bytes]) -> None:
+        deque(map(partial(self.txn.delete, db=self._store.aliases_db), keys), maxlen=0)
 
     def counter(self, name: str) -> int:
         raw = self.txn.get(name.encode(), db=self._store.meta_db)

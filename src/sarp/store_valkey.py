@@ -72,7 +72,7 @@ from .valkey_scripts import COMMIT, READ, RENEW, SET
 log = logging.getLogger("sarp.valkey")
 
 DEFAULT_LEASE_S = 10.0
-_TABLES = ("meta", "seg", "blk", "hold")  # hashes a write changes, in script order
+_TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in script order
 _UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
 
@@ -114,7 +114,8 @@ class ValkeyStore:
         self.lease_ms = int(lease_s * 1000)
         ns = self.settings["namespace"]
         self.keys = {name: f"sarp:{{{ns}}}:{name}".encode()
-                     for name in ("meta", "seg", "blk", "hold", "log", "snap", "lease", "fence")}
+                     for name in ("meta", "seg", "blk", "hold", "alias", "log", "snap", "lease",
+                                  "fence")}
         self._lease_value: bytes | None = None
         self._lease_until = 0.0  # monotonic time the lease runs out, as of its last renewal
         self._aof = False
@@ -458,7 +459,8 @@ class ValkeyReadTxn:
                             lambda packed: table.get(b"s:" + packed), required)
 
     def stat(self, table: str) -> dict:
-        key = {"segments": "seg", "blocks": "blk", "holders": "hold", "meta": "meta"}.get(table)
+        key = {"segments": "seg", "blocks": "blk", "holders": "hold", "meta": "meta",
+               "aliases": "alias"}.get(table)
         if key is None:
             return {"entries": self._c.xlen(self._store.keys["log"])}
         return {"entries": self._c.hlen(self._store.keys[key])}
@@ -572,6 +574,19 @@ class ValkeyWriteTxn(WriteLogic):
         table.update(self._pending["hold"])
         return sorted((k, v) for k, v in table.items() if v is not None and k.startswith(prefix))
 
+    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """Found ``aliases`` entries (this write's changes included): one ``HMGET``."""
+        pending = self._pending["alias"]
+        values = self._c.hmget(self._store.keys["alias"], keys) if keys else []
+        got = {k: pending.get(k, v) for k, v in zip(keys, values, strict=True)}
+        return {k: v for k, v in got.items() if v is not None}
+
+    def alias_put(self, items: list[tuple[bytes, bytes]]) -> None:
+        self._pending["alias"].update(items)
+
+    def alias_delete(self, keys: list[bytes]) -> None:
+        self._pending["alias"].update(dict.fromkeys(keys))
+
     # the commit
 
     def commit(self) -> None:
@@ -590,7 +605,7 @@ class ValkeyWriteTxn(WriteLogic):
         args.append(len(self._log))
         for entry_id, value in self._log:
             args += (entry_id, value)
-        keys = [store.keys[name] for name in ("lease", "meta", "seg", "blk", "hold", "log")]
+        keys = [store.keys[name] for name in ("lease", *_TABLES, "log")]
         store._run(store._commit, keys, args)
         if store._aof:
             store.client.execute_command("WAITAOF", 1, 0, 0)

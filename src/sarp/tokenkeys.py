@@ -62,7 +62,7 @@ def token_keys(tokens: np.ndarray | list[int], block_size: int, *, parent: int,
     >>> keys, local = token_keys(list(range(1, 10)), 4, parent=root)
     >>> len(keys), int(local[0])
     (2, 14643705804678351452)
-    >>> token_keys(list(range(5, 9)), 4, parent=int(keys[0]))[0][0] == keys[1]
+    >>> bool(token_keys(list(range(5, 9)), 4, parent=int(keys[0]))[0][0] == keys[1])
     True
     """
     arr = np.ascontiguousarray(tokens, dtype=np.uint32)

@@ -5,15 +5,15 @@ holds this writer's value, so that a writer paused past its lease can never writ
 
 from __future__ import annotations
 
-# KEYS: lease meta seg blk hold log.  ARGV: lease value, trim MINID ("" for none),
-# then per table (meta, seg, blk, hold): n, n field/value pairs, m, m fields to delete; then
+# KEYS: lease meta seg blk hold alias log.  ARGV: lease value, trim MINID ("" for none),
+# then per table (meta, seg, blk, hold, alias): n, n field/value pairs, m, m fields to delete; then
 # k, k (stream id, value) pairs.  Chunks keep unpack() under Lua's stack limit.
 COMMIT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('SARPFENCED this writer no longer holds the lease')
 end
 local i = 3
-for t = 2, 5 do
+for t = 2, 6 do
   local n = tonumber(ARGV[i]); i = i + 1
   local j = 0
   while j < n do
@@ -37,9 +37,9 @@ for t = 2, 5 do
 end
 local n = tonumber(ARGV[i]); i = i + 1
 for k = 0, n - 1 do
-  redis.call('XADD', KEYS[6], ARGV[i + 2 * k], 'v', ARGV[i + 2 * k + 1])
+  redis.call('XADD', KEYS[7], ARGV[i + 2 * k], 'v', ARGV[i + 2 * k + 1])
 end
-if ARGV[2] ~= '' then redis.call('XTRIM', KEYS[6], 'MINID', ARGV[2]) end
+if ARGV[2] ~= '' then redis.call('XTRIM', KEYS[7], 'MINID', ARGV[2]) end
 return 1
 """
 

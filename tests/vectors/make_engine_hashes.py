@@ -165,6 +165,50 @@ def sglang(root: Path, ext_dir: Path) -> list[dict]:
     return out
 
 
+def sglang_namespaced(root: Path, ext_dir: Path) -> list[dict]:
+    """SGLang's event hashes of pages under a LoRA adapter (``extra_key``) and a
+    ``cache_salt``: ``compute_node_event_hash_values`` from its source, run on a radix
+    node of one page chain, hashing with the extension as ``get_native_hash`` does."""
+    sys.path.insert(0, str(ext_dir))
+    import hicache_hash_cpp
+
+    def get_hash_str(token_ids, prior_hash=None, page_size=None):
+        prior = bytes.fromhex(prior_hash) if prior_hash else None
+        raw = array("q", list(token_ids))
+        return hicache_hash_cpp.get_hash(raw, len(raw), 1, False, prior, page_size)
+
+    class Key(list):
+        def __init__(self, tokens, extra_key, cache_salt):
+            super().__init__(tokens)
+            self.extra_key, self.cache_salt = extra_key, cache_salt
+
+    class Node:
+        def __init__(self, key, parent):
+            self.key, self.parent = key, parent
+            self.hash_value = self.event_hash_value = None
+
+    ns = functions(root / "sglang" / "srt" / "mem_cache" / "utils.py",
+                   {"hash_str_to_int64", "compute_node_event_hash_values",
+                    "compute_node_hash_values", "get_storage_hash_str",
+                    "storage_namespace_seed"},
+                   {"hashlib": hashlib, "get_hash_str": get_hash_str, "List": list,
+                    "Optional": None, "Any": object})
+    rng = random.Random(12)
+    out = []
+    for block_size, extra_key, salt in ((16, "lora-7", None), (16, None, "tenant-a"),
+                                        (4, "lora-7", "tenant-a"), (16, None, "")):
+        tokens = [rng.randrange(150_000) for _ in range(block_size * 3 + 1)]
+        full = len(tokens) // block_size
+        root_node = Node(Key([], None, None), None)
+        node = Node(Key(tokens[: full * block_size], extra_key, salt), root_node)
+        hexes = ns["compute_node_event_hash_values"](node, block_size)
+        out.append({"engine": "sglang-0.5.23", "scheme": "sglang", "seed": salt,
+                    "block_size": block_size, "tokens": tokens, "extra_keys": None,
+                    "lora_name": extra_key,
+                    "hashes": [ns["hash_str_to_int64"](h) for h in hexes[:full]]})
+    return out
+
+
 def vllm_default_algo(root: Path) -> str:
     """The default of ``--prefix-caching-hash-algo``, as the wheel's config declares it."""
     text = (root / "vllm" / "config" / "cache.py").read_text()
@@ -178,6 +222,7 @@ def main() -> None:
     wheels = Path(sys.argv[1])
     vectors = (vllm(wheels / "vllm-0.11.0", "0.11.0") + vllm(wheels / "vllm-0.33.0", "0.33.0")
                + sglang(wheels / "sglang-0.5.23", wheels)
+               + sglang_namespaced(wheels / "sglang-0.5.23", wheels)
                + vllm_more(wheels / "vllm-0.33.0", "0.33.0"))
     json.dump({"made_by": "tests/vectors/make_engine_hashes.py (see its docstring)",
                "vllm_default_algo": {"vllm-0.33.0": vllm_default_algo(wheels / "vllm-0.33.0")},

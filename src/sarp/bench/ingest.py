@@ -128,7 +128,11 @@ def count(stream) -> tuple[int, int, list[int]]:
     return sum(per_batch), blocks, per_batch
 
 
-def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict:
+TOKEN_MODEL = "bench"  # the model of the engines whose blocks are keyed by their tokens
+
+
+def backlog(stream, engines: int, caches, durability: str, workdir: str,
+            token_keys: bool = False) -> dict:
     import zmq
 
     import sarp
@@ -142,7 +146,9 @@ def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict
     folder = Path(tempfile.mkdtemp(prefix=f"sarp-ingest-{durability}-", dir=workdir))
     try:
         with sarp.open(folder / "ix", durability=durability) as index:
-            sub = Subscriber(index, [Source(f"e{i}", p.endpoint, p.replay_endpoint)
+            model = TOKEN_MODEL if token_keys else None
+            sub = Subscriber(index, [Source(f"e{i}", p.endpoint, p.replay_endpoint,
+                                            model=model, block_size=16 if model else None)
                                      for i, p in enumerate(pubs)])
             time.sleep(0.3)  # connected before the first publish
             for engine, payload in stream:
@@ -155,7 +161,9 @@ def backlog(stream, engines: int, caches, durability: str, workdir: str) -> dict
                     sub.poll(10)
                 seconds = time.perf_counter() - started
             stats = [s.applied for s in sub.stats.values()]
-            equal = all(set(index.blocks_of(f"e{i}#0").tolist()) == caches[i]
+            # token keys are not the engines' hashes: then the counts are compared
+            equal = all(set(index.blocks_of(f"e{i}#0").tolist()) == caches[i] if not model
+                        else index.blocks_of(f"e{i}#0").size == len(caches[i])
                         for i in range(engines))
             commits = index.stats()["batches"]
             sub.close()
@@ -260,8 +268,9 @@ def offered(stream_path: str, engines: int, rate: float, seconds: float,
 # -- (c) direct appliers ----------------------------------------------------------------------
 
 
-def ops_of(stream, chunk_events: int) -> list[list[tuple]]:
-    """The stream as index operations, in chunks of about ``chunk_events`` events."""
+def ops_of(stream, chunk_events: int, root: int | None = None) -> list[list[tuple]]:
+    """The stream as index operations, in chunks of about ``chunk_events`` events
+    (``root``: as serve's applier makes them for engines keyed by their tokens)."""
     from ..serving.events import Cleared, Removed, Stored, decode
 
     chunks, ops = [], []
@@ -269,9 +278,13 @@ def ops_of(stream, chunk_events: int) -> list[list[tuple]]:
         holder = f"e{engine}#0"
         for e in decode(payload).events:
             if isinstance(e, Stored):
-                ops.append(("insert", e.block_hashes, e.parent, holder, e.medium))
+                ops.append(("insert", e.block_hashes, e.parent, holder, e.medium)
+                           if root is None else
+                           ("insert_engine", e.block_hashes, e.parent, holder, e.medium, root,
+                            e.token_ids, e.block_size, e.lora_name))
             elif isinstance(e, Removed):
-                ops.append(("remove", e.block_hashes, holder, e.medium))
+                ops.append(("remove", e.block_hashes, holder, e.medium) if root is None
+                           else ("remove_engine", e.block_hashes, holder, e.medium, root))
             elif isinstance(e, Cleared):
                 ops.append(("clear", holder, None))
         if len(ops) >= chunk_events:
@@ -287,11 +300,11 @@ def direct(name: str, chunks, workdir: str) -> dict:
     from .baselines import opener
 
     folder = Path(tempfile.mkdtemp(prefix=f"sarp-direct-{name}-", dir=workdir))
-    index = opener(name)(folder / "ix", durability="nosync")
+    index = opener(name.removesuffix("-token-keys"))(folder / "ix", durability="nosync")
     events = sum(len(c) for c in chunks)
     started = time.perf_counter()
     for chunk in chunks:
-        if name == "sarp":
+        if name.startswith("sarp"):
             index.apply_decoded(chunk)  # what serve's event applier calls
         else:
             index.apply_ops(chunk)
@@ -342,8 +355,24 @@ def _run(args, work: str) -> int:
         print(f"backlog {durability}: {best['events_per_s']:,.0f} events/s, "
               f"{best['blocks_per_s']:,.0f} blocks/s (median of {args.repeat}); index = "
               f"caches: {best['index_equals_caches']}", flush=True)
+    # the same drain with the engines' blocks keyed by their tokens (interleaved with
+    # today's engine keys, nosync both)
+    keyed: dict[str, list[dict]] = {"engine keys": [], "token keys": []}
+    for _ in range(args.repeat):
+        for name, runs in keyed.items():
+            runs.append(backlog(stream, args.engines, caches, "nosync", work,
+                                token_keys=name == "token keys"))
+    result["backlog_keys"] = {name: {"events_per_s": statistics.median(
+        r["events_per_s"] for r in runs), "runs": runs} for name, runs in keyed.items()}
+    ratio = (result["backlog_keys"]["token keys"]["events_per_s"]
+             / result["backlog_keys"]["engine keys"]["events_per_s"])
+    result["backlog_keys"]["token_to_engine_ratio"] = ratio
+    print(f"backlog nosync, token keys: {result['backlog_keys']['token keys']['events_per_s']:,.0f}"
+          f" events/s = {ratio:.2f}x engine keys (medians of {args.repeat}, interleaved)",
+          flush=True)
     result["index_equals_caches"] = all(b["index_equals_caches"]
-                                        for b in result["backlog"].values())
+                                        for b in result["backlog"].values()) and all(
+        r["index_equals_caches"] for runs in keyed.values() for r in runs)
     # Every rate is offered for rate_s seconds: the sweep's stream is as many passes
     # over the requests as the top rate needs (later passes evict more, so this is
     # enough), in a file the publisher process maps.
@@ -365,23 +394,31 @@ def _run(args, work: str) -> int:
           if p["achieved_events_per_s"] >= 0.95 * p["offered_events_per_s"]
           and p["lag_p99_ms"] <= 100]
     result["threshold_events_per_s"] = max(ok) if ok else 0
-    chunks = ops_of(stream, args.chunk_events)
+    from ..tokenkeys import model_root
+
+    chunks = {"": ops_of(stream, args.chunk_events),
+              "-token-keys": ops_of(stream, args.chunk_events, model_root(TOKEN_MODEL))}
     result["chunk_events"] = args.chunk_events
     result["baselines"] = {}
-    order = ["sarp", "memory-dict", "lmdb-per-block"]
+    order = ["sarp", "sarp-token-keys", "memory-dict", "lmdb-per-block"]
     runs = {name: [] for name in order}
     for _ in range(args.repeat):  # interleaved: A, B, C, A, B, C, ...
         for name in order:
-            runs[name].append(direct(name, chunks, work)["events_per_s"])
+            ops = chunks["-token-keys" if name.endswith("-token-keys") else ""]
+            runs[name].append(direct(name, ops, work)["events_per_s"])
     for name in order:
         result["baselines"][name] = {"events_per_s": statistics.median(runs[name]),
                                      "runs": runs[name]}
     sarp_direct = result["baselines"]["sarp"]["events_per_s"]
-    for name in order[1:]:
+    for name in order[2:]:
         ratio = sarp_direct / result["baselines"][name]["events_per_s"]
         result["baselines"][name]["sarp_ratio"] = ratio
         print(f"direct apply: sarp {sarp_direct:,.0f} events/s = {ratio:.2f}x {name} "
               f"({result['baselines'][name]['events_per_s']:,.0f})", flush=True)
+    tokens = result["baselines"]["sarp-token-keys"]
+    tokens["to_engine_keys"] = tokens["events_per_s"] / sarp_direct
+    print(f"direct apply with token keys: {tokens['events_per_s']:,.0f} events/s = "
+          f"{tokens['to_engine_keys']:.2f}x engine keys", flush=True)
     print(f"threshold: {result['threshold_events_per_s']:,.0f} events/s", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from ..holders import DEFAULT_MEDIUM
 from .events import Batch, Cleared, Malformed, Removed, Stored
 
 log = logging.getLogger("sarp.events")
+_INSERTS = ("insert", "insert_engine")
 
 
 def holder_name(source: str, dp_rank: int | None) -> str:
@@ -125,6 +126,7 @@ class Applier:
 
     def __init__(self, index) -> None:
         self.index = index
+        self._roots: dict[str, int] = {}  # holder -> its model root, when token-keyed
         self._ops: list[tuple] = []
         self._meta: list[tuple[ApplyStats, str, str]] = []  # per op: stats, holder, kind
         self._batches: list[ApplyStats] = []
@@ -138,9 +140,16 @@ class Applier:
         self._ops, self._meta, self._batches = [], [], []
 
     def add(self, source: str, batch: Batch, stats: ApplyStats, *,
-            dp_rank: int | None = None) -> None:
-        """Queue a decoded batch's events (nothing is written until :meth:`flush`)."""
+            dp_rank: int | None = None, root: int | None = None) -> None:
+        """Queue a decoded batch's events (nothing is written until :meth:`flush`).
+
+        ``root``: the source's blocks are keyed by their tokens under this model root
+        (:mod:`sarp.aliases` resolves its engine hashes in the write); None: by the
+        engine's hashes.
+        """
         holder = holder_name(source, batch.dp_rank if dp_rank is None else dp_rank)
+        if root is not None:
+            self._roots[holder] = root
         for event in batch.events:
             stats.events += 1
             if getattr(event, "group_idx", None) not in (None, 0):
@@ -149,11 +158,14 @@ class Applier:
                 # could only make the index claim blocks group 0 does not hold.
                 stats.skipped_groups += 1
             elif isinstance(event, Stored):
-                self._queue(stats, holder, "store",
-                            ("insert", event.block_hashes, event.parent, holder, event.medium))
+                self._queue(stats, holder, "store", (
+                    ("insert", event.block_hashes, event.parent, holder, event.medium)
+                    if root is None else
+                    ("insert_engine", event.block_hashes, event.parent, holder, event.medium,
+                     root, event.token_ids, event.block_size, event.lora_name)))
             elif isinstance(event, Removed):
                 self._queue(stats, holder, "remove",
-                            ("remove", event.block_hashes, holder, event.medium))
+                            self._removal(event.block_hashes, holder, event.medium))
             elif isinstance(event, Cleared):
                 self._queue(stats, holder, "clear", ("clear", holder, None))
             else:
@@ -173,11 +185,19 @@ class Applier:
             self._queue(stats, holder, "clear", ("clear", holder, None))
             return
         for medium in self._media_of(holder):
-            self._queue(stats, holder, "remove", ("remove", event.block_hashes, holder, medium))
+            self._queue(stats, holder, "remove", self._removal(event.block_hashes, holder,
+                                                               medium))
+
+    def _removal(self, hashes, holder: str, medium: str) -> tuple:
+        """A removal of engine hashes, in the form the holder's keys take."""
+        root = self._roots.get(holder)
+        if root is None:
+            return ("remove", hashes, holder, medium)
+        return ("remove_engine", hashes, holder, medium, root)
 
     def _media_of(self, holder: str) -> list[str]:
         known = {m for inst, m in self.index.holders_list() if inst == holder}
-        queued = {op[4] for op in self._ops if op[0] == "insert" and op[3] == holder}
+        queued = {op[4] for op in self._ops if op[0] in _INSERTS and op[3] == holder}
         return sorted(known | queued | {DEFAULT_MEDIUM})
 
     def flush(self) -> None:
@@ -226,12 +246,12 @@ class Applier:
                 # holder lets go of them, so nothing can be claimed below them.
                 if holder not in media:
                     media[holder] = self._media_of(holder)
-                fallback.extend(("remove", op[1], holder, medium) for medium in media[holder])
+                fallback.extend(self._removal(op[1], holder, medium) for medium in media[holder])
             else:
                 _bad(stats, holder, "rejected", str(exc))
                 fallback.append(("clear", holder, None))
         if fallback:
-            self.index.apply_batch(fallback)
+            self.index.apply_decoded(fallback)
 
     def _after_internal_error(self, ops: list[tuple], meta: list, exc: Exception) -> None:
         forget = set()

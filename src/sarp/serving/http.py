@@ -60,8 +60,9 @@ import orjson
 from .. import native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
+from . import rfc
 from .guard import Guard, sweep
-from .status import STATUS_FRESH_S, read_status, registration_problem, submit
+from .status import STATUS_FILE, STATUS_FRESH_S, read_status, registration_problem, submit
 
 log = logging.getLogger("sarp.http")
 
@@ -374,6 +375,7 @@ def make_app(index, config: HttpConfig):
     latency = Histogram("sarp_match_seconds", "time to answer one match request",
                         buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1))
     path = Path(config.status_dir or config.index_path)
+    models = rfc.Models(read_status, path, STATUS_FILE)
 
     closed = Counter("sarp_http_connections_closed", "connections closed for taking too "
                      "long: to send a request, to be answered, or idle", ["reason"])
@@ -465,6 +467,28 @@ def make_app(index, config: HttpConfig):
         matches.inc()
         return response
 
+    def rfc_answer(obj: object, by_hash: bool) -> dict:
+        model, keys = rfc.parse_query(obj, by_hash, models.get())
+        if not keys.size:
+            return rfc.EMPTY
+        return rfc.answer(index.match(keys, with_presence=True), model)
+
+    def rfc_query(by_hash: bool):  # RFC #1403's /query and /query_by_hash
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.read()
+            try:
+                obj = orjson.loads(body)
+                got = (await asyncio.get_running_loop().run_in_executor(
+                    offload, rfc_answer, obj, by_hash)) if remote or len(body) > OFFLOAD_BYTES \
+                    else rfc_answer(obj, by_hash)
+            except orjson.JSONDecodeError as exc:
+                return refuse("body", f"the body is not JSON ({exc})")
+            except rfc.QueryError as exc:
+                return refuse(exc.field, str(exc), exc.status)
+            matches.inc()
+            return web.Response(body=orjson.dumps(got), content_type="application/json")
+        return handle
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "alive", "pid": os.getpid()})
 
@@ -501,12 +525,17 @@ def make_app(index, config: HttpConfig):
         return handle
 
     async def workers(_: web.Request) -> web.Response:
-        # Dynamo's shape: [{"instance_id": 1, "endpoints": {"0": "tcp://..."}}]
-        listed: dict[str, dict[str, str]] = {}
+        # Dynamo's shape: [{"instance_id": 1, "model_name": ..., "endpoints": {"0": ...}}]
+        listed: dict[tuple, dict] = {}
         for e in (read_status(path) or {}).get("engines", []):
-            listed.setdefault(e["name"], {})[str(e["dp_rank"] or 0)] = e["endpoint"]
-        return web.json_response([{"instance_id": int(n) if n.isdigit() else n, "endpoints": eps}
-                                  for n, eps in sorted(listed.items())])
+            n = e["name"]
+            entry = listed.setdefault((n, e.get("model")), {
+                "instance_id": int(n) if n.isdigit() else n, "source": "zmq",
+                "status": "active", "model_name": e.get("model"),
+                "routing_group": e.get("tenant"), "block_size": e.get("block_size"),
+                "endpoints": {}})
+            entry["endpoints"][str(e["dp_rank"] or 0)] = e["endpoint"]
+        return web.json_response([listed[k] for k in sorted(listed, key=str)])
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guarded])
     app["guards"], app["closed"], app["config"] = guards, closed, config
@@ -517,6 +546,8 @@ def make_app(index, config: HttpConfig):
     app.router.add_post("/register", admin("register"))  # engines at runtime (RFC #1403)
     app.router.add_post("/unregister", admin("unregister"))
     app.router.add_get("/workers", workers)
+    app.router.add_post("/query", rfc_query(False))
+    app.router.add_post("/query_by_hash", rfc_query(True))
     return app
 
 

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import StoreError
+from ..tokenkeys import DEFAULT_TENANT
 from .hashcheck import HashCheck
 from .sources import ReplayBudget, Source, load_sources, read_sources_file, save_sources
 from .subscriber import Subscriber
@@ -111,7 +112,8 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
     http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
     status_dir = tempfile.mkdtemp(prefix="sarp-status-") if on_valkey else args.index
-    named = bool(sources or args.sources_file)
+    # with HTTP, engines may all come by /register (as to Dynamo's standalone indexer)
+    named = bool(sources or args.sources_file or http)
     try:  # with no engine named, follow the last serve's: the index must exist already
         index = sarp.open(args.index, durability=args.durability, create=named, **lease)
     except sarp.NotAnIndexError:
@@ -212,6 +214,9 @@ def _chosen(args, flags: list[Source], kept: list[tuple[Source, bool]]
     ``--source`` and of the sources file (the flags win a name) and those registered
     with the last serve; or, with neither flag, every engine the last serve followed."""
     if not flags and not args.sources_file:
+        if not kept and args.http:
+            log.info("no engines yet: POST /register adds them")
+            return [], set()
         if not kept:
             raise ValueError("no engine to follow: name them with --source or --sources-file "
                              "(a restarted serve follows the engines its index's last serve "
@@ -298,10 +303,19 @@ def _registry(status_dir: Path, subscriber: Subscriber, index, registered: set[s
 
     changed = False
     for taken, req in take(status_dir):
-        name, rank = str(req["instance_id"]), req.get("dp_rank")
+        name, rank, model = str(req["instance_id"]), req.get("dp_rank"), req.get("model_name")
+        tenant = req.get("routing_group", req.get("tenant_id", DEFAULT_TENANT))
         if req["op"] == "register":
-            source = Source(name, req["endpoint"], req.get("replay_endpoint"), rank or 0)
+            source = Source(name, req["endpoint"], req.get("replay_endpoint"), rank or 0,
+                            model, tenant, req.get("block_size") if model else None)
             known = subscriber.sources.get(source.key)
+            sizes = {s.block_size for s in subscriber.sources.values()
+                     if model and (s.model, s.tenant) == (model, tenant) and s.key != source.key}
+            if sizes - {source.block_size}:
+                answer(taken, 409, {"error": f"block_size mismatch for model={model} "
+                                    f"routing_group={tenant}: its engines have {sizes.pop()}, "
+                                    f"this one {source.block_size}", "field": "block_size"})
+                continue
             try:
                 if known is not None and known != source:
                     subscriber.remove_source(source.key)  # registered again elsewhere
@@ -309,19 +323,20 @@ def _registry(status_dir: Path, subscriber: Subscriber, index, registered: set[s
                     subscriber.add_source(source)
                     changed = True
                 registered.add(source.key)
-                answer(taken, 200, {"status": "registered", "instance_id": req["instance_id"],
+                answer(taken, 201, {"status": "ok", "instance_id": req["instance_id"],
                                     "dp_rank": rank or 0})
             except ValueError as exc:
                 answer(taken, 409, {"error": str(exc), "field": "instance_id"})
             continue
         keys = [k for k, s in subscriber.sources.items()
-                if s.name == name and (rank is None or (s.dp_rank or 0) == rank)]
+                if s.name == name and (rank is None or (s.dp_rank or 0) == rank)
+                and (model is None or s.model == model)]
         for key in keys:
             subscriber.remove_source(key)  # its holders are cleared
             registered.discard(key)
         changed |= bool(keys)
         if keys:
-            answer(taken, 200, {"status": "unregistered", "instance_id": req["instance_id"],
+            answer(taken, 200, {"status": "ok", "instance_id": req["instance_id"],
                                 "removed": keys})
         else:
             answer(taken, 404, {"error": f"instance {name} (dp rank {rank}) is not "

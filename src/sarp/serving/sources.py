@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from ..tokenkeys import DEFAULT_TENANT, model_root
 from .applier import ApplyStats, holder_name
 
 log = logging.getLogger("sarp.subscriber")
@@ -38,18 +39,34 @@ class Source:
     """An engine publisher to follow: the engine's name, its endpoints, its DP rank.
 
     Blocks are held by ``NAME#r``: ``r`` is ``dp_rank`` when the source was
-    expanded per rank, else the rank each batch carries.
+    expanded per rank, else the rank each batch carries.  An engine registered with
+    a ``model`` (``/register``, or ``model:`` in the sources file) has its blocks keyed
+    by their tokens under the model's and tenant's root (:mod:`sarp.tokenkeys`), and
+    ``block_size`` is the model's (what ``/query`` hashes tokens with); without one,
+    its blocks are keyed by the engine's own hashes, as ``--source`` engines are.
     """
 
     name: str
     endpoint: str
     replay_endpoint: str | None = None
     dp_rank: int | None = None
+    model: str | None = None
+    tenant: str = DEFAULT_TENANT
+    block_size: int | None = None
 
     @property
     def key(self) -> str:
         """The source's name in stats and state: ``NAME``, or ``NAME#r`` per rank."""
         return holder_name(self.name, self.dp_rank)
+
+    @property
+    def root(self) -> int | None:
+        """The root its blocks' token keys chain from; None when keyed by engine hashes.
+
+        >>> Source("e", "tcp://127.0.0.1:5557").root is None
+        True
+        """
+        return None if self.model is None else model_root(self.model, self.tenant)
 
     @classmethod
     def parse(cls, spec: str) -> Source:
@@ -191,9 +208,10 @@ def read_sources_file(path, dp_ranks: int | None = None) -> list[Source]:
     """The engines a sources file names, in YAML or JSON (a Kubernetes ConfigMap's key,
     mounted as a file): a list, or a mapping whose ``engines`` is one, of
     ``NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT]`` strings (as ``--source`` takes) or mappings
-    with ``name``, ``endpoint``, and optionally ``replay_endpoint`` and ``dp_ranks``
-    (default ``dp_ranks``, as ``--dp-ranks``).  A ValueError names the file and the
-    entry.  Cost: one read and parse of the file.
+    with ``name``, ``endpoint``, and optionally ``replay_endpoint``, ``dp_ranks``
+    (default ``dp_ranks``, as ``--dp-ranks``) and ``model_name`` with ``block_size``
+    (and ``routing_group``): blocks keyed by their tokens, for ``/query``.  A
+    ValueError names the file and the entry.  Cost: one read and parse of the file.
 
     >>> import tempfile, pathlib
     >>> f = pathlib.Path(tempfile.mkdtemp()) / "engines.yaml"
@@ -217,6 +235,7 @@ def read_sources_file(path, dp_ranks: int | None = None) -> list[Source]:
                          "name and endpoint)")
     out: list[Source] = []
     for i, entry in enumerate(entries):
+        keyed: dict = {}
         if isinstance(entry, str):
             spec, ranks = entry, dp_ranks
         elif isinstance(entry, dict) and isinstance(entry.get("name"), str) \
@@ -224,17 +243,33 @@ def read_sources_file(path, dp_ranks: int | None = None) -> list[Source]:
             replay = entry.get("replay_endpoint")
             spec = f"{entry['name']}={entry['endpoint']}" + (f",{replay}" if replay else "")
             ranks = entry.get("dp_ranks", dp_ranks)
+            keyed = _model_of(entry, f"--sources-file {path}: engine {i}")
         else:
             raise ValueError(f"--sources-file {path}: engine {i} is {entry!r}; write "
                              "NAME=PUB[,REPLAY] or a mapping with name and endpoint")
         try:
-            out += Source.expand(spec, ranks)
+            out += [replace(s, **keyed) for s in Source.expand(spec, ranks)]
         except ValueError as exc:
             raise ValueError(f"--sources-file {path}: engine {i}: {exc}") from None
     keys = [s.key for s in out]
     if len(set(keys)) != len(keys):
         raise ValueError(f"--sources-file {path}: an engine is named twice ({keys})")
     return out
+
+
+def _model_of(entry: dict, where: str) -> dict:
+    """A sources-file mapping's model fields, as :class:`Source`'s (none: engine keys)."""
+    model = entry.get("model_name", entry.get("model"))
+    if model is None:
+        return {}
+    tenant = entry.get("routing_group", entry.get("tenant_id", DEFAULT_TENANT))
+    size = entry.get("block_size")
+    if not isinstance(model, str) or not model or not isinstance(tenant, str):
+        raise ValueError(f"{where}: model_name and routing_group are names (strings)")
+    if type(size) is not int or not 0 < size <= 0xFFFF:
+        raise ValueError(f"{where}: block_size={size!r}; with a model_name, give the "
+                         "engine's block size (tokens per block, 1 to 65535)")
+    return {"model": model, "tenant": tenant, "block_size": size}
 
 
 def load_sources(index) -> list[tuple[Source, bool]]:
@@ -245,7 +280,8 @@ def load_sources(index) -> list[tuple[Source, bool]]:
         return []
     try:
         return [(Source(str(s["name"]), str(s["endpoint"]), s.get("replay_endpoint"),
-                        s.get("dp_rank")), bool(s.get("registered")))
+                        s.get("dp_rank"), s.get("model"), s.get("tenant", DEFAULT_TENANT),
+                        s.get("block_size")), bool(s.get("registered")))
                 for s in json.loads(raw)["sources"]]
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("sarp: ignoring unreadable %s of %s (%s)", SOURCES_STATE, index.path, exc)

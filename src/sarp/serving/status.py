@@ -96,6 +96,9 @@ def registration_problem(obj: object, op: str) -> tuple[str, str] | None:
     >>> registration_problem({"instance_id": 1, "endpoint": "tcp://10.0.0.5:5557"}, "register")
     >>> registration_problem({"instance_id": 1}, "register")[0]
     'endpoint'
+
+    With ``model_name`` (and ``block_size``, and optionally ``routing_group`` or
+    ``tenant_id``) the engine's blocks are keyed by their tokens, for ``/query``.
     """
     if not isinstance(obj, dict):
         return "body", 'send a JSON object, e.g. {"instance_id": 1, "endpoint": "tcp://H:P"}'
@@ -107,6 +110,10 @@ def registration_problem(obj: object, op: str) -> tuple[str, str] | None:
     rank = obj.get("dp_rank")
     if rank is not None and not (type(rank) is int and 0 <= rank <= 4095):
         return "dp_rank", f"dp_rank={rank!r}; pass an int from 0 to 4095"
+    for field in ("model_name", "routing_group", "tenant_id"):
+        value = obj.get(field)
+        if value is not None and not (isinstance(value, str) and 0 < len(value) <= 200):
+            return field, f"{field}={value!r}; pass a name of 1 to 200 characters"
     if op == "register":
         for field, needed in (("endpoint", True), ("replay_endpoint", False)):
             value = obj.get(field)
@@ -114,6 +121,11 @@ def registration_problem(obj: object, op: str) -> tuple[str, str] | None:
                     isinstance(value, str) and value.startswith(_ENDPOINT_SCHEMES)):
                 return field, (f"{field}={value!r}; pass the engine's ZeroMQ endpoint, e.g. "
                                "tcp://10.0.0.5:5557")
+        size = obj.get("block_size")
+        if (size is not None or obj.get("model_name") is not None) and not (
+                type(size) is int and 0 < size <= 0xFFFF):
+            return "block_size", (f"block_size={size!r}; with a model_name, pass the "
+                                  "engine's block size (tokens per block, 1 to 65535)")
     return None
 
 

@@ -568,7 +568,8 @@ class Subscriber(ReplayJobs):
         if key in self._hash_pending and self._hash_check.check_batch(key, payload, batch,
                                                                       stats):
             self._hash_pending.discard(key)  # again after a clear (a restarted engine)
-        self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank)
+        self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank,
+                          root=source.root)
         self._clean.discard(key)
         stats.batches += 1
         self._advance(key, seq, digest, batch.ts)

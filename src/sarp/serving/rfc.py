@@ -1,0 +1,201 @@
+"""Mooncake RFC #1403's query API, answered as Dynamo's standalone indexer answers it
+(``python -m dynamo.indexer``, ai-dynamo-runtime 1.6.1): ``POST /query`` with a
+request's ``token_ids`` and ``POST /query_by_hash`` with the RFC's per-block hashes,
+each naming its ``model_name`` (and ``routing_group``, or ``tenant_id``; default
+``"default"``, plus ``lora_name`` for ``/query``).
+
+Only engines registered with that model (and group) are in the answer: their blocks
+are keyed by their tokens under the model's root (:mod:`sarp.tokenkeys`), so the
+query's keys cannot reach another model's blocks.  The answer, per engine instance
+and DP rank, in tokens (blocks times the model's block size)::
+
+    {"scores": {"7": {"0": 32}},            # matched on GPU, per rank (only those > 0)
+     "frequencies": [],
+     "instances": {"7": {"longest_matched": 48, "gpu": 32, "dp": {"0": 32},
+                         "cpu": 48, "disk": 48}}}
+
+``cpu`` is the GPU prefix continued by the blocks the rank holds on CPU from there,
+``disk`` that continued on disk (each the most over the instance's ranks), as Dynamo
+reports its tiers; an instance none of whose tiers matched is left out.  A model (and
+group) no engine is registered with gets 404, as from Dynamo.  This module parses and
+answers; :mod:`sarp.serving.http` serves it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..hashing import as_hashes
+from ..tokenkeys import DEFAULT_TENANT, chain_locals, model_root, token_keys
+from .applier import holder_name
+from .media import CPU, DISK, GPU
+
+MAX_QUERY_BLOCKS = 1 << 18  # as /v1/match's MAX_REQUEST_BLOCKS
+
+
+class QueryError(ValueError):
+    """A query refused: ``field`` names what is wrong, ``status`` is the HTTP status."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
+@dataclass(slots=True)
+class Model:
+    """The engines registered with one model and group: their holders, block size."""
+
+    name: str
+    tenant: str
+    block_size: int
+    root: int
+    ranks: dict[str, tuple[str, int]] = field(default_factory=dict)  # holder -> (iid, rank)
+
+
+def models_of(engines: list[dict]) -> dict[tuple[str, str], Model]:
+    """The models of the engines a status file lists (``asdict(Source)`` each).
+
+    >>> m = models_of([{"name": "7", "dp_rank": 1, "model": "llama", "tenant": "default",
+    ...                 "block_size": 16}])
+    >>> m["llama", "default"].ranks
+    {'7#1': ('7', 1)}
+    """
+    out: dict[tuple[str, str], Model] = {}
+    for e in engines:
+        if e.get("model") is None or not e.get("block_size"):
+            continue
+        tenant = e.get("tenant") or DEFAULT_TENANT
+        model = out.get((e["model"], tenant))
+        if model is None:
+            model = out[e["model"], tenant] = Model(e["model"], tenant, int(e["block_size"]),
+                                                    model_root(e["model"], tenant))
+        rank = e.get("dp_rank") or 0
+        model.ranks[holder_name(e["name"], rank)] = (e["name"], rank)
+    return out
+
+
+class Models:
+    """:func:`models_of` the status file's engines, read again only when it changed.
+
+    Cost: one ``stat`` per call; a parse when the writer rewrote the file.
+    """
+
+    def __init__(self, read_status, status_dir, file_name: str) -> None:
+        self._read, self._dir, self._path = read_status, status_dir, status_dir / file_name
+        self._seen: tuple | None = None
+        self._models: dict[tuple[str, str], Model] = {}
+
+    def get(self) -> dict[tuple[str, str], Model]:
+        try:
+            st = os.stat(self._path)
+            seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            seen = None
+        if seen is None or seen != self._seen:
+            status = self._read(self._dir) or {}
+            self._models = models_of(status.get("engines", []))
+            self._seen = seen
+        return self._models
+
+
+def parse_query(obj: object, by_hash: bool, models: dict[tuple[str, str], Model]
+                ) -> tuple[Model, np.ndarray]:
+    """The model a ``/query`` (or ``/query_by_hash``) body names and its blocks' keys.
+
+    >>> ms = models_of([{"name": "7", "model": "m", "block_size": 4}])
+    >>> model, keys = parse_query({"token_ids": list(range(9)), "model_name": "m"}, False, ms)
+    >>> model.name, keys.size
+    ('m', 2)
+    """
+    if not isinstance(obj, dict):
+        raise QueryError("body", 'send a JSON object, e.g. {"token_ids": [1, 2, 3], '
+                                 '"model_name": "llama"}')
+    name = obj.get("model_name")
+    if not isinstance(name, str):
+        raise QueryError("model_name", f"model_name={name!r}; name the model the engines "
+                                       "were registered with (POST /register model_name)")
+    tenant = obj.get("routing_group", obj.get("tenant_id", DEFAULT_TENANT))
+    if not isinstance(tenant, str):
+        raise QueryError("routing_group", f"routing_group={tenant!r}; pass a string")
+    model = models.get((name, tenant))
+    if model is None:
+        raise QueryError("model_name", f"no indexer for model={name} routing_group={tenant}: "
+                                       "no engine is registered with them (GET /workers)", 404)
+    wanted = "block_hashes" if by_hash else "token_ids"
+    values = obj.get(wanted)
+    if not isinstance(values, list):
+        raise QueryError(wanted, f"{wanted} must be an array of ints, got {type(values).__name__}")
+    if by_hash:
+        try:
+            local = as_hashes(values, name="block_hashes", allow_empty=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise QueryError("block_hashes", str(exc)) from None
+        if local.size > MAX_QUERY_BLOCKS:
+            raise _too_many(local.size)
+        return model, chain_locals(local, parent=model.root)
+    tokens = _tokens(values)
+    if tokens.size // model.block_size > MAX_QUERY_BLOCKS:
+        raise _too_many(tokens.size // model.block_size)
+    lora = obj.get("lora_name")
+    if lora is not None and not isinstance(lora, str):
+        raise QueryError("lora_name", f"lora_name={lora!r}; pass the adapter's name, or omit it")
+    return model, token_keys(tokens, model.block_size, parent=model.root, lora_name=lora)[0]
+
+
+def answer(match, model: Model) -> dict:
+    """Dynamo's answer for a match (``index.match(keys, with_presence=True)``).
+
+    Cost: a few numpy calls per holder in the answer.
+    """
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, dict] = {}
+    size = model.block_size
+    for holder, media in match.by_medium.items():
+        who = model.ranks.get(holder)
+        if who is None:
+            continue  # not an engine of this model (another model cannot share a key)
+        iid, rank = who
+        g = media.get(GPU, 0)
+        c = g + _run(match.presence.get((holder, CPU)), g)
+        d = c + _run(match.presence.get((holder, DISK)), c)
+        if d == 0:
+            continue
+        if g:
+            scores.setdefault(iid, {})[str(rank)] = g * size
+        inst = instances.setdefault(iid, {"longest_matched": 0, "gpu": 0, "dp": {},
+                                          "cpu": 0, "disk": 0})
+        inst["dp"][str(rank)] = g * size
+        for tier, n in (("gpu", g), ("cpu", c), ("disk", d), ("longest_matched", d)):
+            inst[tier] = max(inst[tier], n * size)
+    return {"scores": scores, "frequencies": [], "instances": instances}
+
+
+EMPTY = {"scores": {}, "frequencies": [], "instances": {}}
+
+
+def _run(presence: np.ndarray | None, start: int) -> int:
+    """How many blocks from ``start`` on the holder has, one after another."""
+    if presence is None or start >= presence.size:
+        return 0
+    missing = np.flatnonzero(~presence[start:])
+    return int(missing[0]) if missing.size else int(presence.size - start)
+
+
+def _tokens(values: list) -> np.ndarray:
+    if all(type(v) is int for v in values):
+        arr = np.array(values, dtype=np.int64) if values else np.zeros(0, np.int64)
+        if not arr.size or (arr.min() >= 0 and arr.max() <= 0xFFFFFFFF):
+            return arr.astype(np.uint32)
+    for i, v in enumerate(values):
+        if type(v) is not int or not 0 <= v <= 0xFFFFFFFF:
+            raise QueryError(f"token_ids[{i}]", f"token_ids[{i}] must be an int from 0 to "
+                                                f"2**32 - 1, got {v!r}")
+    raise QueryError("token_ids", "token_ids must be ints from 0 to 2**32 - 1")
+
+
+def _too_many(blocks: int) -> QueryError:
+    return QueryError("token_ids", f"the query has {blocks} blocks; one may ask for at most "
+                                   f"{MAX_QUERY_BLOCKS}", 413)

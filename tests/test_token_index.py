@@ -1,0 +1,106 @@
+"""Blocks keyed by their tokens, through the applier and the index, on both backends:
+engines with other hash seeds share keys, a removal by engine hash removes, a store
+without tokens resolves through the aliases, an unknown parent refuses, and two
+models never share a block."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import sarp
+from sarp.serving.applier import Applier, ApplyStats
+from sarp.serving.events import decode, encode_batch
+from sarp.tokenkeys import model_root, token_keys
+
+ROOT = model_root("llama")
+TOKENS = list(range(100, 100 + 16 * 4))
+
+
+def _feed(index, source: str, events: list[tuple], tokens: list, root: int = ROOT,
+          stats: ApplyStats | None = None) -> ApplyStats:
+    stats = stats or ApplyStats()
+    applier = Applier(index)
+    applier.add(source, decode(encode_batch(events, token_ids=tokens, dp_rank=0)), stats,
+                root=root)
+    applier.flush()
+    return stats
+
+
+def _keys(tokens: list[int], root: int = ROOT) -> np.ndarray:
+    return token_keys(tokens, 16, parent=root)[0]
+
+
+def test_engines_with_other_hashes_share_token_keys(where):
+    with sarp.open(where("ix"), durability="nosync") as index:
+        _feed(index, "e0", [("stored", [11, 12, 13], None, "GPU")], [TOKENS[:48]])
+        # another engine, another seed: other hashes for the same tokens, then one more
+        _feed(index, "e1", [("stored", [21, 22], None, "GPU"), ("stored", [24], 22, "GPU")],
+              [TOKENS[:32], TOKENS[32:48]])
+        m = index.match(_keys(TOKENS))
+        assert m.by_holder == {"e0#0": 3, "e1#0": 3}
+        # the engine hashes themselves are not keys
+        assert index.match([11, 12]).num_blocks == 0
+
+
+def test_a_removal_by_engine_hash_removes_the_token_keyed_block(where):
+    with sarp.open(where("ix"), durability="nosync") as index:
+        _feed(index, "e0", [("stored", [11, 12, 13], None, "GPU")], [TOKENS[:48]])
+        _feed(index, "e1", [("stored", [21, 22, 23], None, "GPU")], [TOKENS[:48]])
+        stats = _feed(index, "e0", [("removed", [13, 99], "GPU")], [None])
+        assert stats.blocks_removed == 1
+        assert index.match(_keys(TOKENS)).by_holder == {"e0#0": 2, "e1#0": 3}
+        _feed(index, "e1", [("cleared",)], [None])
+        assert index.match(_keys(TOKENS)).by_holder == {"e0#0": 2}
+
+
+def test_a_store_without_tokens_resolves_through_the_aliases(where):
+    with sarp.open(where("ix"), durability="nosync") as index:
+        _feed(index, "e0", [("stored", [11, 12, 13], None, "GPU")], [TOKENS[:48]])
+        # an offload store: the same blocks to CPU, no tokens
+        stats = _feed(index, "e0", [("stored", [11, 12], None, "CPU")], [[]])
+        assert stats.blocks_stored == 2 and stats.skipped_orphans == 0
+        assert index.match(_keys(TOKENS)).by_medium == {"e0#0": {"GPU": 3, "CPU": 2}}
+        # blocks the aliases do not know: not stored, and, as for any refused store, the
+        # engine's holders let go of its hashes (the index knows less, never more)
+        stats = _feed(index, "e0", [("stored", [13, 77], 12, "CPU")], [[]])
+        assert stats.skipped_orphans == 1
+        assert index.match(_keys(TOKENS)).by_medium == {"e0#0": {"GPU": 2, "CPU": 2}}
+
+
+def test_a_store_whose_parent_is_unknown_is_refused(where):
+    with sarp.open(where("ix"), durability="nosync") as index:
+        stats = _feed(index, "e0", [("stored", [12, 13], 999, "GPU")], [TOKENS[16:48]])
+        assert stats.skipped_orphans == 1 and stats.blocks_stored == 0
+        assert index.match(_keys(TOKENS)).num_blocks == 0
+        # within one batch, a store's parent may be an earlier store of the batch
+        stats = _feed(index, "e0", [("stored", [11], None, "GPU"), ("stored", [12], 11, "GPU")],
+                      [TOKENS[:16], TOKENS[16:32]])
+        assert stats.skipped_orphans == 0
+        assert index.match(_keys(TOKENS)).by_holder == {"e0#0": 2}
+
+
+def test_two_models_never_share_a_block(where):
+    other = model_root("qwen")
+    with sarp.open(where("ix"), durability="nosync") as index:
+        # the same tokens and even the same engine hashes (vLLM's hashes leave the model out)
+        _feed(index, "a", [("stored", [11, 12], None, "GPU")], [TOKENS[:32]])
+        _feed(index, "b", [("stored", [11, 12, 13], None, "GPU")], [TOKENS[:48]], root=other)
+        assert index.match(_keys(TOKENS)).by_holder == {"a#0": 2}
+        assert index.match(_keys(TOKENS, other)).by_holder == {"b#0": 3}
+        # a removal resolves within its own model
+        _feed(index, "b", [("removed", [12], "GPU")], [None], root=other)
+        assert index.match(_keys(TOKENS)).by_holder == {"a#0": 2}
+        assert index.match(_keys(TOKENS, other)).by_holder == {"b#0": 1}
+
+
+def test_token_keys_survive_a_restart(tmp_path):
+    path = tmp_path / "ix"
+    with sarp.open(path) as index:
+        _feed(index, "e0", [("stored", [11, 12], None, "GPU")], [TOKENS[:32]])
+        _feed(index, "e1", [("stored", [21, 22, 23], None, "GPU")], [TOKENS[:48]])
+    with sarp.open(path) as index:
+        # the aliases are on disk: a child of 12 and a removal of 11 resolve
+        _feed(index, "e0", [("stored", [13], 12, "GPU"), ("removed", [11], "GPU")],
+              [TOKENS[32:48], None])
+        m = index.match(_keys(TOKENS), with_presence=True)
+        assert m.num_blocks == 3 and m.presence[("e0#0", "GPU")].tolist() == [False, True, True]
