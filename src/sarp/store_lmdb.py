@@ -15,6 +15,7 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
@@ -463,22 +464,11 @@ class LmdbWriteTxn(WriteLogic):
         blocks_db, segments_db = self._store.blocks_db, self._store.segments_db
         txn = self.txn
         blocks = txn.cursor(db=blocks_db)
-        return (
-            blocks.get,
-            txn.cursor(db=segments_db).get,
-            self.segment,
-            self.new_segment_id,
-            lambda first: self.set_counter("next_seg_id", first - 1),
-            lambda name: self.holder_id(name, create=False),
-            self.new_holder_id,
-            txn.put,
-            txn.delete,
-            segments_db,
-            blocks_db,
-            blocks.put,
-            blocks.set_key,
-            blocks.pop,
-        )
+        return (blocks.get, txn.cursor(db=segments_db).get, self.segment, self.new_segment_id,
+                lambda first: self.set_counter("next_seg_id", first - 1),
+                lambda name: self.holder_id(name, create=False), self.new_holder_id,
+                txn.put, txn.delete, segments_db, blocks_db, blocks.put, blocks.set_key,
+                blocks.pop)
 
     def nested(self) -> LmdbWriteTxn:
         """A write transaction inside this one (LMDB's nested transaction): what it
@@ -531,6 +521,11 @@ class LmdbWriteTxn(WriteLogic):
 
     def alias_delete(self, keys: list[bytes]) -> None:
         deque(map(partial(self.txn.delete, db=self._store.aliases_db), keys), maxlen=0)
+
+    def alias_scan(self, cursor: bytes | None, count: int) -> tuple[list, bytes | None]:
+        cur = self.txn.cursor(db=self._store.aliases_db)
+        items = list(islice(cur.iternext(), count)) if cur.set_range(cursor or b"") else []
+        return items, (items[-1][0] + b"\0" if len(items) == count else None)
 
     def counter(self, name: str) -> int:
         raw = self.txn.get(name.encode(), db=self._store.meta_db)

@@ -587,6 +587,11 @@ class ValkeyWriteTxn(WriteLogic):
     def alias_delete(self, keys: list[bytes]) -> None:
         self._pending["alias"].update(dict.fromkeys(keys))
 
+    def alias_scan(self, cursor: int | None, count: int) -> tuple[list, int | None]:
+        """One ``HSCAN`` step (about ``count`` entries)."""
+        after, items = self._c.hscan(self._store.keys["alias"], cursor or 0, count=count)
+        return list(items.items()), (after or None)
+
     # the commit
 
     def commit(self) -> None:
