@@ -5,9 +5,12 @@ models never share a block."""
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
+import pytest
 
 import sarp
+from sarp import native
 from sarp.serving.applier import Applier, ApplyStats
 from sarp.serving.events import decode, encode_batch
 from sarp.tokenkeys import model_root, token_keys
@@ -104,3 +107,24 @@ def test_token_keys_survive_a_restart(tmp_path):
               [TOKENS[32:48], None])
         m = index.match(_keys(TOKENS), with_presence=True)
         assert m.num_blocks == 3 and m.presence[("e0#0", "GPU")].tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_a_store_whose_extra_keys_hold_more_than_its_lora_is_not_keyed_by_tokens(path):
+    """Blocks with an image or a cache salt are not named by their tokens alone: such a
+    store is resolved through the aliases (and refused when they do not know it),
+    never given the keys of the same tokens without the image."""
+    if path == "c" and not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}")
+    tokens = list(range(32))
+    base = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+            "token_ids": tokens, "block_size": 16}
+    cases = [(None, None, True), ([None, None], None, True),
+             ([["sql"], ["sql"]], "sql", True), ([["sql"], ["other"]], "sql", False),
+             ([[["mm-1f3a", 0]], None], None, False), ([None, ["salt-7"]], None, False),
+             ([["sql"], ["sql", "salt-7"]], "sql", False), ("junk", None, False)]
+    for extra, lora, keyed in cases:
+        event = {**base, "extra_keys": extra, "lora_name": lora}
+        with native.forced(path):
+            got = decode(msgpack.packb([0.0, [event], 0])).events[0]
+        assert (got.token_ids is not None) == keyed, (extra, lora)

@@ -255,12 +255,14 @@ static int chain_fault(const uint64_t *hashes, size_t n, int has_parent, uint64_
     return fault;
 }
 
-enum { F_HASHES, F_PARENT, F_MEDIUM, F_LORA, F_GROUP, F_TOKENS, F_BSIZE, F_SKIP, F_READ };
+enum { F_HASHES, F_PARENT, F_MEDIUM, F_LORA, F_GROUP, F_TOKENS, F_BSIZE, F_EXTRA, F_SKIP,
+       F_READ };
 
 /* Which field a name is, for an event of `kind` (0 stored, 1 removed, 2 other). */
 static int field_of(const uint8_t *s, size_t n, int kind) {
 #define IS(lit) (n == sizeof(lit) - 1 && memcmp(s, lit, n) == 0)
     if (kind == 0 && IS("token_ids")) return F_TOKENS;
+    if (kind == 0 && IS("extra_keys")) return F_EXTRA;
     if (IS("token_ids") || IS("extra_keys")) return F_SKIP;
     if (kind == 2) return F_READ;
     if (kind == 0 && IS("block_size")) return F_BSIZE;
@@ -274,10 +276,38 @@ static int field_of(const uint8_t *s, size_t n, int kind) {
 }
 
 static const int STORED_ARRAY[] = {F_HASHES, F_PARENT, F_TOKENS, F_BSIZE, F_READ, F_MEDIUM,
-                                   F_LORA, F_SKIP, F_GROUP};
+                                   F_LORA, F_EXTRA, F_GROUP};
 
-/* Token ids and fields read past (not checked: their text need not be UTF-8). */
-static int unchecked(int f) { return f == F_SKIP || f == F_TOKENS; }
+/* Token ids, extra keys and fields read past (not checked: their text need not be
+ * UTF-8). */
+static int unchecked(int f) { return f == F_SKIP || f == F_TOKENS || f == F_EXTRA; }
+
+/* Whether a store's extra keys hold more than its LoRA name (multimodal inputs, a cache
+ * salt, prompt embeddings): then its tokens alone do not name its blocks.  Absent or
+ * nil: no; entries nil or [lora_name]: no; anything else, or any doubt: yes. */
+static int has_extras(const uint8_t *at, const uint8_t *end, const uint8_t *lora_at) {
+    if (at == NULL || *at == 0xC0) return 0;
+    Reader f = {at, end};
+    size_t n, m, ln = 0, sn;
+    const uint8_t *lora = NULL, *s;
+    if (lora_at != NULL) {
+        Reader l = {lora_at, end};
+        if (read_str(&l, &lora, &ln) != 1) lora = NULL;
+    }
+    if (read_container(&f, 0, &n) != 1) return 1;
+    for (size_t i = 0; i < n; i++) {
+        if (!need(&f, 1)) return 1;
+        if (*f.p == 0xC0) {
+            f.p++;
+            continue;
+        }
+        if (read_container(&f, 0, &m) != 1 || m != 1 || read_str(&f, &s, &sn) != 1
+            || lora == NULL || sn != ln || memcmp(s, lora, ln) != 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
 
 /* A store's token ids as a bytes of u32s (machine order), or None when absent or not
  * all ints from 0 to 2**32 - 1 (such a store is keyed through its engine hashes). */
@@ -407,7 +437,8 @@ static PyObject *read_event(Reader *r) {
     uint64_t size = 0;
     int got_size = opt_int(where[F_BSIZE], r->end, &size, &negative);
     if (got_size == 1 && !negative && size > 0 && size <= 0xFFFF) {
-        tokens = read_tokens(where[F_TOKENS], r->end);
+        tokens = has_extras(where[F_EXTRA], r->end, where[F_LORA]) ? Py_NewRef(Py_None)
+                 : read_tokens(where[F_TOKENS], r->end);
         block_size = tokens == Py_None ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(size);
     } else {
         tokens = Py_NewRef(Py_None);

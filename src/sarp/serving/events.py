@@ -186,9 +186,10 @@ def _decode_full(payload: bytes) -> Batch:
 
 
 # Fields of a store that sarp never reads: the streaming decode reads past them without
-# building them.  Token ids (most of a store's bytes) are read on their own
-# (_read_tokens), so that text in them that is not UTF-8 does not sink the batch.
-_SKIPPED = frozenset({"extra_keys"})
+# building them.  Token ids (most of a store's bytes) and extra keys are read on their
+# own (_read_tokens), so that text in them that is not UTF-8 does not sink the batch.
+_SKIPPED: frozenset = frozenset()
+_READ_APART = frozenset({"token_ids", "extra_keys"})
 _ARRAY_TYPES = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])  # msgpack array headers
 _MAP_TYPES = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # and map headers
 
@@ -252,7 +253,7 @@ def _event_streamed(unpacker: msgpack.Unpacker, payload: bytes) -> Event | None:
             name = names[i] if i < len(names) else None
             if name is None or name in _SKIPPED:
                 unpacker.skip()
-            elif name == "token_ids":
+            elif name in _READ_APART:
                 fields[name] = _read_tokens(unpacker, payload)
             else:
                 fields[name] = unpacker.unpack()
@@ -261,7 +262,7 @@ def _event_streamed(unpacker: msgpack.Unpacker, payload: bytes) -> Event | None:
             key = unpacker.unpack()
             if key in _SKIPPED:
                 unpacker.skip()
-            elif key == "token_ids":
+            elif key in _READ_APART:
                 fields[key] = _read_tokens(unpacker, payload)
             else:
                 fields[key] = unpacker.unpack()
@@ -271,15 +272,18 @@ def _event_streamed(unpacker: msgpack.Unpacker, payload: bytes) -> Event | None:
     return _checked_event(kind, fields)
 
 
+_UNREADABLE = object()  # token ids or extra keys whose text is not UTF-8
+
+
 def _read_tokens(unpacker: msgpack.Unpacker, payload: bytes) -> object:
-    """The token ids at the unpacker's position (None when they cannot be read),
-    read past either way."""
+    """The value at the unpacker's position (token ids, extra keys), or
+    ``_UNREADABLE``; read past either way."""
     start = unpacker.tell()
     unpacker.skip()
     try:
         return msgpack.unpackb(payload[start:unpacker.tell()], raw=False)
     except Exception:  # msgpack raises several unrelated types on bad input
-        return None
+        return _UNREADABLE
 
 
 def _batch(obj: object) -> Batch:
@@ -377,7 +381,21 @@ def _event(kind: object, fields: dict) -> Event:
         raise _Fault("malformed", f"BlockStored.lora_name must be a string, got "
                                   f"{_show(lora_name)}")
     tokens, block_size = _tokens(fields.get("token_ids"), fields.get("block_size"))
+    if _has_extras(fields.get("extra_keys"), lora_name):
+        tokens, block_size = None, None  # its tokens alone do not name its blocks
     return Stored(block_hashes, parent_hash, medium, lora_name, group_idx, tokens, block_size)
+
+
+def _has_extras(extra_keys: object, lora_name: str | None) -> bool:
+    """Do a store's extra keys hold more than its LoRA name (multimodal inputs, a cache
+    salt, prompt embeddings)?  Then its blocks cannot be keyed by their tokens."""
+    if extra_keys is None:
+        return False
+    if not isinstance(extra_keys, list | tuple):
+        return True
+    return any(entry is not None and not (isinstance(entry, list | tuple) and len(entry) == 1
+                                          and lora_name is not None and entry[0] == lora_name)
+               for entry in extra_keys)
 
 
 def _tokens(tokens: object, block_size: object) -> tuple[np.ndarray | None, int | None]:
