@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 def _c(payload: bytes):
     """The C decoder alone (None: it leaves the payload to Python)."""
     with native.forced("c"):
-        return native.C.decode_batch(payload)
+        return native.C.decode_batch(payload, True)
 
 
 def _python(payload: bytes):
@@ -35,7 +35,7 @@ def _python(payload: bytes):
 def _either(payload: bytes):
     try:
         with native.forced("c"):
-            return _plain(ev.decode(payload))
+            return _plain(ev.decode(payload, tokens=True))
     except ev.BadEvent as exc:
         return ("BadEvent", str(exc))
 

@@ -23,7 +23,7 @@ def _feed(index, source: str, events: list[tuple], tokens: list, root: int = ROO
           stats: ApplyStats | None = None) -> ApplyStats:
     stats = stats or ApplyStats()
     applier = Applier(index)
-    applier.add(source, decode(encode_batch(events, token_ids=tokens, dp_rank=0)), stats,
+    applier.add(source, decode(encode_batch(events, token_ids=tokens, dp_rank=0), True), stats,
                 root=root)
     applier.flush()
     return stats
@@ -126,5 +126,5 @@ def test_a_store_whose_extra_keys_hold_more_than_its_lora_is_not_keyed_by_tokens
     for extra, lora, keyed in cases:
         event = {**base, "extra_keys": extra, "lora_name": lora}
         with native.forced(path):
-            got = decode(msgpack.packb([0.0, [event], 0])).events[0]
+            got = decode(msgpack.packb([0.0, [event], 0]), tokens=True).events[0]
         assert (got.token_ids is not None) == keyed, (extra, lora)

@@ -10,7 +10,7 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 11
+#define ABI_VERSION 12
 
 unsigned long long sarp_calls[CALL_KINDS];
 
@@ -30,8 +30,9 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))sarp_walk, METH_FASTCALL,
      "walk(get, lookup, recent, remembered, query_bytes): match's walk for one-medium "
      "instances"},
-    {"decode_batch", (PyCFunction)sarp_decode_batch, METH_O,
-     "decode_batch(payload): an engine's event batch, or None for the Python decoder"},
+    {"decode_batch", (PyCFunction)(void (*)(void))sarp_decode_batch, METH_FASTCALL,
+     "decode_batch(payload, with_tokens): an engine's event batch, or None for the Python "
+     "decoder"},
     {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
      "pack_batch(ctx, ops, segment_blocks, split_tail, deferred): Packer.batch's inserts "
      "and removes"},

@@ -19,7 +19,7 @@ PyObject *sarp_examine(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *sarp_decode_batch(PyObject *self, PyObject *arg);
+PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Calls of each entry point since the module loaded (native.calls(): the tests that

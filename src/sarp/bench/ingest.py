@@ -276,7 +276,7 @@ def ops_of(stream, chunk_events: int, root: int | None = None) -> list[list[tupl
     chunks, ops = [], []
     for engine, payload in stream:
         holder = f"e{engine}#0"
-        for e in decode(payload).events:
+        for e in decode(payload, root is not None).events:
             if isinstance(e, Stored):
                 ops.append(("insert", e.block_hashes, e.parent, holder, e.medium)
                            if root is None else

@@ -350,7 +350,7 @@ static int opt_int(const uint8_t *at, const uint8_t *end, uint64_t *v, int *nega
 }
 
 /* One event, or NULL (no exception: Python decides; or with one). */
-static PyObject *read_event(Reader *r) {
+static PyObject *read_event(Reader *r, int with_tokens) {
     const uint8_t *where[F_SKIP] = {NULL};
     int kind = -1; /* 0 stored, 1 removed, 2 cleared */
     size_t count;
@@ -435,7 +435,7 @@ static PyObject *read_event(Reader *r) {
         goto done;
     }
     uint64_t size = 0;
-    int got_size = opt_int(where[F_BSIZE], r->end, &size, &negative);
+    int got_size = with_tokens ? opt_int(where[F_BSIZE], r->end, &size, &negative) : 0;
     if (got_size == 1 && !negative && size > 0 && size <= 0xFFFF) {
         tokens = has_extras(where[F_EXTRA], r->end, where[F_LORA]) ? Py_NewRef(Py_None)
                  : read_tokens(where[F_TOKENS], r->end);
@@ -459,17 +459,22 @@ done:
     return out;
 }
 
-/* decode_batch(payload) -> (ts, dp_rank | None, [event, ...]) | None
+/* decode_batch(payload, with_tokens) -> (ts, dp_rank | None, [event, ...]) | None
  * event: ("BlockStored", hashes, parent | None, medium | None, lora_name | None,
  * group_idx | None, token_ids | None, block_size | None) with token ids as a bytes of
- * u32s, ("BlockRemoved", hashes, medium | None, group_idx | None) or
+ * u32s (read only `with_tokens`), ("BlockRemoved", hashes, medium | None, group_idx | None) or
  * ("AllBlocksCleared",); hashes are a bytearray of uint64s in the machine's order.
  * None: let the Python decoder read this payload. */
-PyObject *sarp_decode_batch(PyObject *self, PyObject *arg) {
+PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_DECODE_BATCH]++;
     if (!fixed_size[0]) init_sizes();
     Py_buffer buf;
-    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "decode_batch(payload, with_tokens)");
+        return NULL;
+    }
+    int with_tokens = PyObject_IsTrue(args[1]);
+    if (with_tokens < 0 || PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
     Reader r = {buf.buf, (const uint8_t *)buf.buf + buf.len};
     PyObject *events = NULL, *out = NULL;
     size_t size, count;
@@ -497,7 +502,7 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *arg) {
     events = PyList_New(0);
     if (events == NULL) goto fail;
     for (size_t i = 0; i < count; i++) {
-        PyObject *e = read_event(&r);
+        PyObject *e = read_event(&r, with_tokens);
         if (e == NULL) {
             if (PyErr_Occurred()) goto fail;
             goto none;

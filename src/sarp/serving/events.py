@@ -107,11 +107,13 @@ class Batch:
     dp_rank: int | None = None
 
 
-def decode(payload: bytes) -> Batch:
+def decode(payload: bytes, tokens: bool = False) -> Batch:
     """Decode one msgpack payload into a :class:`Batch`, or raise :class:`BadEvent`.
 
     Only a batch that cannot be read raises; a bad event inside a readable batch
-    becomes a :class:`Malformed` in ``events``.
+    becomes a :class:`Malformed` in ``events``.  ``tokens``: hand each store's token
+    ids and block size on (engines keyed by their tokens need them; reading them
+    costs about as much as the rest of the decode, so others do without).
 
     >>> raw = msgpack.packb([1.5, [["BlockStored", [7, 8], None, [], 16, None, "GPU"]]])
     >>> decode(raw).events[0].block_hashes.tolist()
@@ -122,13 +124,18 @@ def decode(payload: bytes) -> Batch:
     """
     c = native.C
     if c is not None:
-        batch = _from_native(c.decode_batch(payload))
+        batch = _from_native(c.decode_batch(payload, tokens))
         if batch is not None:
             return batch
     else:
         native.ran_python("decode_batch")
     batch = _decode_common(payload)
-    return batch if batch is not None else _decode_full(payload)
+    batch = batch if batch is not None else _decode_full(payload)
+    if not tokens:
+        for e in batch.events:
+            if type(e) is Stored:
+                e.token_ids = e.block_size = None
+    return batch
 
 
 _MEDIA: dict[str, str | None] = {}  # a medium as sent -> canonical, or None if invalid

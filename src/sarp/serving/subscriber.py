@@ -546,8 +546,8 @@ class Subscriber(ReplayJobs):
         return self._apply(key, seq, payload, digest, batch)
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
-        try:
-            return decode(payload)
+        try:  # token-keyed engines' stores need their tokens
+            return decode(payload, self.sources[key].model is not None)
         except BadEvent as exc:
             self.stats[key].bad_payloads += 1
             fault_log.warn(key, "bad_payload", f"sarp: {key} seq {seq}: {exc}")
