@@ -244,3 +244,14 @@ def test_rfc_queries_and_registrations_refuse_bad_input_naming_the_field(tmp_pat
         workers = call(port, "GET", "/workers")[1]
         assert [(w["instance_id"], w["model_name"], w["block_size"]) for w in workers] == [
             (1, "llama", 16)]
+
+
+def test_registrations_with_a_model_are_kept_with_the_index(tmp_path):
+    from sarp.serving.sources import load_sources, save_sources
+
+    kept = [Source("7", "tcp://10.0.0.5:5557", None, 1, "llama", "team-a", 16),
+            Source("w1", "tcp://10.0.0.6:5557")]
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        save_sources(index, kept, {"7#1"})
+    with sarp.open(tmp_path / "ix", durability="nosync") as index:
+        assert load_sources(index) == [(kept[0], True), (kept[1], False)]

@@ -565,8 +565,9 @@ class Subscriber(ReplayJobs):
             return 0
         if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
-        if key in self._hash_pending and self._hash_check.check_batch(key, payload, batch,
-                                                                      stats):
+        # (a token-keyed engine's own hashes only link its blocks: not checked)
+        if key in self._hash_pending and source.model is None \
+                and self._hash_check.check_batch(key, payload, batch, stats):
             self._hash_pending.discard(key)  # again after a clear (a restarted engine)
         self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank,
                           root=source.root)
