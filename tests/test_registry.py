@@ -255,3 +255,32 @@ def test_registrations_with_a_model_are_kept_with_the_index(tmp_path):
         save_sources(index, kept, {"7#1"})
     with sarp.open(tmp_path / "ix", durability="nosync") as index:
         assert load_sources(index) == [(kept[0], True), (kept[1], False)]
+
+
+def test_source_engines_of_a_model_answer_rfc_queries(tmp_path):
+    """``--source`` engines with ``--model-name`` (as Dynamo's indexer takes
+    ``--workers`` with ``--model-name``) are keyed by their tokens: a router asks
+    ``/query`` with nothing but tokens."""
+    from servekit import Serve, call
+
+    from sarp.serving.events import _tokens_of
+
+    eng = engine("7")
+    work = chains(12, 3)
+    try:
+        for chain in work:
+            eng.serve(chain)
+        spec = f"7={eng.publisher.endpoint},{eng.publisher.replay_endpoint}"
+        out = Serve(tmp_path / "refused", [spec], "--model-name", "llama")
+        assert out.proc.wait(60) == 2 and not (tmp_path / "refused").exists()
+        with Serve(tmp_path / "ix", [spec], "--model-name", "llama", "--block-size",
+                   "16") as serve:
+            serve.wait_ready()
+            body = json.dumps({"token_ids": _tokens_of(work[0]) + [5, 6],
+                               "model_name": "llama"}).encode()
+            serve.wait_for(lambda: call(serve.port, "POST", "/query", body)[1]["scores"]
+                           == {"7": {"0": 16 * len(work[0])}}, what="the engine's blocks")
+            other = json.dumps({"token_ids": _tokens_of(work[0]), "model_name": "qwen"})
+            assert call(serve.port, "POST", "/query", other.encode())[0] == 404
+    finally:
+        eng.publisher.close()

@@ -116,7 +116,13 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--hash-seed", default=None,
                        help="the engines' PYTHONHASHSEED, for the vLLM schemes")
     serve.add_argument("--block-size", type=int, default=None,
-                       help="the engines' block size, for token_ids requests without one")
+                       help="the engines' block size, for token_ids requests without one "
+                       "(and the model's, with --model-name)")
+    serve.add_argument("--model-name", default=None,
+                       help="the model of the --source engines: their blocks are keyed by "
+                       "their tokens, for POST /query (needs --block-size)")
+    serve.add_argument("--routing-group", default="default",
+                       help="the routing group (tenant) of the --source engines' model")
     serve.add_argument("--durability", default="sync", choices=["sync", "nosync"])
     serve.add_argument("--snapshot-every-s", type=float, default=60.0)
     serve.add_argument("--report-every-s", type=float, default=30.0)

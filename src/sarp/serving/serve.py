@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import StoreError
@@ -66,7 +67,7 @@ def collector_tuned() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
+    sources = _flagged(args)
     if args.sources_file:
         read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused at once
     dealer = None
@@ -208,6 +209,18 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             log.warning("could not save the engines' fingerprints at stop (%s)", exc)
 
 
+def _flagged(args) -> list[Source]:
+    """The ``--source`` engines, of ``--model-name`` (token-keyed) when one is given."""
+    sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
+    if getattr(args, "model_name", None) is None:
+        return sources
+    if not args.block_size or not 0 < args.block_size <= 0xFFFF:
+        raise ValueError(f"--model-name {args.model_name} needs the engines' --block-size "
+                         "(tokens per block, 1 to 65535)")
+    return [replace(s, model=args.model_name, tenant=args.routing_group,
+                    block_size=args.block_size) for s in sources]
+
+
 def _chosen(args, flags: list[Source], kept: list[tuple[Source, bool]]
             ) -> tuple[list[Source], set[str]]:
     """The engines to follow, and the keys of those registered at runtime: those of
@@ -247,7 +260,7 @@ class _SourcesFile:
         self.args, self.subscriber, self.index = args, subscriber, index
         self.registered = registered
         # the engines the file put there (not those of --source or of /register)
-        flags = {s.key for spec in args.source for s in Source.expand(spec, args.dp_ranks)}
+        flags = {s.key for s in _flagged(args)}
         self.flags = flags | registered
         self.managed = ({s.key for s in self._listed() or []} & set(subscriber.sources)) \
             - self.flags
