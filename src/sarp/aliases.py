@@ -54,41 +54,32 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     aliases brought up to date after (in the same transaction).
 
     Cost: one batched ``aliases`` lookup per model root; two xxh3 per block of a store
-    with tokens; numpy per removal (no Python per block); one ``aliases`` write per
-    stored block; a sweep of ``SWEEP_PER_BATCH`` stored aliases.
+    with tokens (in C); a few numpy calls per store and per batch, no Python per
+    block; one ``aliases`` write per stored block, in key order; a sweep of
+    ``SWEEP_PER_BATCH`` stored aliases.
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
         return packer.batch(w, ops)
-    table = _Lookup(w, ops)
-    made: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # op -> (root, hashes, keys)
-    parents: dict[int, int | None] = {}  # op -> its parent's key
+    batch = _Batch(w, ops)
     failed: list[tuple[int, Exception]] = []
-    for i, op in enumerate(ops):
-        if op[0] == "insert_engine":
-            keys, parent_key = _store_keys(table, op)
-            if keys is None:
-                failed.append((i, ParentNotFoundError(
-                    f"{op[3].replace(chr(0), '/')}: a store whose parent or blocks are not "
-                    "in the index (an event was lost)")))
-                continue
-            made[i], parents[i] = (op[4], op[1], keys), parent_key
-            table.learn(op[4], op[1], keys)
-    overlay = _overlay(made.values())
-    removals = table.resolve_all(ops, overlay)
+    for i in batch.stores:
+        if not batch.make(i):
+            failed.append((i, ParentNotFoundError(
+                f"{ops[i][3].replace(chr(0), '/')}: a store whose parent or blocks are not "
+                "in the index (an event was lost)")))
+    removals = batch.removals()
     resolved, positions = [], []
     for i, op in enumerate(ops):
         if op[0] == "insert_engine":
-            if i not in made:
+            if i not in batch.keys:
                 continue
-            op = ("insert", made[i][2], parents[i], op[3], None)
+            op = ("insert", batch.keys[i], batch.parent_keys[i], op[3], None)
         elif op[0] == "remove_engine":
             op = ("remove", removals[i], op[2])
         resolved.append(op)
         positions.append(i)
     plan, refused = packer.batch(w, resolved)
-    refused_at = {positions[j] for j, _ in refused} & made.keys()
-    _put(w, overlay if not refused_at else
-         _overlay(m for i, m in made.items() if i not in refused_at))
+    batch.put({positions[j] for j, _ in refused})
     _sweep(w, packer)
     failed += [(positions[j], exc) for j, exc in refused]
     failed.sort(key=lambda f: f[0])
@@ -99,122 +90,162 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     return plan, failed
 
 
-class _Lookup:
-    """The stored aliases the batch may need (one lookup per root), and, one by one,
-    the few of its own stores' blocks that a later store names (parents, blocks of
-    token-less stores): no Python work per block for the rest."""
+class _Batch:
+    """One batch's engine hashes: the aliases stored (one lookup per root), and the
+    batch's own stores as one sorted table (hash -> the first store that holds it and
+    where), so that a store's parent or a removal resolves with numpy alone."""
 
     def __init__(self, w: WriteTxn, ops: list[tuple]) -> None:
+        self.w, self.ops = w, ops
+        self.stores = [i for i, op in enumerate(ops) if op[0] == "insert_engine"]
+        self.keys: dict[int, np.ndarray] = {}  # store -> its keys
+        self.parent_keys: dict[int, int | None] = {}
         wanted: dict[int, list[np.ndarray]] = {}
-        named: dict[int, list[np.ndarray]] = {}  # what stores name: parents, token-less
         for op in ops:
             if op[0] == "insert_engine":
-                mine = []
                 if op[2] is not None:
-                    mine.append(np.array([op[2]], np.uint64))
+                    wanted.setdefault(op[4], []).append(np.array([op[2]], np.uint64))
                 if not _has_tokens(op[1], op[5], op[6]):
-                    mine.append(op[1])
-                wanted.setdefault(op[4], []).extend(mine)
-                named.setdefault(op[4], []).extend(mine)
+                    wanted.setdefault(op[4], []).append(op[1])
             elif op[0] == "remove_engine":
                 wanted.setdefault(op[3], []).append(op[1])
-        self.stored: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for root, parts in wanted.items():
-            hashes = np.unique(np.concatenate(parts)) if parts else _EMPTY
-            keys, found = w.aliases(root, hashes)
-            self.stored[root] = (hashes[found], keys[found])  # sorted by hash
-        self.named = {root: np.unique(np.concatenate(p)) if p else _EMPTY
-                      for root, p in named.items()}
-        self.recent: dict[tuple[int, int], int] = {}
+        self.stored = {root: w.aliases(root, np.unique(np.concatenate(parts)))
+                       for root, parts in wanted.items()}
+        # the batch's stores: every block's hash, its store and its place, sorted by
+        # (root, hash, store) so that the first hit is the earliest store holding it
+        hashes = [ops[i][1] for i in self.stores]
+        sizes = np.array([h.size for h in hashes], np.int64)
+        self.hash = np.concatenate(hashes) if hashes else _EMPTY
+        self.owner = np.repeat(np.arange(len(self.stores)), sizes)
+        self.place = np.arange(self.hash.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        self.sizes = sizes
+        store_roots = np.array([ops[i][4] for i in self.stores], np.uint64)
+        roots = np.repeat(store_roots, sizes)
+        # stable: a hash twice keeps its stores' order (the store number grows along)
+        self.order = (np.argsort(self.hash, kind="stable") if np.unique(store_roots).size < 2
+                      else np.lexsort((self.owner, self.hash, roots)))
+        self.sorted_root, self.sorted_hash = roots[self.order], self.hash[self.order]
+        self.span = {}  # root -> its slice of the sorted table
+        for root in np.unique(store_roots).tolist():
+            lo = int(np.searchsorted(self.sorted_root, np.uint64(root), "left"))
+            self.span[root] = (lo, int(np.searchsorted(self.sorted_root, np.uint64(root),
+                                                       "right")))
+        self.index = {i: n for n, i in enumerate(self.stores)}
+        self._made_cache: dict[frozenset, tuple] = {}
 
-    def one(self, root: int, engine_hash: int) -> int | None:
-        key = self.recent.get((root, engine_hash))
-        if key is not None:
-            return key
-        hashes, keys = self.stored.get(root, (_EMPTY, _EMPTY))
-        at = int(np.searchsorted(hashes, np.uint64(engine_hash)))
-        return int(keys[at]) if at < hashes.size and int(hashes[at]) == engine_hash else None
+    def _stored(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, found)`` of ``hashes`` among the stored aliases."""
+        got, keys = self.stored.get(root, (_EMPTY, _EMPTY))
+        return _search(got, keys, hashes)
 
-    def learn(self, root: int, hashes: np.ndarray, keys: np.ndarray) -> None:
-        named = self.named.get(root, _EMPTY)  # sorted
-        if named.size:
-            hit = named[np.minimum(np.searchsorted(named, hashes), named.size - 1)] == hashes
-            if hit.any():
-                self.recent.update(zip(((root, h) for h in hashes[hit].tolist()),
-                                       keys[hit].tolist(), strict=True))
+    def _earlier(self, root: int, hashes: np.ndarray, before: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, found)`` of ``hashes`` among the keys of the batch's stores made
+        before store number ``before``."""
+        keys = np.zeros(hashes.size, np.uint64)
+        lo, hi = self.span.get(root, (0, 0))
+        if hi == lo:
+            return keys, np.zeros(hashes.size, bool)
+        at = np.minimum(lo + np.searchsorted(self.sorted_hash[lo:hi], hashes), hi - 1)
+        row = self.order[at]
+        found = (self.sorted_hash[at] == hashes) & (self.owner[row] < before)
+        for r in np.flatnonzero(found).tolist():  # few: parents and token-less blocks
+            made = self.keys.get(self.stores[int(self.owner[row[r]])])
+            if made is None:
+                found[r] = False
+            else:
+                keys[r] = made[int(self.place[row[r]])]
+        return keys, found
 
-    def resolve_all(self, ops: list[tuple], overlay: dict) -> dict[int, np.ndarray]:
-        """Each removal's keys, resolved per root in one go."""
+    def _resolve(self, root: int, hashes: np.ndarray, before: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        keys, found = self._stored(root, hashes)
+        if not found.all():
+            more, also = self._earlier(root, hashes, before)
+            keys = np.where(found, keys, more)
+            found |= also
+        return keys, found
+
+    def make(self, i: int) -> bool:
+        """Store ``i``'s keys, or False when its parent or blocks do not resolve."""
+        _, hashes, parent, _, root, tokens, block_size, lora = self.ops[i]
+        n = self.index[i]
+        parent_key = None
+        if parent is not None:
+            key, found = self._resolve(root, np.array([parent], np.uint64), n)
+            if not found[0]:
+                return False
+            parent_key = int(key[0])
+        if _has_tokens(hashes, tokens, block_size):
+            keys, _ = token_keys(tokens[: hashes.size * block_size], block_size,
+                                 parent=root if parent_key is None else parent_key,
+                                 lora_name=lora)
+        else:
+            keys, found = self._resolve(root, hashes, n)
+            if not found.all():
+                return False
+        self.keys[i], self.parent_keys[i] = keys, parent_key
+        return True
+
+    def _made(self, skip: set[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch's stores that were made (and not in ``skip``), sorted: roots,
+        hashes, keys (the first store's key for a hash twice).  From the table sorted
+        at the start: no sort here."""
+        key = frozenset(skip & set(self.keys))
+        if key in self._made_cache:
+            return self._made_cache[key]
+        valid = np.array([i in self.keys and i not in skip for i in self.stores], bool)
+        if not valid.any():
+            return _EMPTY, _EMPTY, _EMPTY
+        keys = np.concatenate([self.keys[i] if i in self.keys
+                               else np.zeros(self.ops[i][1].size, np.uint64)
+                               for i in self.stores])
+        keep = np.repeat(valid, self.sizes)[self.order]
+        roots, hashes = self.sorted_root[keep], self.sorted_hash[keep]
+        made = keys[self.order][keep]
+        first = np.ones(hashes.size, bool)
+        first[1:] = (hashes[1:] != hashes[:-1]) | (roots[1:] != roots[:-1])
+        out = self._made_cache[key] = (roots[first], hashes[first], made[first])
+        return out
+
+    def removals(self) -> dict[int, np.ndarray]:
+        """Each removal's keys (stored aliases, or any store of the batch), in its
+        order; per root in one go."""
+        roots, hashes, keys = self._made(set())
         by_root: dict[int, list[int]] = {}
-        for i, op in enumerate(ops):
+        for i, op in enumerate(self.ops):
             if op[0] == "remove_engine":
                 by_root.setdefault(op[3], []).append(i)
         out = {}
         for root, which in by_root.items():
-            parts = [ops[i][1] for i in which]
-            keys, found = self.resolve(root, np.concatenate(parts), overlay)
-            ends = np.cumsum([p.size for p in parts])
-            for i, k, f in zip(which, np.split(keys, ends[:-1]), np.split(found, ends[:-1]),
-                               strict=True):
+            parts = [self.ops[i][1] for i in which]
+            asked = np.concatenate(parts)
+            got, found = self._stored(root, asked)
+            mine = roots == np.uint64(root)
+            more, also = _search(hashes[mine], keys[mine], asked)
+            got, found = np.where(found, got, more), found | also
+            ends = np.cumsum([p.size for p in parts])[:-1]
+            for i, k, f in zip(which, np.split(got, ends), np.split(found, ends), strict=True):
                 out[i] = k[f]
         return out
 
-    def resolve(self, root: int, hashes: np.ndarray, overlay: dict
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """``(keys, found)`` of engine hashes (stored, or stored by the batch)."""
-        keys = np.zeros(hashes.size, np.uint64)
-        found = np.zeros(hashes.size, bool)
-        for table in (self.stored.get(root), overlay.get(root)):
-            if table is None or not table[0].size:
-                continue
-            at = np.minimum(np.searchsorted(table[0], hashes), table[0].size - 1)
-            hit = (table[0][at] == hashes) & ~found
-            keys[hit] = table[1][at[hit]]
-            found |= hit
-        return keys, found
+    def put(self, refused: set[int]) -> None:
+        """Write the aliases of the stores applied, per root, in key order."""
+        roots, hashes, keys = self._made(refused)
+        for root in np.unique(roots).tolist():
+            mine = roots == np.uint64(root)
+            self.w.alias_put(list(zip(alias_keys(root, hashes[mine]), _be(keys[mine]),
+                                      strict=True)))
 
 
-def _store_keys(table: _Lookup, op: tuple) -> tuple[np.ndarray | None, int | None]:
-    """A store's keys and its parent's key (None at the root), or ``(None, None)``."""
-    _, hashes, parent, _, root, tokens, block_size, lora = op
-    parent_key = None
-    if parent is not None:
-        parent_key = table.one(root, parent)
-        if parent_key is None:
-            return None, None
-    if _has_tokens(hashes, tokens, block_size):
-        n = hashes.size
-        keys, _ = token_keys(tokens[: n * block_size], block_size,
-                             parent=root if parent_key is None else parent_key, lora_name=lora)
-    else:
-        found = [table.one(root, h) for h in hashes.tolist()]  # few: offload stores
-        if any(k is None for k in found):
-            return None, None
-        keys = np.array(found, np.uint64)
-    return keys, parent_key
-
-
-def _overlay(made) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """The batch's own stores, per root, sorted by engine hash (for removals)."""
-    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for root, hashes, keys in made:
-        parts.setdefault(root, []).append((hashes, keys))
-    out = {}
-    for root, pieces in parts.items():
-        hashes = np.concatenate([h for h, _ in pieces])
-        keys = np.concatenate([k for _, k in pieces])
-        order = np.argsort(hashes, kind="stable")
-        out[root] = (hashes[order], keys[order])
-    return out
-
-
-def _put(w: WriteTxn, applied: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-    """Write the aliases of the stores applied (:func:`_overlay`'s form): per root
-    once, in key order (LMDB fills its pages in order)."""
-    for root, (hashes, keys) in applied.items():
-        first = np.ones(hashes.size, bool)
-        first[1:] = hashes[1:] != hashes[:-1]
-        w.alias_put(list(zip(alias_keys(root, hashes[first]), _be(keys[first]), strict=True)))
+def _search(table_hashes: np.ndarray, table_keys: np.ndarray, hashes: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, found)`` of ``hashes`` in a sorted (hash -> key) table."""
+    if not table_hashes.size:
+        return np.zeros(hashes.size, np.uint64), np.zeros(hashes.size, bool)
+    at = np.minimum(np.searchsorted(table_hashes, hashes), table_hashes.size - 1)
+    found = table_hashes[at] == hashes
+    return np.where(found, table_keys[at], np.uint64(0)), found
 
 
 def _sweep(w: WriteTxn, packer) -> None:

@@ -58,7 +58,6 @@ BLOCK_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u2")])
 LOG_VALUE = struct.Struct("<IQ")  # log: segment id, first hash
 HOLDER_ID = struct.Struct(">H")  # holders: the value of n:<name>, the suffix of i: and s:
 T = TypeVar("T")
-_ABSENT = bytes(8)
 
 
 def is_url(path: object) -> bool:
@@ -266,13 +265,16 @@ class WriteLogic:
     __slots__ = ()
 
     def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(token keys, found)`` of engine hashes under ``root`` (key 0 where not
-        found).  Cost: one batched lookup (one cursor call, or one ``HMGET``)."""
-        keys = alias_keys(root, hashes)
-        found = self.alias_found(keys)
-        values = [found.get(k, _ABSENT) for k in keys]
-        return (np.frombuffer(b"".join(values), ">u8").astype(np.uint64),
-                np.array([v is not _ABSENT for v in values], bool))
+        """``(engine hashes, token keys)`` of those of ``hashes`` (sorted, unique) that
+        have an alias under ``root``, sorted.  Cost: one batched lookup (one cursor
+        call, or one ``HMGET``); numpy, no Python per block."""
+        found = self.alias_found(alias_keys(root, hashes))
+        if not found:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+        got = np.frombuffer(b"".join(found), ">u8")[1::2].astype(np.uint64)
+        keys = np.frombuffer(b"".join(found.values()), ">u8").astype(np.uint64)
+        order = np.argsort(got, kind="stable")
+        return got[order], keys[order]
 
     def create_meta(self) -> None:
         """A new index's meta: format version, a new index id, zero counters, and the
