@@ -128,3 +128,65 @@ def test_a_store_whose_extra_keys_hold_more_than_its_lora_is_not_keyed_by_tokens
         with native.forced(path):
             got = decode(msgpack.packb([0.0, [event], 0]), tokens=True).events[0]
         assert (got.token_ids is not None) == keyed, (extra, lora)
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_random_streams_never_make_the_index_know_more_than_the_engines(where, seed):
+    """Engines (two of them hashing with another seed) store chains with their tokens,
+    offload some blocks to CPU without tokens, evict and clear, in random batches;
+    after every batch each holder holds exactly the token keys of what its engine
+    holds with tokens, and never a block its engine does not hold.  (It found the
+    sweep taking an alias for dead when two seeds' hashes alias one key.)"""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 1 << 17, size=16 * 6).tolist() for _ in range(4)]
+    with sarp.open(where("ix"), durability="nosync") as index:
+        engines = {f"e{i}": {"seed": 1 + (i >= 2), "GPU": {}, "CPU": {}} for i in range(4)}
+        for _ in range(40):
+            applier, stats = Applier(index), ApplyStats()
+            for name, eng in engines.items():
+                events, tokens = [], []
+                for _ in range(int(rng.integers(1, 4))):
+                    r = rng.random()
+                    if r < 0.5:  # a request: a prefix and a tail of its own
+                        toks = prefixes[int(rng.integers(4))][: 16 * int(rng.integers(1, 7))]
+                        toks = toks + rng.integers(0, 1 << 17, size=16 * int(
+                            rng.integers(0, 3))).tolist()
+                        keys = _keys(toks)
+                        hashes = [int(k) ^ eng["seed"] for k in keys]  # chained, per seed
+                        have = 0
+                        while have < len(hashes) and hashes[have] in eng["GPU"]:
+                            have += 1
+                        if have < len(hashes):
+                            events.append(("stored", hashes[have:],
+                                           hashes[have - 1] if have else None, "GPU"))
+                            tokens.append(toks[16 * have:])
+                            eng["GPU"].update(zip(hashes, keys.tolist(), strict=True))
+                    elif r < 0.7 and eng["GPU"]:  # evict a tail
+                        gone = list(eng["GPU"])[-int(rng.integers(1, 4)):]
+                        events.append(("removed", gone, "GPU"))
+                        tokens.append(None)
+                        for h in gone:
+                            eng["GPU"].pop(h)
+                    elif r < 0.9 and eng["GPU"]:  # offload a held root block, no tokens
+                        roots = [h for h, k in eng["GPU"].items()
+                                 if k in set(_keys(prefixes[0][:16]).tolist()
+                                             + _keys(prefixes[1][:16]).tolist())]
+                        if roots:
+                            events.append(("stored", roots[:1], None, "CPU"))
+                            tokens.append([])
+                            eng["CPU"][roots[0]] = eng["GPU"][roots[0]]
+                    elif r < 0.93:
+                        events.append(("cleared",))
+                        tokens.append(None)
+                        eng["GPU"].clear()
+                        eng["CPU"].clear()
+                if events:
+                    applier.add(name, decode(encode_batch(events, token_ids=tokens,
+                                                          dp_rank=0), True), stats, root=ROOT)
+            applier.flush()
+            for name, eng in engines.items():
+                for medium in ("GPU", "CPU"):
+                    held = set(index.blocks_of(f"{name}#0", medium).tolist())
+                    assert held <= set(eng[medium].values()), (name, medium)
+                    if medium == "GPU":
+                        assert held == set(eng[medium].values()), (name, stats)

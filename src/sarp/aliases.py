@@ -254,7 +254,9 @@ def _sweep(w: WriteTxn, packer) -> None:
     _sweep_from[packer] = after
     if items:
         keys = np.frombuffer(b"".join(v for _, v in items), ">u8").astype(np.uint64)
-        dead = np.flatnonzero(w.locate(keys)[0] == 0)
+        # engines hashing with other seeds alias one key twice (locate wants it once)
+        unique, back = np.unique(keys, return_inverse=True)
+        dead = np.flatnonzero(w.locate(unique)[0][back] == 0)
         if dead.size:
             w.alias_delete([items[j][0] for j in dead.tolist()])
 
