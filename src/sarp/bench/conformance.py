@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,15 +55,23 @@ def engine_hashes(ids: np.ndarray, lora: str | None = None) -> np.ndarray:
 
 
 class Publisher(EnginePublisher):
-    """:class:`EnginePublisher` on an XPUB, which tells when subscribers arrive."""
+    """:class:`EnginePublisher` on an XPUB, which tells when subscribers arrive, and
+    with no send limit on its replay ROUTER (vLLM 0.11 keeps ZeroMQ's 1,000 frames,
+    so a replay of more than that to a slow reader loses some: Dynamo's indexer
+    rebuilding from 1,500 batches an engine missed parents for good)."""
 
     def _open(self, endpoint: str, replay_endpoint: str) -> None:
-        super()._open(endpoint, replay_endpoint)
-        self.pub.close(linger=0)
+        # the sockets set up before the replay thread starts (a socket is one thread's)
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.bind(endpoint)  # loopback, a port of its own (tcp://127.0.0.1:*)
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.bind(replay_endpoint)
+        self._running = True
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
 
     def wait_subscribers(self, count: int, timeout_s: float = 20.0) -> None:
         seen, deadline = 0, time.monotonic() + timeout_s

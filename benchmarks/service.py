@@ -1,0 +1,278 @@
+"""``sarp serve`` against Dynamo's standalone indexer as services (issue 26), on the
+same simulated engines and the same requests, one service at a time, passes
+interleaved (sarp, Dynamo, sarp, Dynamo, ...).
+
+The engines are :mod:`sarp.bench.conformance`'s (vLLM events with token ids, block
+size 16, GPU caches with CPU offload), 8 instances of one model; their stream is
+recorded once from the trace's requests and replayed in every pass.  Per pass, on a
+fresh service:
+
+1. **backlog drain**: the engines registered (each service subscribed), the whole
+   stream published as fast as the engines can send it, timed to the moment the
+   service answers every engine's last batch (a marker block);
+2. **HTTP**: 8 asyncio clients on keep-alive connections send ``/query`` for
+   ``--http-s`` seconds (requests drawn from the trace), requests/s and latency
+   p50/p99;
+3. **RSS**: of the service's process tree, after the drain;
+4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
+   keeps no registrations: they are sent again; sarp keeps them with its index), each
+   engine then publishes one more batch, and the time is taken until 50 sampled
+   requests get the answers they had before the kill.
+
+Run it from the project root (Dynamo from ``make dynamo``'s ``.venv-dynamo``)::
+
+    .venv/bin/python benchmarks/service.py --trace ../shared/traces/mooncake_conversation.jsonl \\
+        --requests 3000 --repeat 3 --json bench-results/service-mooncake.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import zmq
+
+from sarp.bench import conformance as cf
+from sarp.bench.traces import read_requests
+from sarp.serving.events import decode
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "llama"
+
+
+class _Tape:
+    """A publisher that records what an engine publishes (the stream, once)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+
+    def publish(self, payload: bytes) -> int:
+        self.payloads.append(payload)
+        return len(self.payloads)
+
+
+def record(requests: list[np.ndarray], engines: int, seed: int = 1) -> list[tuple[int, bytes]]:
+    """The engines' stream, as ``(engine, payload)`` in publish order."""
+    order: list[tuple[int, bytes]] = []
+    tapes = [_Tape() for _ in range(engines)]
+    sims = [cf.Engine(i + 1, 0, MODEL, ("vllm-0.33", "vllm-0.11")[i % 2], tapes[i],
+                      gpu_blocks=10_000, cpu_blocks=20_000) for i in range(engines)]
+    rng = random.Random(seed)
+    for ids in requests:
+        if ids.size:
+            n = (int(ids[0]) * 7 + rng.randrange(2)) % engines
+            before = len(tapes[n].payloads)
+            sims[n].serve(ids)
+            order += [(n, p) for p in tapes[n].payloads[before:]]
+    return order
+
+
+def queries(requests: list[np.ndarray], count: int, seed: int = 2) -> list[bytes]:
+    rng = random.Random(seed)
+    live = [r for r in requests if r.size]
+    out = []
+    for _ in range(count):
+        ids = rng.choice(live)
+        tokens = cf.block_tokens(ids).tolist() + [rng.randrange(1 << 17) for _ in range(7)]
+        out.append(json.dumps({"token_ids": tokens, "model_name": MODEL}).encode())
+    return out
+
+
+class Service:
+    """One service process (sarp serve or Dynamo's indexer) on a free loopback port."""
+
+    def __init__(self, kind: str, work: Path) -> None:
+        self.kind, self.work = kind, work
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self.kind == "sarp":
+            cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(self.work / "ix"),
+                   "--durability", "nosync", "--http", f"127.0.0.1:{self.port}",
+                   "--http-workers", "2"]
+        else:
+            python = os.environ.get("SARP_DYNAMO_PYTHON", str(ROOT / ".venv-dynamo/bin/python"))
+            cmd = [python, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "4"]
+        log = (self.work / f"{self.kind}.log").open("a")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if cf.post(self.url, "/query", {"token_ids": [], "model_name": "-"},
+                           timeout_s=2)[0] in (200, 404):
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.kind} did not start (see {self.work})")
+            time.sleep(0.02)
+
+    def rss_mib(self) -> float:
+        root = psutil.Process(self.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+        return sum(p.memory_info().rss for p in procs if p.is_running()) / (1 << 20)
+
+    def kill(self) -> None:
+        """SIGKILL (sarp's HTTP workers see their socket pair close and leave too)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _load(url: str, bodies: list[bytes], seconds: float, clients: int = 8) -> dict:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    stop = time.perf_counter() + seconds
+
+    async def client(k: int, session) -> None:
+        nonlocal errors
+        i = k
+        while time.perf_counter() < stop:
+            started = time.perf_counter()
+            async with session.post(url + "/query", data=bodies[i % len(bodies)],
+                                    headers={"Content-Type": "application/json"}) as resp:
+                await resp.read()
+                errors += resp.status != 200
+            latencies.append(time.perf_counter() - started)
+            i += clients
+
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        began = time.perf_counter()
+        await asyncio.gather(*(client(k, session) for k in range(clients)))
+        wall = time.perf_counter() - began
+    ms = np.array(latencies) * 1e3
+    return {"requests_per_s": len(latencies) / wall, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)), "requests": len(latencies),
+            "errors": errors}
+
+
+def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: list[bytes],
+             args) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"sarp-service-{kind}-") as tmp:
+        work = Path(tmp)
+        context = zmq.Context()
+        pubs = [cf.Publisher(context, name=f"e{i}", buffer_batches=len(stream) + 10)
+                for i in range(engines)]
+        service = Service(kind, work)
+        try:
+            service.start()
+            bodies_reg = [{"instance_id": i + 1, "endpoint": p.endpoint,
+                           "replay_endpoint": p.replay_endpoint, "model_name": MODEL,
+                           "block_size": cf.BLOCK_SIZE, "dp_rank": 0}
+                          for i, p in enumerate(pubs)]
+            for body in bodies_reg:
+                assert cf.post(service.url, "/register", body)[0] == 201
+            for p in pubs:
+                p.wait_subscribers(1)
+            markers = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
+            started = time.perf_counter()
+            for n, payload in stream:
+                pubs[n].publish(payload)
+            cf.wait_for_markers([service.url], markers, timeout_s=600)
+            drain_s = time.perf_counter() - started
+            events = sum(len(decode(p).events) for _, p in stream)
+            rss = service.rss_mib()
+            http = asyncio.run(_load(service.url, bodies, args.http_s))
+            sample = bodies[:50]
+            before = [cf.post(service.url, "/query", json.loads(b)) for b in sample]
+            service.kill()
+            killed = time.perf_counter()
+            service.start()
+            if kind == "dynamo":
+                for body in bodies_reg:
+                    cf.post(service.url, "/register", body)
+            for m in markers:  # one more batch each: a gap to replay from
+                m.serve(cf.marker_ids(m) + np.uint64(1 << 20))
+            while [cf.post(service.url, "/query", json.loads(b)) for b in sample] != before:
+                if time.perf_counter() - killed > args.restart_timeout_s:
+                    tail = (work / f"{kind}.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{kind}: no correct answers {args.restart_timeout_s:.0f}"
+                                       f" s after the kill; its log ends:\n{tail}")
+                time.sleep(0.02)
+            restart_s = time.perf_counter() - killed
+            return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
+                    "rss_mib": rss, **{f"http_{k}": v for k, v in http.items()},
+                    "kill9_to_correct_s": restart_s}
+        finally:
+            service.stop()
+            for p in pubs:
+                p.close()
+            context.term()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--http-s", type=float, default=5.0)
+    ap.add_argument("--restart-timeout-s", type=float, default=120.0)
+    ap.add_argument("--services", default="sarp,dynamo")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    requests = [r.hashes for _, r in zip(range(args.requests), read_requests(args.trace),
+                                         strict=False)]
+    stream = record(requests, args.engines)
+    bodies = queries(requests, 2000)
+    print(f"{len(stream):,} batches from {len(requests):,} requests, {args.engines} engines",
+          flush=True)
+    runs: dict[str, list[dict]] = {k: [] for k in args.services.split(",")}
+    for k in range(args.repeat):
+        for kind in runs:
+            got = one_pass(kind, stream, args.engines, bodies, args)
+            runs[kind].append(got)
+            print(f"pass {k + 1} {kind}: " + ", ".join(f"{m} {v:,.1f}" for m, v in got.items()),
+                  flush=True)
+    out: dict = {"trace": args.trace, "requests": args.requests, "engines": args.engines,
+                 "batches": len(stream), "runs": runs, "median": {}, "ratio": {}}
+    for metric in next(iter(runs.values()))[0]:
+        med = {kind: statistics.median(r[metric] for r in rs) for kind, rs in runs.items()}
+        out["median"][metric] = med
+        ratio = med["sarp"] / med["dynamo"] if len(med) == 2 and med["dynamo"] else None
+        out["ratio"][metric] = ratio
+        print(f"{metric}: " + ", ".join(
+            f"{kind} {med[kind]:,.2f} ({min(r[metric] for r in rs):,.2f}-"
+            f"{max(r[metric] for r in rs):,.2f})" for kind, rs in runs.items())
+            + ("" if ratio is None else f", sarp/dynamo {ratio:.2f}"), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
