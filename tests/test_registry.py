@@ -231,6 +231,8 @@ def test_rfc_queries_and_registrations_refuse_bad_input_naming_the_field(tmp_pat
                                                      "model_name": "llama"})[0] == 200,
                        what="the model known to the workers")
         for body, field in (({"token_ids": [-1], "model_name": "llama"}, "token_ids[0]"),
+                            ({"token_ids": [5, True], "model_name": "llama"}, "token_ids[1]"),
+                            ({"token_ids": [5, 1.5], "model_name": "llama"}, "token_ids[1]"),
                             ({"token_ids": "12", "model_name": "llama"}, "token_ids"),
                             ({"token_ids": [1]}, "model_name"),
                             ({"token_ids": [1], "model_name": "llama", "lora_name": 3},

@@ -23,6 +23,7 @@ answers; :mod:`sarp.serving.http` serves it.
 
 from __future__ import annotations
 
+import array
 import os
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from .applier import holder_name
 from .media import CPU, DISK, GPU
 
 MAX_QUERY_BLOCKS = 1 << 18  # as /v1/match's MAX_REQUEST_BLOCKS
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)  # array's uint32
 
 
 class QueryError(ValueError):
@@ -185,10 +187,17 @@ def _run(presence: np.ndarray | None, start: int) -> int:
 
 
 def _tokens(values: list) -> np.ndarray:
-    if all(type(v) is int for v in values):
-        arr = np.array(values, dtype=np.int64) if values else np.zeros(0, np.int64)
-        if not arr.size or (arr.min() >= 0 and arr.max() <= 0xFFFFFFFF):
-            return arr.astype(np.uint32)
+    """Token ids as uint32, converted in C (``array.array`` refuses floats, strings,
+    None and ints out of range; only bools slip through, so the few items <= 1 are
+    checked by type); anything else is named item by item."""
+    try:
+        arr = np.frombuffer(array.array(_U32, values), np.uint32)
+    except (TypeError, OverflowError):
+        pass
+    else:
+        small = np.flatnonzero(arr <= 1)
+        if not any(type(values[i]) is bool for i in small.tolist()):
+            return arr
     for i, v in enumerate(values):
         if type(v) is not int or not 0 <= v <= 0xFFFFFFFF:
             raise QueryError(f"token_ids[{i}]", f"token_ids[{i}] must be an int from 0 to "
