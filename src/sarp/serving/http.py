@@ -183,14 +183,16 @@ def parse_match(body: bytes, config: HttpConfig) -> dict:
 # JSON's own whitespace only: a regex ``\s`` also takes \x0b and \x0c, which the
 # general parse refuses (30,192 bodies answered differently; tests/test_hardening.py)
 _WS = rb"[ \t\n\r]*"
-_FAST_HEAD = re.compile(_WS + rb'\{' + _WS + rb'"block_hashes"' + _WS + rb':' + _WS + rb'\[')
+_FAST_HEADS = {f: re.compile(_WS + rb'\{' + _WS + b'"' + f + b'"' + _WS + rb':' + _WS + rb'\[')
+               for f in (b"block_hashes", b"token_ids")}
 
 
-def _with_fast_block_hashes(body: bytes) -> dict | None:
-    """A body that begins ``{"block_hashes": [`` and holds no other ``block_hashes``
-    and no escape: the hashes parsed in C straight into a uint64 array (no Python
-    int per hash), the rest of the object by orjson.  ``None`` for any other body,
-    or any doubt, and the caller parses the whole body, which names what is wrong.
+def _with_fast_block_hashes(body: bytes, field: bytes = b"block_hashes") -> dict | None:
+    """A body that begins ``{"block_hashes": [`` (or ``field``: ``token_ids``) and
+    holds no other such field and no escape: the ints parsed in C straight into a
+    uint64 array (no Python int per item), the rest of the object by orjson.  ``None``
+    for any other body, or any doubt, and the caller parses the whole body, which
+    names what is wrong.
 
     >>> obj = _with_fast_block_hashes(b'{"block_hashes": [1, -1], "block_size": 16}')
     >>> obj is None or (obj["block_hashes"].tolist(), obj["block_size"]) == ([1, 2**64 - 1], 16)
@@ -200,20 +202,20 @@ def _with_fast_block_hashes(body: bytes) -> dict | None:
     if c is None:
         native.ran_python("u64_array")
         return None
-    head = _FAST_HEAD.match(body)
-    if head is None or body.count(b'"block_hashes"') != 1 or b"\\" in body:
+    head, quoted = _FAST_HEADS[field].match(body), b'"' + field + b'"'
+    if head is None or body.count(quoted) != 1 or b"\\" in body:
         return None
     end = body.find(b"]", head.end())
     raw = c.u64_array(body, head.end(), end) if end >= 0 else None
     if raw is None:
         return None
     try:
-        obj = orjson.loads(b'{"block_hashes":[]' + body[end + 1 :])
+        obj = orjson.loads(b"{" + quoted + b":[]" + body[end + 1 :])
     except orjson.JSONDecodeError:
         return None
-    if type(obj) is not dict or obj.get("block_hashes") != []:
+    if type(obj) is not dict or obj.get(field.decode()) != []:
         return None
-    obj["block_hashes"] = np.frombuffer(raw, np.uint64)
+    obj[field.decode()] = np.frombuffer(raw, np.uint64)
     return obj
 
 
@@ -467,8 +469,13 @@ def make_app(index, config: HttpConfig):
         matches.inc()
         return response
 
-    def rfc_answer(obj: object, by_hash: bool) -> dict:
-        model, keys = rfc.parse_query(obj, by_hash, models.get())
+    def rfc_answer(body: bytes, by_hash: bool) -> dict:
+        field = b"block_hashes" if by_hash else b"token_ids"
+        obj = _with_fast_block_hashes(body, field)  # the ids parsed in C, when it can
+        if obj is not None and not by_hash and int(obj["token_ids"].max(initial=0)) >> 32:
+            obj = None  # out of range (or negative): the full parse names the item
+        model, keys = rfc.parse_query(orjson.loads(body) if obj is None else obj, by_hash,
+                                      models.get())
         if not keys.size:
             return rfc.EMPTY
         return rfc.answer(index.match(keys, with_presence=True), model)
@@ -476,11 +483,10 @@ def make_app(index, config: HttpConfig):
     def rfc_query(by_hash: bool):  # RFC #1403's /query and /query_by_hash
         async def handle(request: web.Request) -> web.Response:
             body = await request.read()
-            try:
-                obj = orjson.loads(body)
+            try:  # a large body parsed and matched beside the event loop
                 got = (await asyncio.get_running_loop().run_in_executor(
-                    offload, rfc_answer, obj, by_hash)) if remote or len(body) > OFFLOAD_BYTES \
-                    else rfc_answer(obj, by_hash)
+                    offload, rfc_answer, body, by_hash)) if remote or len(body) > OFFLOAD_BYTES \
+                    else rfc_answer(body, by_hash)
             except orjson.JSONDecodeError as exc:
                 return refuse("body", f"the body is not JSON ({exc})")
             except rfc.QueryError as exc:

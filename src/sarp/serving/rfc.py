@@ -127,8 +127,8 @@ def parse_query(obj: object, by_hash: bool, models: dict[tuple[str, str], Model]
         raise QueryError("model_name", f"no indexer for model={name} routing_group={tenant}: "
                                        "no engine is registered with them (GET /workers)", 404)
     wanted = "block_hashes" if by_hash else "token_ids"
-    values = obj.get(wanted)
-    if not isinstance(values, list):
+    values = obj.get(wanted)  # a list, or a uint64 array parsed in C (serving.http)
+    if not isinstance(values, list | np.ndarray):
         raise QueryError(wanted, f"{wanted} must be an array of ints, got {type(values).__name__}")
     if by_hash:
         try:
@@ -186,10 +186,13 @@ def _run(presence: np.ndarray | None, start: int) -> int:
     return int(missing[0]) if missing.size else int(presence.size - start)
 
 
-def _tokens(values: list) -> np.ndarray:
+def _tokens(values: list | np.ndarray) -> np.ndarray:
     """Token ids as uint32, converted in C (``array.array`` refuses floats, strings,
     None and ints out of range; only bools slip through, so the few items <= 1 are
-    checked by type); anything else is named item by item."""
+    checked by type); anything else is named item by item.  An array is taken as the
+    caller parsed it (in range)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.uint32)
     try:
         arr = np.frombuffer(array.array(_U32, values), np.uint32)
     except (TypeError, OverflowError):
