@@ -21,10 +21,6 @@ alike.  :func:`pack` resolves the operations, hands them to the packer, writes t
 aliases of the stores applied, and sweeps a few stored aliases whose block has left
 the index (an alias left behind costs space, never an answer: it can only resolve
 to its own block).
-
->>> import numpy as np
->>> is_engine_op(("remove_engine", np.array([1], np.uint64), "w0\\0GPU", 7))
-True
 """
 
 from __future__ import annotations
@@ -42,11 +38,6 @@ ENGINE_KINDS = ("insert_engine", "remove_engine")
 SWEEP_PER_BATCH = 512  # stored aliases checked for a dead block per batch
 _EMPTY = np.zeros(0, np.uint64)
 _sweep_from: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packer -> cursor
-
-
-def is_engine_op(op: tuple) -> bool:
-    """Does a packer-form operation carry engine hashes to resolve?"""
-    return op[0] in ENGINE_KINDS
 
 
 def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, Exception]]]:
