@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -179,6 +180,39 @@ async def _load(url: str, bodies: list[bytes], seconds: float, clients: int = 8)
             "errors": errors}
 
 
+_WRK_LUA = """
+local bodies, n = {}, 0
+function init(args)
+  for line in io.lines(args[1]) do n = n + 1; bodies[n] = line end
+end
+local i = 0
+function request()
+  i = i % n + 1
+  return wrk.format("POST", "/query", {["Content-Type"] = "application/json"}, bodies[i])
+end
+function done(summary, latency, requests)
+  io.write(string.format("WRK %d %d %d %d %f %f\\n", summary.requests, summary.duration,
+    summary.errors.status + summary.errors.connect + summary.errors.read
+    + summary.errors.write + summary.errors.timeout, 0,
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000))
+end
+"""
+
+
+def _wrk(url: str, bodies: list[bytes], seconds: float, work: Path, clients: int = 8) -> dict:
+    """wrk (a C load generator: 2 threads, ``clients`` keep-alive connections), with
+    the requests cycled from a file; latency from wrk's own histogram."""
+    script, lines = work / "query.lua", work / "bodies.txt"
+    script.write_text(_WRK_LUA)
+    lines.write_bytes(b"\n".join(bodies) + b"\n")
+    out = subprocess.run(["wrk", "-t2", f"-c{clients}", f"-d{seconds:g}s", "-s", str(script),
+                          url, "--", str(lines)], capture_output=True, text=True, check=True)
+    fields = next(ln for ln in out.stdout.splitlines() if ln.startswith("WRK ")).split()
+    requests, duration_us, errors = int(fields[1]), int(fields[2]), int(fields[3])
+    return {"requests_per_s": requests / (duration_us / 1e6), "p50_ms": float(fields[5]),
+            "p99_ms": float(fields[6]), "requests": requests, "errors": errors}
+
+
 def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: list[bytes],
              args) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"sarp-service-{kind}-") as tmp:
@@ -206,6 +240,9 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             events = sum(len(decode(p).events) for _, p in stream)
             rss = service.rss_mib()
             http = asyncio.run(_load(service.url, bodies, args.http_s))
+            if shutil.which("wrk"):
+                http |= {f"wrk_{k}": v for k, v in
+                         _wrk(service.url, bodies, args.http_s, work).items()}
             sample = bodies[:50]
             before = [cf.post(service.url, "/query", json.loads(b)) for b in sample]
             service.kill()

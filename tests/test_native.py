@@ -1,11 +1,13 @@
 """The match step in C (`verify.c`) against its Python reference, record by record;
 each run asserts which path it took (`sarp.native.Tally`)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
 from sarp import native, verify
-from sarp.errors import CorruptRecordError
+from sarp.errors import CorruptRecordError, ParentNotFoundError
 from sarp.segment import Segment
 
 pytestmark = pytest.mark.skipif(
@@ -87,10 +89,13 @@ def test_a_damaged_record_raises_what_the_python_step_raises(seed):
 
 
 @pytest.mark.parametrize("segment_blocks", [1, 4, 64])
-def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_blocks):
+@pytest.mark.parametrize("media", [False, True])
+def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_blocks, media):
+    """Per holder; with instances over two media (then per instance too); with and
+    without per-block presence: every field of the answer, C against Python."""
     import sarp
 
-    rng = np.random.default_rng(segment_blocks)
+    rng = np.random.default_rng(segment_blocks + 100 * media)
     chains = [rng.integers(0, 1 << 64, 40, dtype=np.uint64) for _ in range(6)]
     for c in chains[1:4]:  # branches off the first chain
         c[:10] = chains[0][:10]
@@ -98,24 +103,32 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_block
         for _ in range(120):
             chain = chains[rng.integers(len(chains))]
             holder = f"e{rng.integers(5)}"
+            medium = ("GPU", "CPU", "DISK")[rng.integers(3)] if media else "GPU"
             lo, hi = sorted(rng.integers(0, 41, 2).tolist())
+            middle = media and 0 < lo < hi and rng.random() < 0.3  # a tier's later blocks
             if rng.random() < 0.7 and hi:
-                ix.insert(chain[:hi], holder=holder)
+                with contextlib.suppress(ParentNotFoundError):  # a parent no one holds
+                    ix.insert(chain[lo:hi] if middle else chain[:hi], holder=holder,
+                              medium=medium, parent=int(chain[lo - 1]) if middle else None)
             elif hi > lo:
-                ix.remove(chain[lo:hi], holder=holder)
+                ix.remove(chain[lo:hi], holder=holder, medium=medium)
             queries = [chain[: rng.integers(1, 41)] for chain in chains]
             queries.append(np.concatenate([chains[0][:12], chains[1][12:20]]))
             for query in queries:
-                with native.forced("c"), native.Tally() as in_c:
-                    got = ix.match(query)
-                with native.forced("python"), native.Tally() as in_python:
-                    expected = ix.match(query)
-                assert (in_c.c("walk"), in_c.python("walk")) == (1, 0)
-                assert (in_python.c("walk"), in_python.c("examine"),
-                        in_python.python("walk")) == (0, 0, 1)
-                assert (got.num_blocks, got.by_holder, got.by_medium, got.storage_reads) == (
-                    expected.num_blocks, expected.by_holder, expected.by_medium,
-                    expected.storage_reads)
+                for presence in (False, True):
+                    with native.forced("c"), native.Tally() as in_c:
+                        got = ix.match(query, with_presence=presence)
+                    with native.forced("python"), native.Tally() as in_python:
+                        expected = ix.match(query, with_presence=presence)
+                    assert (in_c.c("walk"), in_c.python("walk")) == (1, 0)
+                    assert (in_python.c("walk"), in_python.c("examine"),
+                            in_python.python("walk")) == (0, 0, 1)
+                    assert (got.num_blocks, got.by_holder, got.by_medium, got.storage_reads,
+                            got.multi_medium) == (
+                        expected.num_blocks, expected.by_holder, expected.by_medium,
+                        expected.storage_reads, expected.multi_medium)
+                    assert {k: v.tolist() for k, v in got.presence.items()} == {
+                        k: v.tolist() for k, v in expected.presence.items()}
 
 
 def test_the_python_path_alone_passes_the_model_test():

@@ -10,7 +10,7 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 12
+#define ABI_VERSION 13
 
 unsigned long long sarp_calls[CALL_KINDS];
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 12  # native.c's ABI_VERSION
+ABI = 13  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys")
 _TRUE = ("1", "true", "yes", "on")

@@ -153,22 +153,84 @@ typedef struct {
 
 #define MAX_WALK_HOLDERS 64
 
-/* walk(get, lookup, recent, remembered, query_bytes)
- *   -> (total, reads, {holder_id: blocks}, stopped_at)
- * `match`'s walk for the common case.  The directory probe is Directory.lookup's:
+/* One step's part of the per-block presence (walk with presence): the record, kept
+ * alive, and where in it the held run's rows are. */
+typedef struct {
+    PyObject *record;
+    Py_ssize_t presence_at, holders_at, n, nh, width, offset;
+} Rows;
+
+#define MAX_PRESENCE_HOLDERS 1024
+
+/* Each holder's presence over the whole walk (`total` blocks, 0 or 1 each) from the
+ * steps' rows: {holder_id: bytes}.  A holder absent from a step has zeros there. */
+static PyObject *presence_of(Rows *steps, Py_ssize_t nsteps, Py_ssize_t total) {
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    uint16_t ids[MAX_PRESENCE_HOLDERS];
+    char *bufs[MAX_PRESENCE_HOLDERS];
+    Py_ssize_t nids = 0;
+    for (Py_ssize_t s = 0; s < nsteps; s++) {
+        const uint8_t *r = (const uint8_t *)PyBytes_AS_STRING(steps[s].record);
+        for (Py_ssize_t h = 0; h < steps[s].nh; h++) {
+            uint16_t id = u16_at(r + steps[s].holders_at + 2 * h);
+            Py_ssize_t k = 0;
+            while (k < nids && ids[k] != id) k++;
+            if (k == nids) {
+                if (nids == MAX_PRESENCE_HOLDERS) goto too_many;
+                PyObject *row = PyBytes_FromStringAndSize(NULL, total);
+                if (row == NULL) goto fail;
+                memset(PyBytes_AS_STRING(row), 0, (size_t)total);
+                PyObject *key = PyLong_FromLong(id);
+                if (key == NULL || PyDict_SetItem(out, key, row) < 0) {
+                    Py_XDECREF(key);
+                    Py_DECREF(row);
+                    goto fail;
+                }
+                Py_DECREF(key);
+                Py_DECREF(row);  /* the dict holds it */
+                ids[nids] = id;
+                bufs[nids++] = PyBytes_AS_STRING(row);
+            }
+            const uint8_t *src = r + steps[s].presence_at + h * steps[s].n;
+            char *dst = bufs[k] + steps[s].offset;
+            for (Py_ssize_t b = 0; b < steps[s].width; b++) dst[b] = src[b] != 0;
+        }
+    }
+    return out;
+too_many:
+    Py_DECREF(out);
+    return Py_NewRef(Py_None);
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* walk(get, lookup, recent, remembered, query_bytes[, with_presence])
+ *   -> (total, reads, {holder_id: blocks} | {holder_id: presence bytes}, stopped_at)
+ * `match`'s walk.  The directory probe is Directory.lookup's:
  * its two dicts first (`recent`: changes since the arrays were merged; `remembered`:
  * array entries looked up before), then `lookup(first_hash)` itself (segment id or
  * None).  `get(key)` is the read transaction's (record bytes or None; keys big-endian
- * u64).  stopped_at: -1, or the id of a damaged segment at which the walk stopped
- * (the caller logs it), or -2: a step with more than MAX_WALK_HOLDERS holders, which
- * the caller walks in Python instead. */
+ * u64).  With `with_presence`, the third item is each holder's presence over the
+ * `total` verified blocks (bytes of 0 and 1, every holder of every step), from which
+ * runs per holder, per instance over its media and per tier follow; without, each
+ * first-step holder's leading run.  stopped_at: -1, or the id of a damaged segment at
+ * which the walk stopped (the caller logs it), or -2: a step with more than
+ * MAX_WALK_HOLDERS holders (or a walk with more than MAX_PRESENCE_HOLDERS), which the
+ * caller walks in Python instead. */
 PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_WALK]++;
-    if (nargs != 5 || !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "walk(get, lookup, recent: dict, remembered: dict, query_bytes)");
+    if ((nargs != 5 && nargs != 6) || !PyDict_CheckExact(args[2])
+        || !PyDict_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "walk(get, lookup, recent: dict, remembered: dict, "
+                                         "query_bytes[, with_presence])");
         return NULL;
     }
+    int with_presence = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    if (with_presence < 0) return NULL;
+    Rows *steps = NULL;
+    Py_ssize_t nsteps = 0, cap = 0;
     PyObject *get = args[0], *lookup = args[1], *recent = args[2], *remembered = args[3];
     Py_buffer q;
     if (PyObject_GetBuffer(args[4], &q, PyBUF_SIMPLE) < 0) return NULL;
@@ -253,6 +315,28 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                         holders[k].extending = run == any_run;
                     }
                 }
+                if (with_presence) {
+                    if (!PyBytes_CheckExact(record)) {
+                        PyErr_SetString(PyExc_TypeError, "walk: get() must give bytes");
+                        PyBuffer_Release(&rec);
+                        Py_DECREF(record);
+                        goto done;
+                    }
+                    if (nsteps == cap) {
+                        Py_ssize_t grown = cap ? 2 * cap : 16;
+                        Rows *more = PyMem_Realloc(steps, (size_t)grown * sizeof(Rows));
+                        if (more == NULL) {
+                            PyErr_NoMemory();
+                            PyBuffer_Release(&rec);
+                            Py_DECREF(record);
+                            goto done;
+                        }
+                        steps = more;
+                        cap = grown;
+                    }
+                    steps[nsteps++] = (Rows){Py_NewRef(record), st.presence_at, st.holders_at,
+                                             st.n, st.nh, any_run, total};
+                }
                 total += any_run;
                 step = any_run;
             }
@@ -261,6 +345,18 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         Py_DECREF(record);
         if (stopped_at != -1 || step == 0 || !going) break;
         pos += step;
+    }
+    if (with_presence && stopped_at != -2) {
+        PyObject *rows = presence_of(steps, nsteps, total);
+        if (rows == NULL) goto done;
+        if (rows == Py_None) {
+            Py_DECREF(rows);
+            stopped_at = -2;
+            rows = PyDict_New();
+            if (rows == NULL) goto done;
+        }
+        out = Py_BuildValue("nnNn", total, reads, rows, stopped_at);
+        goto done;
     }
     PyObject *runs = PyDict_New();
     if (runs == NULL) goto done;
@@ -278,6 +374,8 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     out = Py_BuildValue("nnNn", total, reads, runs, stopped_at);
 done:
+    for (Py_ssize_t k = 0; k < nsteps; k++) Py_DECREF(steps[k].record);
+    PyMem_Free(steps);
     PyBuffer_Release(&q);
     return out;
 }

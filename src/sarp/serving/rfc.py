@@ -182,8 +182,9 @@ def _run(presence: np.ndarray | None, start: int) -> int:
     """How many blocks from ``start`` on the holder has, one after another."""
     if presence is None or start >= presence.size:
         return 0
-    missing = np.flatnonzero(~presence[start:])
-    return int(missing[0]) if missing.size else int(presence.size - start)
+    row = presence.tobytes()  # one byte per block: bytes.find, no numpy call per holder
+    gap = row.find(0, start)
+    return (len(row) if gap < 0 else gap) - start
 
 
 def _tokens(values: list | np.ndarray) -> np.ndarray:
