@@ -29,10 +29,10 @@ DOORS = {
     "cbor2": {"hashing.py"},
     "msgpack": {"serving/events.py"},
     "zmq": {"serving/subscriber.py", "serving/replay.py"},  # the event code: live and replays
-    "aiohttp": {"serving/http.py"},
+    "httptools": {"serving/wire.py"},
     "orjson": {"serving/http.py"},
     "prometheus_client": {"serving/http.py"},
-    "uvloop": {"serving/http.py"},
+    "uvloop": {"serving/wire.py"},
     "tqdm": {"recovery.py", "workingset/analyzer.py"},  # progress bars of long work
     "matplotlib": {"workingset/cli.py"},
     "yaml": {"serving/sources.py"},  # the sources file

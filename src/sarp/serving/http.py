@@ -21,19 +21,19 @@ Endpoints:
   caught up since serve started, and the writer's status is fresh.
 
 Queries are answered by worker processes, each with its own ``readonly=True`` open
-of the index and its own aiohttp server.  Processes, not threads, because ingestion
-and matching are both CPU work in Python: in one process they would take turns on
-the GIL, and a burst of queries would stall ingestion.  serve's process owns the
-listening socket and deals each accepted connection to the workers in turn (its
-file descriptor passed over a Unix socket pair, :mod:`sarp.serving.workers`): a
-gateway's pool of 8 keep-alive connections lands 4 and 4 on two workers, where
-``SO_REUSEPORT``'s hash put 7 on one of them in one run of 5; and workers whose
-serve is gone see their socket pair close and exit instead of answering on.
-aiohttp because it is a maintained server with a C HTTP parser, keep-alive and
-request size limits, and it serves an accepted socket; orjson parses a 1,350-hash
-body in a quarter of the time of the standard ``json``.  prometheus_client's
-multiprocess mode sums the workers' counters.  This module is the only one that
-imports aiohttp, orjson and prometheus_client.
+of the index and its own HTTP server (:mod:`sarp.serving.wire`).  Processes, not
+threads, because ingestion and matching are both CPU work in Python: in one process
+they would take turns on the GIL, and a burst of queries would stall ingestion.
+serve's process owns the listening socket and deals each accepted connection to the
+workers in turn (its file descriptor passed over a Unix socket pair,
+:mod:`sarp.serving.workers`): a gateway's pool of 8 keep-alive connections lands 4
+and 4 on two workers, where ``SO_REUSEPORT``'s hash put 7 on one of them in one run
+of 5; and workers whose serve is gone see their socket pair close and exit instead
+of answering on.  Handlers are plain functions of a request; a large body's work is
+done beside the event loop (one thread), so ``/healthz`` is answered meanwhile.
+orjson parses a 1,350-hash body in a quarter of the time of the standard ``json``.
+prometheus_client's multiprocess mode sums the workers' counters.  This module is
+the only one that imports orjson and prometheus_client.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import logging
 import math
 import os
 import re
-import signal
 import socket
 import sys
 import time
@@ -60,8 +59,7 @@ import orjson
 from .. import native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
-from . import rfc
-from .guard import Guard, sweep
+from . import rfc, wire
 from .status import STATUS_FILE, STATUS_FRESH_S, read_status, registration_problem, submit
 
 log = logging.getLogger("sarp.http")
@@ -277,13 +275,12 @@ def mark_worker_dead(pid: int, metrics_dir: str) -> None:
 
 def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
                 slot: int = 0) -> None:
-    """One HTTP worker process: a readonly open of the index, and an aiohttp server
-    for the connections serve's dealer (:mod:`sarp.serving.workers`) passes over
-    ``channel``.  Its loop stamps ``heartbeats[slot]`` every ``HEARTBEAT_S``.  It stops at SIGTERM
-    or SIGINT, or when serve closes (or loses) its end."""
+    """One HTTP worker process: a readonly open of the index, and the HTTP server
+    (:mod:`sarp.serving.wire`) for the connections serve's dealer
+    (:mod:`sarp.serving.workers`) passes over ``channel``.  Its loop stamps
+    ``heartbeats[slot]`` every ``HEARTBEAT_S``.  It stops at SIGTERM or SIGINT, or when
+    serve closes (or loses) its end."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
-    import uvloop
-
     import sarp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -292,8 +289,9 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
     # behind a maximal request.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     index = sarp.open(config.index_path, readonly=True)
+    chores = [] if heartbeats is None else [lambda: _heartbeat(heartbeats, slot)]
     try:
-        uvloop.run(_serve_dealt(make_app(index, config), channel, heartbeats, slot))
+        wire.run(make_server(index, config), channel, chores)
     finally:
         index.close()
 
@@ -304,63 +302,8 @@ async def _heartbeat(heartbeats, slot: int) -> None:
         await asyncio.sleep(HEARTBEAT_S)
 
 
-async def _serve_dealt(app, channel: socket.socket, heartbeats=None, slot: int = 0) -> None:
-    from aiohttp import web
-
-    config: HttpConfig = app["config"]
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0,
-                           keepalive_timeout=config.idle_timeout_s)
-    await runner.setup()
-    loop = asyncio.get_running_loop()
-    done = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, done.set)
-    adopting: set[asyncio.Task] = set()
-    guards: dict = app["guards"]
-    every_s = min(1.0, config.request_timeout_s / 4, config.idle_timeout_s / 4)
-    chores = [loop.create_task(sweep(guards, app["closed"], every_s))]
-    if heartbeats is not None:
-        chores.append(loop.create_task(_heartbeat(heartbeats, slot)))
-
-    async def adopt(conn: socket.socket) -> None:
-        try:
-            await loop.connect_accepted_socket(
-                lambda: Guard(runner.server(), guards, config), conn)
-        except OSError:  # the client left before we got to it
-            conn.close()
-
-    def take() -> None:
-        while True:
-            try:
-                msg, fds, _, _ = socket.recv_fds(channel, 64, 64)
-            except BlockingIOError:
-                return
-            except OSError:
-                msg, fds = b"", []
-            if not msg and not fds:  # serve closed its end: it is stopping, or gone
-                done.set()
-                loop.remove_reader(channel.fileno())
-                return
-            for fd in fds:
-                task = loop.create_task(adopt(socket.socket(fileno=fd)))
-                adopting.add(task)
-                task.add_done_callback(adopting.discard)
-
-    channel.setblocking(False)
-    loop.add_reader(channel.fileno(), take)
-    try:
-        await done.wait()
-    finally:
-        for chore in chores:
-            chore.cancel()
-        loop.remove_reader(channel.fileno())
-        channel.close()
-        await runner.cleanup()
-
-
-def make_app(index, config: HttpConfig):
-    """The aiohttp application of one worker (see the module docstring)."""
-    from aiohttp import web
+def make_server(index, config: HttpConfig) -> wire.Server:
+    """One worker's routes and bounds (see the module docstring)."""
     from prometheus_client import (
         CONTENT_TYPE_LATEST,
         CollectorRegistry,
@@ -381,58 +324,44 @@ def make_app(index, config: HttpConfig):
 
     closed = Counter("sarp_http_connections_closed", "connections closed for taking too "
                      "long: to send a request, to be answered, or idle", ["reason"])
-    guards: dict = {}
     # Requests with token ids (hashed in Python, about 4 us a block in the vLLM schemes)
     # and large bodies are answered here, parse to match, so the event loop answers
     # /healthz meanwhile; one thread, so that a burst of them queues instead of
     # crowding the core.
     offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sarp-parse")
-    token = config.token.encode() if config.token else None
+    token = b"Bearer " + config.token.encode() if config.token else None
     # On Valkey every match waits for the server, and a reader's catch-up may load a
     # snapshot from it: all of them beside the loop (a thread hop costs a fraction of
     # the round trip), so /healthz never waits behind one.
     remote = "://" in config.index_path
 
-    def refuse(field: str, message: str, status: int = 400) -> web.Response:
+    def refuse(field: str, message: str, status: int = 400, close: bool = False
+               ) -> wire.Response:
         rejected.inc()
-        return web.json_response({"error": message, "field": field}, status=status)
+        return _json({"error": message, "field": field}, status, close)
 
-    @web.middleware
-    async def guarded(request: web.Request, handler):
-        guard = guards.get(request.transport)
-        if guard is not None:
-            guard.started()
+    def unavailable(exc: SarpError) -> wire.Response:  # the store is away: say so, go on
+        return _json({"error": f"the index cannot be read now ({exc}); try again",
+                      "field": "index"}, 503)
+
+    async def beside(work, *args) -> wire.Response:
         try:
-            if token is not None and request.path not in ("/healthz", "/readyz"):
-                sent = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(sent.encode(), b"Bearer " + token):
-                    return web.json_response(
-                        {"error": "send the token of --http-token-file as 'Authorization: "
-                                  "Bearer TOKEN'", "field": "Authorization"}, status=401)
-            length = request.content_length
-            if length is not None and length > MAX_BODY_BYTES:
-                # refused before a byte of the body is read; the connection closes
-                response = refuse("body", f"Content-Length {length} is over "
-                                          f"{MAX_BODY_BYTES} bytes; send fewer hashes", 413)
-                response.force_close()
-                return response
-            return await handler(request)
-        except SarpError as exc:  # the store is away (Valkey restarting): say so, go on
-            return web.json_response({"error": f"the index cannot be read now ({exc}); "
-                                               "try again", "field": "index"}, status=503)
-        except web.HTTPException as exc:
-            # aiohttp's own refusals (404, 405, 413 ...) in the shape of ours
-            field = "path" if exc.status == 404 else "method" if exc.status == 405 \
-                else "body"
-            response = web.json_response({"error": f"{exc.reason}: {request.method} "
-                                                   f"{request.path}", "field": field},
-                                         status=exc.status, headers=_allow(exc))
-            if exc.status == 413:
-                response.force_close()
-            return response
-        finally:
-            if guard is not None:
-                guard.answered()
+            return await asyncio.get_running_loop().run_in_executor(offload, work, *args)
+        except SarpError as exc:
+            return unavailable(exc)
+
+    def guarded(handler, probe: bool = False):
+        def handle(request: wire.Request) -> wire.Response:
+            if token is not None and not probe and not hmac.compare_digest(
+                    request.headers.get(b"authorization", b""), token):
+                return _json({"error": "send the token of --http-token-file as "
+                                       "'Authorization: Bearer TOKEN'",
+                              "field": "Authorization"}, 401)
+            try:
+                return handler(request)
+            except SarpError as exc:
+                return unavailable(exc)
+        return handle
 
     def answer_of(body: bytes) -> dict:
         kwargs = parse_match(body, config)
@@ -448,57 +377,50 @@ def make_app(index, config: HttpConfig):
             return _answer(*score_match(index, **kwargs))
         return _NOTHING  # no full block: nothing can be cached
 
-    async def match(request: web.Request) -> web.Response:
-        started = time.perf_counter()
+    def match_answer(body: bytes, started: float) -> wire.Response:
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return refuse("body", f"the body is over {MAX_BODY_BYTES} bytes; send fewer hashes",
-                          413)
-        try:
-            if remote or len(body) > OFFLOAD_BYTES or b'"token_ids"' in body:
-                # a large request, parsed, hashed and matched beside the event loop
-                answer = await asyncio.get_running_loop().run_in_executor(
-                    offload, answer_of, body)
-            else:
-                answer = answer_of(body)
+            answer = answer_of(body)
         except BadRequest as exc:
             return refuse(exc.field, str(exc), exc.status)
-        response = web.Response(body=orjson.dumps(answer), content_type="application/json")
         latency.observe(time.perf_counter() - started)
         matches.inc()
-        return response
+        return wire.Response(orjson.dumps(answer))
 
-    def rfc_answer(body: bytes, by_hash: bool) -> dict:
+    def match(request: wire.Request):
+        body, started = request.body, time.perf_counter()
+        if remote or len(body) > OFFLOAD_BYTES or b'"token_ids"' in body:
+            # a large request, parsed, hashed and matched beside the event loop
+            return beside(match_answer, body, started)
+        return match_answer(body, started)
+
+    def rfc_answer(body: bytes, by_hash: bool) -> wire.Response:
         field = b"block_hashes" if by_hash else b"token_ids"
-        obj = _with_fast_block_hashes(body, field)  # the ids parsed in C, when it can
-        if obj is not None and not by_hash and int(obj["token_ids"].max(initial=0)) >> 32:
-            obj = None  # out of range (or negative): the full parse names the item
-        model, keys = rfc.parse_query(orjson.loads(body) if obj is None else obj, by_hash,
-                                      models.get())
-        if not keys.size:
-            return rfc.EMPTY
-        return rfc.answer(index.match(keys, with_presence=True), model)
+        try:
+            obj = _with_fast_block_hashes(body, field)  # the ids parsed in C, when it can
+            if obj is not None and not by_hash and int(obj["token_ids"].max(initial=0)) >> 32:
+                obj = None  # out of range (or negative): the full parse names the item
+            model, keys = rfc.parse_query(orjson.loads(body) if obj is None else obj,
+                                          by_hash, models.get())
+        except orjson.JSONDecodeError as exc:
+            return refuse("body", f"the body is not JSON ({exc})")
+        except rfc.QueryError as exc:
+            return refuse(exc.field, str(exc), exc.status)
+        got = rfc.answer(index.match(keys, with_presence=True), model) if keys.size \
+            else rfc.EMPTY
+        matches.inc()
+        return wire.Response(orjson.dumps(got))
 
     def rfc_query(by_hash: bool):  # RFC #1403's /query and /query_by_hash
-        async def handle(request: web.Request) -> web.Response:
-            body = await request.read()
-            try:  # a large body parsed and matched beside the event loop
-                got = (await asyncio.get_running_loop().run_in_executor(
-                    offload, rfc_answer, body, by_hash)) if remote or len(body) > OFFLOAD_BYTES \
-                    else rfc_answer(body, by_hash)
-            except orjson.JSONDecodeError as exc:
-                return refuse("body", f"the body is not JSON ({exc})")
-            except rfc.QueryError as exc:
-                return refuse(exc.field, str(exc), exc.status)
-            matches.inc()
-            return web.Response(body=orjson.dumps(got), content_type="application/json")
+        def handle(request: wire.Request):
+            if remote or len(request.body) > OFFLOAD_BYTES:  # beside the event loop
+                return beside(rfc_answer, request.body, by_hash)
+            return rfc_answer(request.body, by_hash)
         return handle
 
-    async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "alive", "pid": os.getpid()})
+    def healthz(_: wire.Request) -> wire.Response:
+        return _json({"status": "alive", "pid": os.getpid()})
 
-    async def readyz(_: web.Request) -> web.Response:
+    def readyz(_: wire.Request) -> wire.Response:
         status = read_status(path)
         fresh = status is not None and time.time() - status["heartbeat"] < STATUS_FRESH_S
         ready = fresh and status["caught_up"]
@@ -508,29 +430,27 @@ def make_app(index, config: HttpConfig):
                 "hash_mismatches": {key: s["hash_note"] for key, s in
                                     (status or {}).get("sources", {}).items()
                                     if s.get("hash_mismatches")}}
-        return web.json_response(body, status=200 if ready else 503)
+        return _json(body, 200 if ready else 503)
 
-    async def metrics(_: web.Request) -> web.Response:
+    def metrics(_: wire.Request) -> wire.Response:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(_StatusCollector(path, index))
-        return web.Response(body=generate_latest(registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return wire.Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST.encode())
 
     def admin(op: str):
-        async def handle(request: web.Request) -> web.Response:
+        def handle(request: wire.Request):
             try:
-                obj = orjson.loads(await request.read())
+                obj = orjson.loads(request.body)
             except orjson.JSONDecodeError as exc:
                 return refuse("body", f"not JSON ({exc})")
             problem = registration_problem(obj, op)
             if problem is not None:
                 return refuse(*problem)
-            got = await asyncio.to_thread(submit, path, {**obj, "op": op})
-            return web.json_response(got["body"], status=got["status"])
+            return _submitted(path, {**obj, "op": op})
         return handle
 
-    async def workers(_: web.Request) -> web.Response:
+    def workers(_: wire.Request) -> wire.Response:
         # Dynamo's shape: [{"instance_id": 1, "model_name": ..., "endpoints": {"0": ...}}]
         listed: dict[tuple, dict] = {}
         for e in (read_status(path) or {}).get("engines", []):
@@ -541,29 +461,43 @@ def make_app(index, config: HttpConfig):
                 "routing_group": e.get("tenant"), "block_size": e.get("block_size"),
                 "endpoints": {}})
             entry["endpoints"][str(e["dp_rank"] or 0)] = e["endpoint"]
-        return web.json_response([listed[k] for k in sorted(listed, key=str)])
+        return _json([listed[k] for k in sorted(listed, key=str)])
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guarded])
-    app["guards"], app["closed"], app["config"] = guards, closed, config
-    app.router.add_post("/v1/match", match)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/register", admin("register"))  # engines at runtime (RFC #1403)
-    app.router.add_post("/unregister", admin("unregister"))
-    app.router.add_get("/workers", workers)
-    app.router.add_post("/query", rfc_query(False))
-    app.router.add_post("/query_by_hash", rfc_query(True))
-    return app
+    routes = {
+        "/v1/match": {"POST": match},
+        "/healthz": {"GET": healthz},
+        "/readyz": {"GET": readyz},
+        "/metrics": {"GET": metrics},
+        "/register": {"POST": admin("register")},  # engines at runtime (RFC #1403)
+        "/unregister": {"POST": admin("unregister")},
+        "/workers": {"GET": workers},
+        "/query": {"POST": rfc_query(False)},
+        "/query_by_hash": {"POST": rfc_query(True)},
+    }
+    probes = ("/healthz", "/readyz")
+    routes = {p: {m: guarded(h, p in probes) for m, h in r.items()} for p, r in routes.items()}
+    return wire.Server(
+        routes, max_body_bytes=MAX_BODY_BYTES, request_timeout_s=config.request_timeout_s,
+        answer_timeout_s=config.answer_timeout_s, idle_timeout_s=config.idle_timeout_s,
+        on_cut=lambda reason: closed.labels(reason).inc(),
+        too_large=lambda length: refuse("body", f"the body ({length} bytes) is over "
+                                                f"{MAX_BODY_BYTES} bytes; send fewer hashes",
+                                        413, close=True))
+
+
+async def _submitted(path: Path, command: dict) -> wire.Response:
+    """A registration handed to the writer (:func:`submit`, a file exchange), off the
+    event loop."""
+    got = await asyncio.to_thread(submit, path, command)
+    return _json(got["body"], got["status"])
+
+
+def _json(obj, status: int = 200, close: bool = False) -> wire.Response:
+    return wire.Response(orjson.dumps(obj), status, close=close)
 
 
 _NOTHING = {"matched_blocks": 0, "instances": []}
 OFFLOAD_BYTES = 64 << 10  # bodies parsed off the event loop from this size
-
-
-def _allow(exc) -> dict:
-    allow = exc.headers.get("Allow") if exc.headers else None
-    return {"Allow": allow} if allow else {}
 
 
 def _answer(m, scores) -> dict:

@@ -1,7 +1,7 @@
 """serve's HTTP workers: the :class:`ConnectionDealer` that accepts connections and deals
 them to worker processes, and :class:`HttpService`, which spawns the workers and
-replaces one that died or stopped answering.  A worker's own code (aiohttp, the
-endpoints) is :mod:`sarp.serving.http`'s.
+replaces one that died or stopped answering.  A worker's own code (the
+endpoints) is :mod:`sarp.serving.http`'s, its HTTP :mod:`sarp.serving.wire`'s.
 """
 
 from __future__ import annotations
