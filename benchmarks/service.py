@@ -13,7 +13,7 @@ fresh service:
 2. **HTTP**: 8 asyncio clients on keep-alive connections send ``/query`` for
    ``--http-s`` seconds (requests drawn from the trace), requests/s and latency
    p50/p99;
-3. **RSS**: of the service's process tree, after the drain;
+3. **RSS and PSS**: of the service's process tree, after the drain;
 4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
    keeps no registrations: they are sent again; sarp keeps them with its index), each
    engine then publishes one more batch, and the time is taken until 50 sampled
@@ -122,10 +122,13 @@ class Service:
                 raise RuntimeError(f"{self.kind} did not start (see {self.work})")
             time.sleep(0.02)
 
-    def rss_mib(self) -> float:
+    def memory_mib(self) -> tuple[float, float]:
+        """RSS and PSS of the service's process tree (PSS shares a page out among the
+        processes that map it: forked workers' shared pages count once in all)."""
         root = psutil.Process(self.proc.pid)
-        procs = [root, *root.children(recursive=True)]
-        return sum(p.memory_info().rss for p in procs if p.is_running()) / (1 << 20)
+        procs = [p for p in (root, *root.children(recursive=True)) if p.is_running()]
+        infos = [p.memory_full_info() for p in procs]
+        return (sum(i.rss for i in infos) / (1 << 20), sum(i.pss for i in infos) / (1 << 20))
 
     def kill(self) -> None:
         """SIGKILL (sarp's HTTP workers see their socket pair close and leave too)."""
@@ -238,7 +241,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             cf.wait_for_markers([service.url], markers, timeout_s=600)
             drain_s = time.perf_counter() - started
             events = sum(len(decode(p).events) for _, p in stream)
-            rss = service.rss_mib()
+            rss, pss = service.memory_mib()
             http = asyncio.run(_load(service.url, bodies, args.http_s))
             if shutil.which("wrk"):
                 http |= {f"wrk_{k}": v for k, v in
@@ -264,7 +267,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
                 time.sleep(0.02)
             restart_s = time.perf_counter() - killed
             return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
-                    "rss_mib": rss, **{f"http_{k}": v for k, v in http.items()},
+                    "rss_mib": rss, "pss_mib": pss, **{f"http_{k}": v for k, v in http.items()},
                     "kill9_to_correct_s": restart_s}
         finally:
             service.stop()

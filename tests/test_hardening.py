@@ -24,6 +24,7 @@ from servekit import Serve, call, match, metrics, source_metric
 
 import sarp
 from sarp.bench.cluster import EnginePublisher, HostileEngine, SimEngine
+from sarp.serving import workers
 from sarp.serving.applier import apply
 from sarp.serving.events import decode, encode_batch
 
@@ -201,14 +202,8 @@ def served(tmp_path):
 
 
 def worker_pids(pid: int) -> set[int]:
-    """serve's HTTP workers (its spawned children, not multiprocessing's tracker)."""
-    out = set()
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        with contextlib.suppress(OSError):
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-                out.add(int(child))
-    return out
+    """serve's HTTP workers (the zygote's children)."""
+    return set(workers.worker_pids(pid))
 
 
 def healthz_all_answered(port: int, probes: int, timeout_s: float) -> list[str]:

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from ..serving.workers import worker_pids
 from .cluster import EnginePublisher, HostileEngine, SimEngine
 
 ENGINES = 16
@@ -214,24 +215,17 @@ class Serve:
         self.proc = None
 
     def pids(self) -> list[int]:
+        """serve, its zygote and its HTTP workers."""
         if self.proc is None:
             return []
         out = [self.proc.pid]
         with contextlib.suppress(OSError):
             out += [int(p) for p in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
                     .read_text().split()]
-        return out
+        return sorted(set(out) | set(self.workers()))
 
     def workers(self) -> list[int]:
-        out = []
-        for pid in self.pids()[1:]:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                out.append(pid)
-        return out
+        return [] if self.proc is None else worker_pids(self.proc.pid)
 
     def rss_bytes(self) -> int:
         total = 0

@@ -53,9 +53,15 @@ PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             uint64_t v = 0;
             int overflow = 0;
             while (p < stop && *p >= '0' && *p <= '9') {
+                /* no division per digit: up to 19 digits cannot overflow, so only
+                 * the longer ones are checked (a divide is the cost of ten digits) */
                 uint64_t d = (uint64_t)(*p - '0');
-                if (v > (UINT64_MAX - d) / 10) overflow = 1;
-                v = v * 10 + d;
+                if (p - digits < 19) {
+                    v = v * 10 + d;
+                } else {
+                    overflow |= __builtin_mul_overflow(v, (uint64_t)10, &v);
+                    overflow |= __builtin_add_overflow(v, d, &v);
+                }
                 p++;
             }
             if (overflow || (p - digits > 1 && digits[0] == '0')) { ok = 0; break; }

@@ -70,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
     sources = _flagged(args)
     if args.sources_file:
         read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused at once
-    dealer = None
+    dealer = zygote = None
     if args.http:
         from .access import access_token, parse_address
-        from .workers import ConnectionDealer
+        from .workers import ConnectionDealer, Zygote
 
         if args.http_workers < 1:
             raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
                                        args.http_allow_unauthenticated)
         # listen before the index opens: a port in use stops serve with nothing changed
         dealer = ConnectionDealer(host, port, args.http_workers)
+        # forked now, while serve is its imports and nothing else (no thread, no index)
+        zygote = Zygote(dealer.sockets(), dealer.heartbeats)
     stop = {"now": False, "looping": False}
 
     def on_signal(signum, _frame) -> None:
@@ -101,13 +103,16 @@ def run(args: argparse.Namespace) -> int:
         log.info("waiting up to %.0f s for the writer lease of %s", args.wait_for_lease_s,
                  args.index)
     try:
-        return _run(args, sources, dealer, stop, on_valkey, lease)
+        return _run(args, sources, dealer, zygote, stop, on_valkey, lease)
     finally:
         if dealer is not None:
             dealer.close()
+        if zygote is not None:
+            zygote.close()
 
 
-def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease: dict) -> int:
+def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: bool,
+         lease: dict) -> int:
     import sarp
 
     http = dealer is not None
@@ -141,7 +146,7 @@ def _run(args, sources: list[Source], dealer, stop: dict, on_valkey: bool, lease
             from .status import write_status
 
             write_status(Path(status_dir), subscriber, caught_up=False, started=time.time())
-        service = _start_http(args, dealer, status_dir) if http else None
+        service = _start_http(args, dealer, zygote, status_dir) if http else None
         try:
             with collector_tuned():
                 _follow(args, index, subscriber, stop, Path(status_dir) if http else None,
@@ -368,7 +373,7 @@ def _report(subscriber: Subscriber) -> None:
                  dict(s["applied"]["bad_events"]) or "none")
 
 
-def _start_http(args, dealer, status_dir: str):
+def _start_http(args, dealer, zygote, status_dir: str):
     from .http import HttpConfig
     from .workers import HttpService
 
@@ -378,6 +383,6 @@ def _start_http(args, dealer, status_dir: str):
                         seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir,
                         token=args.http_token, request_timeout_s=args.http_request_timeout_s,
                         idle_timeout_s=args.http_idle_timeout_s)
-    service = HttpService(dealer, config)
+    service = HttpService(dealer, config, zygote)
     log.info("HTTP on %s:%d with %d worker processes", host, port, len(service.procs))
     return service

@@ -1,16 +1,23 @@
 """serve's HTTP workers: the :class:`ConnectionDealer` that accepts connections and deals
-them to worker processes, and :class:`HttpService`, which spawns the workers and
-replaces one that died or stopped answering.  A worker's own code (the
+them to worker processes, the :class:`Zygote` that forks them, and
+:class:`HttpService`, which starts the workers and replaces one that died or stopped
+answering.  A worker's own code (the
 endpoints) is :mod:`sarp.serving.http`'s, its HTTP :mod:`sarp.serving.wire`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import os
+import pickle
+import signal
 import socket
+import struct
 import threading
 import time
+from pathlib import Path
 
 from .http import HttpConfig, mark_worker_dead, worker_main
 
@@ -62,6 +69,11 @@ class ConnectionDealer:
         self._thread = threading.Thread(target=self._deal, name="sarp-http-dealer",
                                         daemon=True)
         self._started = False
+
+    def sockets(self) -> list[socket.socket]:
+        """Every socket of the dealer (for a forked child to close: a copy of serve's
+        end of a pair would keep its worker from seeing serve go)."""
+        return [self.listener, *self._ours, *self.worker_ends]
 
     def start(self) -> None:
         """Start dealing (after the workers were spawned with :attr:`worker_ends`)."""
@@ -127,6 +139,153 @@ class ConnectionDealer:
             end.close()
 
 
+class Zygote:
+    """A process forked from serve before anything but its imports (one thread, no
+    index open, no ZeroMQ context, no dealer thread), which forks the HTTP workers on
+    request.  A worker so made starts in milliseconds, with every module imported, where
+    a fresh interpreter spent 0.35 s importing them again (the better part of serve's
+    restart), and the workers share those modules' pages with the zygote.
+
+    serve sends it a worker's config, slot and socket-pair end (``SCM_RIGHTS``) and gets
+    the pid back.  It exits when serve closes its end, or dies; workers are reaped by
+    the kernel (``SIGCHLD`` ignored), so a dead one's pid is gone at once.
+
+    >>> z = Zygote([], heartbeats=None)
+    >>> z.alive()
+    True
+    >>> z.close(); z.alive()
+    False
+    """
+
+    def __init__(self, close_in_child: list[socket.socket], heartbeats) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # the zygote
+            code = 1
+            try:
+                ours.close()
+                for sock in close_in_child:
+                    sock.close()
+                _zygote_loop(theirs, heartbeats)
+                code = 0
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid, self._control = pid, ours
+        self._lock = threading.Lock()
+
+    def fork_worker(self, config: HttpConfig, end: socket.socket, slot: int) -> int:
+        """A new worker for ``slot``, serving the connections dealt over ``end``; its
+        pid.  ``OSError`` when the zygote is gone."""
+        with self._lock:
+            self._control.settimeout(10)
+            socket.send_fds(self._control, [pickle.dumps((config, slot))], [end.fileno()])
+            answer = self._control.recv(8)
+        if len(answer) != 8:
+            raise OSError("the HTTP zygote is gone")
+        return struct.unpack("<q", answer)[0]
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def close(self) -> None:
+        self._control.close()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _zygote_loop(control: socket.socket, heartbeats) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # serve stops us (its end closes)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    gc.freeze()  # what is imported stays shared: the collector writes no page of it
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+        except OSError:
+            return
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            return  # serve closed its end, or died
+        config, slot = pickle.loads(msg)
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                control.close()
+                for signum in (signal.SIGCHLD, signal.SIGINT):
+                    signal.signal(signum, signal.SIG_DFL)
+                worker_main(config, socket.socket(fileno=fds[0]), heartbeats, slot)
+                code = 0
+            except BaseException:  # noqa: BLE001 - logged, and the process ends
+                log.exception("sarp: HTTP worker %d failed", slot)
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        control.send(struct.pack("<q", pid))
+
+
+class _Forked:
+    """A worker forked by the :class:`Zygote` (a grandchild): what ``HttpService``
+    asks of a process, by pid."""
+
+    exitcode = None  # the zygote's, not ours, to know
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return not Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2] \
+            .startswith(" Z")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def worker_pids(serve_pid: int) -> list[int]:
+    """The pids of a running ``sarp serve``'s HTTP workers (the zygote's children, or
+    spawned workers of serve's own), from ``/proc``.
+
+    >>> worker_pids(os.getpid())
+    []
+    """
+    def children(pid: int) -> list[int]:
+        try:
+            return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        except OSError:
+            return []
+
+    out = []
+    for child in children(serve_pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(child)  # a spawned worker
+        out += children(child)  # the zygote's workers
+    return sorted(out)
+
+
 class HttpService:
     """serve's HTTP side: the :class:`ConnectionDealer` and the worker processes.
 
@@ -140,10 +299,11 @@ class HttpService:
     RESTART_EVERY_S = 5.0
     STARTUP_S = 30.0  # a new worker's first stamp may take this long (imports, the open)
 
-    def __init__(self, dealer: ConnectionDealer, config: HttpConfig) -> None:
+    def __init__(self, dealer: ConnectionDealer, config: HttpConfig,
+                 zygote: Zygote | None = None) -> None:
         import multiprocessing
 
-        self.dealer, self.config = dealer, config
+        self.dealer, self.config, self.zygote = dealer, config, zygote
         self._ctx = multiprocessing.get_context("spawn")
         self.procs = [self._spawn(k, end) for k, end in enumerate(dealer.worker_ends)]
         self._last_start = [time.monotonic()] * len(self.procs)
@@ -152,7 +312,15 @@ class HttpService:
         dealer.start()
 
     def _spawn(self, k: int, end: socket.socket):
+        """Worker ``k``: forked by the zygote, or (the zygote gone) a fresh interpreter
+        (serve has threads and an open index now: it must not fork itself)."""
         self.dealer.heartbeats[k] = 0.0
+        if self.zygote is not None:
+            try:
+                return _Forked(self.zygote.fork_worker(self.config, end, k))
+            except OSError as exc:
+                log.error("sarp: the HTTP zygote is gone (%s); starting workers afresh", exc)
+                self.zygote = None
         proc = self._ctx.Process(target=worker_main,
                                  args=(self.config, end, self.dealer.heartbeats, k),
                                  name=f"sarp-http-{k}", daemon=True)
@@ -173,8 +341,8 @@ class HttpService:
                 proc.join(timeout=5)
             if proc.is_alive() or now - self._last_start[k] < self.RESTART_EVERY_S:
                 continue
-            log.error("sarp: HTTP worker %d (pid %s) died with exit code %s; starting another",
-                      k, proc.pid, proc.exitcode)
+            log.error("sarp: HTTP worker %d (pid %s) died (exit code %s); starting another",
+                      k, proc.pid, "unknown" if proc.exitcode is None else proc.exitcode)
             mark_worker_dead(proc.pid, self.config.metrics_dir)
             end = self.dealer.renew(k)
             self.procs[k] = self._spawn(k, end)
@@ -192,3 +360,5 @@ class HttpService:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        if self.zygote is not None:
+            self.zygote.close()
