@@ -12,12 +12,17 @@ fresh service:
    service answers every engine's last batch (a marker block);
 2. **HTTP**: 8 asyncio clients on keep-alive connections send ``/query`` for
    ``--http-s`` seconds (requests drawn from the trace), requests/s and latency
-   p50/p99;
+   p50/p99; then the same with wrk (a C load generator, 2 threads, 8 connections),
+   where it is installed (Debian's ``wrk``);
 3. **RSS and PSS**: of the service's process tree, after the drain;
 4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
    keeps no registrations: they are sent again; sarp keeps them with its index), each
    engine then publishes one more batch, and the time is taken until 50 sampled
-   requests get the answers they had before the kill.
+   requests get the answers they had before the kill;
+5. **rate sweep** (``--rates``, on a fresh service): the stream published at each
+   offered rate for ``--rate-s`` seconds, with a probe every 50 ms (a new block on the
+   next engine, in order with its stream) timed until the service answers it; the
+   highest rate held is the highest whose probe lag p99 is at most 100 ms.
 
 Run it from the project root (Dynamo from ``make dynamo``'s ``.venv-dynamo``)::
 
@@ -216,6 +221,116 @@ def _wrk(url: str, bodies: list[bytes], seconds: float, work: Path, clients: int
             "p99_ms": float(fields[6]), "requests": requests, "errors": errors}
 
 
+def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[float],
+          step_s: float) -> list[dict]:
+    """On a fresh service: the stream published at each offered rate (events/s) for
+    ``step_s``, going on from where the last rate left off (round again at its end), and
+    every 50 ms a probe (one new block, on the next engine, in order with its stream)
+    timed until the service answers it: lag p50 and p99 per rate.  A rate whose lag
+    passes 2 s ends the sweep (every higher one would too)."""
+    import threading
+
+    events_of = [len(decode(p).events) for _, p in stream]
+    with tempfile.TemporaryDirectory(prefix=f"sarp-sweep-{kind}-") as tmp:
+        work = Path(tmp)
+        context = zmq.Context()
+        pubs = [cf.Publisher(context, name=f"e{i}", buffer_batches=len(stream) + 10)
+                for i in range(engines)]
+        service = Service(kind, work)
+        out: list[dict] = []
+        try:
+            service.start()
+            for i, p in enumerate(pubs):
+                assert cf.post(service.url, "/register", {
+                    "instance_id": i + 1, "endpoint": p.endpoint,
+                    "replay_endpoint": p.replay_endpoint, "model_name": MODEL,
+                    "block_size": cf.BLOCK_SIZE, "dp_rank": 0})[0] == 201
+            for p in pubs:
+                p.wait_subscribers(1)
+            probes = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
+            at, probe_id = 0, 1 << 61
+            for rate in rates:
+                probing = _Probes(service.url)
+                watcher = threading.Thread(target=probing.watch, daemon=True)
+                watcher.start()
+                began = time.perf_counter()
+                sent_events, next_probe, k = 0, began, 0
+                while (now := time.perf_counter()) - began < step_s and watcher.is_alive():
+                    if now >= next_probe:
+                        ids = np.array([probe_id], np.uint64)
+                        probe_id += 1
+                        probes[k % engines].serve(ids)
+                        probing.sent(ids, k % engines + 1)
+                        k += 1
+                        next_probe += 0.05
+                    due = (now - began) * rate
+                    while sent_events < due:
+                        n, payload = stream[at % len(stream)]
+                        pubs[n].publish(payload)
+                        sent_events += events_of[at % len(stream)]
+                        at += 1
+                    time.sleep(0.0005)
+                probing.done.set()
+                watcher.join(30)
+                ms = np.array(probing.lags) * 1e3
+                point = {"offered_events_per_s": rate,
+                         "achieved_events_per_s": sent_events / (time.perf_counter() - began),
+                         "lag_p50_ms": float(np.percentile(ms, 50)) if ms.size else None,
+                         "lag_p99_ms": float(np.percentile(ms, 99)) if ms.size else None,
+                         "probes": int(ms.size)}
+                out.append(point)
+                if not ms.size or ms.max() > 2000:
+                    break
+        finally:
+            service.stop()
+            for p in pubs:
+                p.close()
+            context.term()
+    return out
+
+
+class _Probes:
+    """The probes of one rate: each timed until the service answers it (oldest first);
+    one past 2 s ends the watch."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.lags, self.pending = url, [], []
+        self.lock, self.done = threading.Lock(), threading.Event()
+
+    def sent(self, ids: np.ndarray, iid: int) -> None:
+        body = {"token_ids": cf.block_tokens(ids).tolist(), "model_name": MODEL}
+        with self.lock:
+            self.pending.append((time.perf_counter(), body, iid))
+
+    def watch(self) -> None:
+        while not self.done.is_set() or self.pending:
+            with self.lock:
+                head = self.pending[0] if self.pending else None
+            if head is None:
+                time.sleep(0.002)
+                continue
+            sent, body, iid = head
+            got = cf.post(self.url, "/query", body, timeout_s=10)[1]
+            late = time.perf_counter() - sent
+            if str(iid) in got.get("scores", {}) or late > 2.0:
+                self.lags.append(late)
+                with self.lock:
+                    self.pending.pop(0)
+                if late > 2.0:
+                    return
+            else:
+                time.sleep(0.002)
+
+
+def held(points: list[dict], bound_ms: float = 100.0) -> float:
+    """The highest offered rate whose lag p99 stayed within ``bound_ms``."""
+    ok = [p["offered_events_per_s"] for p in points
+          if p["lag_p99_ms"] is not None and p["lag_p99_ms"] <= bound_ms]
+    return max(ok, default=0.0)
+
+
 def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: list[bytes],
              args) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"sarp-service-{kind}-") as tmp:
@@ -285,8 +400,12 @@ def main() -> int:
     ap.add_argument("--http-s", type=float, default=5.0)
     ap.add_argument("--restart-timeout-s", type=float, default=120.0)
     ap.add_argument("--services", default="sarp,dynamo")
+    ap.add_argument("--rates", default="10000,20000,40000,80000,160000",
+                    help="offered events/s of the rate sweep, comma-separated ('' for none)")
+    ap.add_argument("--rate-s", type=float, default=2.0, help="seconds per offered rate")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",") if r]
     requests = [r.hashes for _, r in zip(range(args.requests), read_requests(args.trace),
                                          strict=False)]
     stream = record(requests, args.engines)
@@ -297,12 +416,18 @@ def main() -> int:
     for k in range(args.repeat):
         for kind in runs:
             got = one_pass(kind, stream, args.engines, bodies, args)
+            if rates:
+                points = sweep(kind, stream, args.engines, rates, args.rate_s)
+                got["rate_held_events_per_s"] = held(points)
+                got["sweep"] = points
             runs[kind].append(got)
-            print(f"pass {k + 1} {kind}: " + ", ".join(f"{m} {v:,.1f}" for m, v in got.items()),
-                  flush=True)
+            print(f"pass {k + 1} {kind}: " + ", ".join(f"{m} {v:,.1f}" for m, v in got.items()
+                                                       if m != "sweep"), flush=True)
     out: dict = {"trace": args.trace, "requests": args.requests, "engines": args.engines,
                  "batches": len(stream), "runs": runs, "median": {}, "ratio": {}}
     for metric in next(iter(runs.values()))[0]:
+        if metric == "sweep":
+            continue
         med = {kind: statistics.median(r[metric] for r in rs) for kind, rs in runs.items()}
         out["median"][metric] = med
         ratio = med["sarp"] / med["dynamo"] if len(med) == 2 and med["dynamo"] else None

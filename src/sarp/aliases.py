@@ -29,9 +29,10 @@ import weakref
 
 import numpy as np
 
+from . import native
 from .errors import ParentNotFoundError
 from .store import WriteTxn, alias_keys
-from .tokenkeys import token_keys
+from .tokenkeys import lora_seed, token_keys
 from .writeset import Plan
 
 ENGINE_KINDS = ("insert_engine", "remove_engine")
@@ -51,13 +52,33 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
         return packer.batch(w, ops)
+    if native.C is not None:
+        resolved, positions, failed, put = _in_c(w, ops)
+    else:
+        native.ran_python("resolve_aliases")
+        resolved, positions, failed, put = _in_python(w, ops)
+    plan, refused = packer.batch(w, resolved)
+    put({positions[j] for j, _ in refused})
+    _sweep(w, packer)
+    failed += [(positions[j], exc) for j, exc in refused]
+    failed.sort(key=lambda f: f[0])
+    per_op = [0] * len(ops)
+    for j, count in enumerate(plan.removed_per_op):
+        per_op[positions[j]] = count
+    plan.removed_per_op = per_op
+    return plan, failed
+
+
+def _orphan(op: tuple) -> ParentNotFoundError:
+    return ParentNotFoundError(f"{op[3].replace(chr(0), '/')}: a store whose parent or blocks "
+                               "are not in the index (an event was lost)")
+
+
+def _in_python(w: WriteTxn, ops: list[tuple]):
+    """The reference of :func:`_in_c`: the operations resolved (``resolved``, at
+    ``positions`` of ``ops``), the stores refused, and the aliases' writer."""
     batch = _Batch(w, ops)
-    failed: list[tuple[int, Exception]] = []
-    for i in batch.stores:
-        if not batch.make(i):
-            failed.append((i, ParentNotFoundError(
-                f"{ops[i][3].replace(chr(0), '/')}: a store whose parent or blocks are not "
-                "in the index (an event was lost)")))
+    failed = [(i, _orphan(ops[i])) for i in batch.stores if not batch.make(i)]
     removals = batch.removals()
     resolved, positions = [], []
     for i, op in enumerate(ops):
@@ -69,16 +90,92 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
             op = ("remove", removals[i], op[2])
         resolved.append(op)
         positions.append(i)
-    plan, refused = packer.batch(w, resolved)
-    batch.put({positions[j] for j, _ in refused})
-    _sweep(w, packer)
-    failed += [(positions[j], exc) for j, exc in refused]
-    failed.sort(key=lambda f: f[0])
-    per_op = [0] * len(ops)
-    for j, count in enumerate(plan.removed_per_op):
-        per_op[positions[j]] = count
-    plan.removed_per_op = per_op
-    return plan, failed
+    return resolved, positions, failed, batch.put
+
+
+def _in_c(w: WriteTxn, ops: list[tuple]):
+    """:func:`_in_python` with the resolution in one C call (``resolve_aliases``,
+    ``tokenkeys.c``): per operation a few list items and numpy calls per batch, no
+    Python per block."""
+    engine = [i for i, op in enumerate(ops) if op[0] in ENGINE_KINDS]
+    eops = [ops[i] for i in engine]
+    is_store = np.array([op[0] == "insert_engine" for op in eops], bool)
+    roots = np.array([op[4] if s else op[3] for op, s in zip(eops, is_store, strict=True)],
+                     np.uint64)
+    parts = [op[1] for op in eops]
+    sizes = np.array([p.size for p in parts], np.int64)
+    hashes = np.ascontiguousarray(np.concatenate(parts), np.uint64)
+    has_parent = np.array([s and op[2] is not None for op, s in zip(eops, is_store,
+                                                                    strict=True)], bool)
+    parents = np.array([op[2] if p else 0 for op, p in zip(eops, has_parent, strict=True)],
+                       np.uint64)
+    tokened = [bool(s) and _has_tokens(op[1], op[5], op[6])
+               for op, s in zip(eops, is_store, strict=True)]
+    token_counts = np.array([op[1].size * op[6] if t else 0 for op, t in
+                             zip(eops, tokened, strict=True)], np.int64)
+    block_sizes = np.array([op[6] if t else 0 for op, t in zip(eops, tokened, strict=True)],
+                           np.int64)
+    seeds = np.array([lora_seed(op[7]) if t else 0 for op, t in zip(eops, tokened,
+                                                                   strict=True)], np.uint64)
+    tokens = [np.ascontiguousarray(op[5][: op[1].size * op[6]], np.uint32)
+              for op, t in zip(eops, tokened, strict=True) if t]
+    tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.uint32)
+    # the stored aliases the batch may need: parents, blocks without tokens, removals
+    need = np.repeat(~np.array(tokened, bool), sizes)
+    want_roots = np.concatenate([np.repeat(roots, sizes)[need], roots[has_parent]])
+    want_hashes = np.concatenate([hashes[need], parents[has_parent]])
+    s_roots, s_hashes, s_keys = [_EMPTY], [_EMPTY], [_EMPTY]
+    for root in np.unique(want_roots).tolist():
+        got, keys = w.aliases(root, np.unique(want_hashes[want_roots == np.uint64(root)]))
+        s_roots.append(np.full(got.size, root, np.uint64))
+        s_hashes.append(got)
+        s_keys.append(keys)
+    keys, found, made, parent_keys = native.C.resolve_aliases(
+        is_store.astype(np.uint8) ^ 1, roots, sizes, hashes, parents,
+        has_parent.astype(np.uint8), tokens, token_counts, block_sizes, seeds,
+        np.concatenate(s_roots), np.concatenate(s_hashes), np.concatenate(s_keys))
+    keys = np.frombuffer(keys, np.uint64)
+    found = np.frombuffer(found, bool)
+    made = np.frombuffer(made, bool)
+    parent_keys = np.frombuffer(parent_keys, np.uint64).tolist()
+    ends = np.cumsum(sizes).tolist()
+    failed: list[tuple[int, Exception]] = []
+    resolved, positions = [], []
+    at = {i: j for j, i in enumerate(engine)}
+    for i, op in enumerate(ops):
+        j = at.get(i)
+        if j is not None:
+            part = slice(ends[j] - int(sizes[j]), ends[j])
+            if not is_store[j]:
+                op = ("remove", keys[part][found[part]], op[2])
+            elif not made[j]:
+                failed.append((i, _orphan(op)))
+                continue
+            else:
+                op = ("insert", keys[part], parent_keys[j] if has_parent[j] else None, op[3],
+                      None)
+        resolved.append(op)
+        positions.append(i)
+
+    def put(refused: set[int]) -> None:
+        """Write the aliases of the stores applied, per root, in key order (the first
+        store's key for a hash twice)."""
+        applied = made & is_store
+        applied[[at[i] for i in refused if i in at]] = False
+        blocks = np.repeat(applied, sizes)
+        r, h, k = np.repeat(roots, sizes)[blocks], hashes[blocks], keys[blocks]
+        # stable: a hash twice keeps its stores' order (one model root: one key to sort)
+        order = np.argsort(h, kind="stable") if not r.size or (r == r[0]).all() \
+            else np.lexsort((h, r))
+        r, h, k = r[order], h[order], k[order]
+        first = np.ones(h.size, bool)
+        first[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
+        r, h, k = r[first], h[first], k[first]
+        for root in np.unique(r).tolist():
+            mine = r == np.uint64(root)
+            w.alias_put(list(zip(alias_keys(root, h[mine]), _be(k[mine]), strict=True)))
+
+    return resolved, positions, failed, put
 
 
 class _Batch:

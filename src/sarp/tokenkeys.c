@@ -52,3 +52,172 @@ PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t narg
     PyBuffer_Release(&buf);
     return Py_BuildValue("(NN)", keys, locals);
 }
+
+/* An open-addressing table of (root, engine hash) -> token key: the aliases stored
+ * and those a batch's stores make, first writer kept. */
+typedef struct {
+    uint64_t root, hash, key;
+    int used;
+} Alias;
+
+typedef struct {
+    Alias *slots;
+    size_t mask;
+} AliasTable;
+
+static size_t alias_slot(const AliasTable *t, uint64_t root, uint64_t hash) {
+    uint64_t h = (hash ^ (root * 0x9E3779B97F4A7C15ull)) * 0xff51afd7ed558ccdull;
+    size_t at = (size_t)(h ^ (h >> 32)) & t->mask;
+    while (t->slots[at].used && (t->slots[at].root != root || t->slots[at].hash != hash)) {
+        at = (at + 1) & t->mask;
+    }
+    return at;
+}
+
+static void alias_add(AliasTable *t, uint64_t root, uint64_t hash, uint64_t key) {
+    Alias *a = &t->slots[alias_slot(t, root, hash)];
+    if (!a->used) *a = (Alias){root, hash, key, 1};
+}
+
+static int alias_get(const AliasTable *t, uint64_t root, uint64_t hash, uint64_t *key) {
+    const Alias *a = &t->slots[alias_slot(t, root, hash)];
+    if (a->used) *key = a->key;
+    return a->used;
+}
+
+/* One buffer argument, checked for its item size. */
+static int take(PyObject *obj, Py_buffer *view, Py_ssize_t item, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
+    if (view->len % item) {
+        PyErr_Format(PyExc_ValueError, "resolve_aliases: %s is not of %zd-byte items", name,
+                     item);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* resolve_aliases(kinds, roots, sizes, hashes, parents, has_parent, tokens,
+ *                 token_counts, block_sizes, seeds, stored_roots, stored_hashes,
+ *                 stored_keys) -> (keys, found, made, parent_keys)
+ * sarp/aliases.py's _Batch in one call: a batch's engine-hash operations, in order
+ * (kinds u8: 0 a store, 1 a removal; per operation roots u64, sizes i64, parents u64,
+ * has_parent u8, token_counts i64 (the tokens a store carries for all its blocks, or
+ * 0), block_sizes i64, seeds u64 (its LoRA's)), their hashes and tokens (u32)
+ * concatenated, and the aliases stored that they may need.  A store's parent resolves
+ * through the stored aliases or an earlier store of the batch; its keys are made from
+ * its tokens, chained on the parent's key (or the root), or else resolved like the
+ * parent, block by block; it is made only when all of that resolves.  A removal's
+ * hashes resolve through the stored aliases and every store made.  Out, aligned with
+ * the hashes: keys (u64) and found (u8); per operation: made (u8), parent_keys (u64). */
+PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_RESOLVE_ALIASES]++;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "resolve_aliases: 13 buffers");
+        return NULL;
+    }
+    static const Py_ssize_t items[13] = {1, 8, 8, 8, 8, 1, 4, 8, 8, 8, 8, 8, 8};
+    static const char *names[13] = {"kinds", "roots", "sizes", "hashes", "parents",
+                                    "has_parent", "tokens", "token_counts", "block_sizes",
+                                    "seeds", "stored_roots", "stored_hashes", "stored_keys"};
+    Py_buffer v[13];
+    int got = 0;
+    PyObject *out = NULL, *keys = NULL, *found = NULL, *made = NULL, *parent_keys = NULL;
+    AliasTable t = {NULL, 0};
+    for (; got < 13; got++) {
+        if (take(args[got], &v[got], items[got], names[got]) < 0) goto done;
+    }
+    const uint8_t *kinds = v[0].buf, *has_parent = v[5].buf;
+    const uint64_t *roots = v[1].buf, *hashes = v[3].buf, *parents = v[4].buf;
+    const int64_t *sizes = v[2].buf, *token_counts = v[7].buf, *block_sizes = v[8].buf;
+    const uint64_t *seeds = v[9].buf, *s_roots = v[10].buf, *s_hashes = v[11].buf;
+    const uint64_t *s_keys = v[12].buf;
+    const uint8_t *tokens = v[6].buf;
+    Py_ssize_t ops = v[0].len, total = v[3].len / 8, stored = v[10].len / 8;
+    Py_ssize_t token_total = v[6].len / 4;
+    if (v[1].len / 8 != ops || v[2].len / 8 != ops || v[4].len / 8 != ops || v[5].len != ops
+        || v[7].len / 8 != ops || v[8].len / 8 != ops || v[9].len / 8 != ops
+        || v[11].len / 8 != stored || v[12].len / 8 != stored) {
+        PyErr_SetString(PyExc_ValueError, "resolve_aliases: per-operation arrays differ");
+        goto done;
+    }
+    Py_ssize_t sum = 0, token_sum = 0;
+    for (Py_ssize_t i = 0; i < ops; i++) {
+        if (sizes[i] < 0 || token_counts[i] < 0
+            || (token_counts[i] && (kinds[i] != 0 || block_sizes[i] <= 0
+                                    || token_counts[i] < sizes[i] * block_sizes[i]))) {
+            PyErr_SetString(PyExc_ValueError, "resolve_aliases: bad sizes or token counts");
+            goto done;
+        }
+        sum += sizes[i];
+        token_sum += token_counts[i];
+    }
+    if (sum != total || token_sum != token_total) {
+        PyErr_SetString(PyExc_ValueError, "resolve_aliases: sizes do not add up");
+        goto done;
+    }
+    size_t cap = 16;
+    while (cap < 2 * (size_t)(stored + total) + 16) cap <<= 1;
+    t.slots = PyMem_Calloc(cap, sizeof(Alias));
+    if (t.slots == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    t.mask = cap - 1;
+    for (Py_ssize_t j = 0; j < stored; j++) alias_add(&t, s_roots[j], s_hashes[j], s_keys[j]);
+    keys = PyBytes_FromStringAndSize(NULL, 8 * total);
+    found = PyBytes_FromStringAndSize(NULL, total);
+    made = PyBytes_FromStringAndSize(NULL, ops);
+    parent_keys = PyBytes_FromStringAndSize(NULL, 8 * ops);
+    if (keys == NULL || found == NULL || made == NULL || parent_keys == NULL) goto done;
+    uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys);
+    uint8_t *f = (uint8_t *)PyBytes_AS_STRING(found), *m = (uint8_t *)PyBytes_AS_STRING(made);
+    uint64_t *pk = (uint64_t *)PyBytes_AS_STRING(parent_keys);
+    memset(f, 0, (size_t)total);
+    memset(k, 0, 8 * (size_t)total);
+    Py_ssize_t at = 0, token_at = 0;
+    for (Py_ssize_t i = 0; i < ops; at += sizes[i], token_at += token_counts[i], i++) {
+        m[i] = 0;
+        pk[i] = 0;
+        if (kinds[i] != 0) continue;  /* removals: after every store */
+        uint64_t root = roots[i], chain = root;
+        if (has_parent[i]) {
+            if (!alias_get(&t, root, parents[i], &chain)) continue;  /* an orphan */
+            pk[i] = chain;
+        }
+        if (token_counts[i]) {
+            Py_ssize_t stride = 4 * block_sizes[i];
+            const uint8_t *p = tokens + 4 * token_at;
+            for (Py_ssize_t b = 0; b < sizes[i]; b++, p += stride) {
+                uint64_t local = XXH3_64bits_withSeed(p, (size_t)stride, seeds[i]);
+                chain = XXH3_64bits_withSeed(&local, 8, chain);
+                k[at + b] = chain;
+            }
+        } else {
+            Py_ssize_t b = 0;
+            while (b < sizes[i] && alias_get(&t, root, hashes[at + b], &k[at + b])) b++;
+            if (b < sizes[i]) continue;  /* a block no alias names */
+        }
+        m[i] = 1;
+        for (Py_ssize_t b = 0; b < sizes[i]; b++) {
+            f[at + b] = 1;
+            alias_add(&t, root, hashes[at + b], k[at + b]);
+        }
+    }
+    at = 0;
+    for (Py_ssize_t i = 0; i < ops; at += sizes[i], i++) {
+        if (kinds[i] != 1) continue;
+        for (Py_ssize_t b = 0; b < sizes[i]; b++) {
+            f[at + b] = (uint8_t)alias_get(&t, roots[i], hashes[at + b], &k[at + b]);
+        }
+    }
+    out = Py_BuildValue("(OOOO)", keys, found, made, parent_keys);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(found);
+    Py_XDECREF(made);
+    Py_XDECREF(parent_keys);
+    PyMem_Free(t.slots);
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return out;
+}
