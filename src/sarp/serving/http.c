@@ -18,6 +18,51 @@
  * names what is wrong.  Strict JSON number grammar: no leading zeros, no '+'. */
 static int is_ws(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+/* The array's integers when `*stop` is the array's ']': that byte ends every digit and
+ * whitespace run by itself, so the loops need no bounds check (the common case, a
+ * third of the time of the checked loop below).  1 when all parsed, 0 on any doubt. */
+static int parse_to_bracket(const uint8_t *p, const uint8_t *stop, uint64_t *vals,
+                            Py_ssize_t cap, Py_ssize_t *count) {
+    Py_ssize_t n = 0;
+    while (is_ws(*p)) p++;
+    if (p == stop) {
+        *count = 0;
+        return 1;
+    }
+    for (;;) {
+        int negative = *p == '-';
+        p += negative;
+        const uint8_t *digits = p;
+        uint64_t v = 0;
+        while ((uint8_t)(*p - '0') < 10) v = v * 10 + (uint64_t)(*p++ - '0');
+        Py_ssize_t len = p - digits;
+        if (len == 0 || (len > 1 && digits[0] == '0')) return 0;
+        if (len >= 20) {  /* 20 digits may overflow: parsed again, checked */
+            uint64_t w = 0;
+            int overflow = len > 20;
+            for (const uint8_t *q = digits; q < p && !overflow; q++) {
+                overflow |= __builtin_mul_overflow(w, (uint64_t)10, &w);
+                overflow |= __builtin_add_overflow(w, (uint64_t)(*q - '0'), &w);
+            }
+            if (overflow) return 0;
+            v = w;
+        }
+        if (negative) {
+            if (v > (uint64_t)1 << 63) return 0;
+            v = (uint64_t)0 - v;
+        }
+        if (n == cap) return 0;
+        vals[n++] = v;
+        while (is_ws(*p)) p++;
+        if (p == stop) break;
+        if (*p != ',') return 0;
+        p++;
+        while (is_ws(*p)) p++;
+    }
+    *count = n;
+    return 1;
+}
+
 PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_U64_ARRAY]++;
     if (nargs != 3) {
@@ -42,8 +87,12 @@ PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyBuffer_Release(&b);
         return PyErr_NoMemory();
     }
-    while (p < stop && is_ws(*p)) p++;
     int ok = 1;
+    if (end < b.len && *stop == ']') {
+        ok = parse_to_bracket(p, stop, vals, cap, &n);
+        p = stop;  /* the checked loop below has nothing left to do */
+    }
+    while (p < stop && is_ws(*p)) p++;
     if (p < stop) {
         for (;;) {
             int negative = 0;

@@ -443,12 +443,9 @@ class Subscriber(ReplayJobs):
 
     def _drain_monitor(self, monitor: zmq.Socket, key: str) -> None:
         while monitor.poll(0):
-            # libzmq's monitor message: (u16 event, u32 value) in host order, endpoint
-            # (parsed here: zmq.utils.monitor costs serve's start 30 ms of asyncio)
+            # libzmq's (u16 event, u32 value), endpoint; zmq.utils.monitor cost 30 ms a start
             frames = monitor.recv_multipart()
-            if len(frames) != 2 or len(frames[0]) != 6:
-                continue
-            event = {"event": struct.unpack("=hi", frames[0])[0]}
+            event = {"event": struct.unpack("=hi", frames[0])[0] if len(frames[0]) == 6 else 0}
             if event["event"] == zmq.EVENT_CONNECTED:
                 self._connects[key] += 1
                 if self._connects[key] > 1:
