@@ -53,8 +53,6 @@ def query_handler(index_path: str):
     def handle(body: bytes) -> tuple[int, bytes]:
         try:
             obj = _with_fast_block_hashes(body, b"token_ids")
-            if obj is not None and int(obj["token_ids"].max(initial=0)) >> 32:
-                obj = None
             model, keys = rfc.parse_query(orjson.loads(body) if obj is None else obj, False,
                                           models.get())
             if not keys.size:

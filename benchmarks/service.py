@@ -14,7 +14,7 @@ fresh service:
    ``--http-s`` seconds (requests drawn from the trace), requests/s and latency
    p50/p99; then the same with wrk (a C load generator, 2 threads, 8 connections),
    where it is installed (Debian's ``wrk``);
-3. **RSS and PSS**: of the service's process tree, after the drain;
+3. **RSS, PSS and anonymous RSS**: of the service's process tree, after the drain;
 4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
    keeps no registrations: they are sent again; sarp keeps them with its index), each
    engine then publishes one more batch, and the time is taken until 50 sampled
@@ -127,13 +127,21 @@ class Service:
                 raise RuntimeError(f"{self.kind} did not start (see {self.work})")
             time.sleep(0.02)
 
-    def memory_mib(self) -> tuple[float, float]:
-        """RSS and PSS of the service's process tree (PSS shares a page out among the
-        processes that map it: forked workers' shared pages count once in all)."""
+    def memory_mib(self) -> tuple[float, float, float]:
+        """RSS, PSS and anonymous RSS of the service's process tree (PSS shares a page
+        out among the processes that map it: forked workers' shared pages, and an
+        index file's pages that several processes read, count once in all; anonymous
+        RSS leaves out file pages, which the kernel may drop)."""
         root = psutil.Process(self.proc.pid)
         procs = [p for p in (root, *root.children(recursive=True)) if p.is_running()]
         infos = [p.memory_full_info() for p in procs]
-        return (sum(i.rss for i in infos) / (1 << 20), sum(i.pss for i in infos) / (1 << 20))
+        anon = 0
+        for p in procs:
+            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    anon += int(line.split()[1]) << 10
+        return (sum(i.rss for i in infos) / (1 << 20), sum(i.pss for i in infos) / (1 << 20),
+                anon / (1 << 20))
 
     def kill(self) -> None:
         """SIGKILL (sarp's HTTP workers see their socket pair close and leave too)."""
@@ -356,7 +364,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             cf.wait_for_markers([service.url], markers, timeout_s=600)
             drain_s = time.perf_counter() - started
             events = sum(len(decode(p).events) for _, p in stream)
-            rss, pss = service.memory_mib()
+            rss, pss, anon = service.memory_mib()
             http = asyncio.run(_load(service.url, bodies, args.http_s))
             if shutil.which("wrk"):
                 http |= {f"wrk_{k}": v for k, v in
@@ -382,7 +390,8 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
                 time.sleep(0.02)
             restart_s = time.perf_counter() - killed
             return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
-                    "rss_mib": rss, "pss_mib": pss, **{f"http_{k}": v for k, v in http.items()},
+                    "rss_mib": rss, "pss_mib": pss, "anon_rss_mib": anon,
+                    **{f"http_{k}": v for k, v in http.items()},
                     "kill9_to_correct_s": restart_s}
         finally:
             service.stop()

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
@@ -370,3 +371,36 @@ def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
                 assert _parse_outcome(body) == expected, body
     assert fast_taken > 100  # the fast path was exercised, not only refused
     assert tally.c("u64_array") >= fast_taken and tally.python("u64_array") >= len(bodies)
+
+
+def test_token_ids_parsed_in_c_are_the_general_parse_s_or_refused():
+    """/query's token ids: parsed in C straight into uint32 when every one is in range;
+    any other body (negative, over 2**32 - 1, a float, a bool) goes to the general
+    parse, which names the item."""
+    import random
+
+    import orjson
+
+    import sarp.serving.http as http_mod
+    from sarp import native
+
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}: only the general parse runs")
+    rng = random.Random(11)
+    edge = ["0", "1", "4294967295", "4294967296", "-1", "-0", "18446744073709551615",
+            "18446744073709551616", "1.0", "true", "01", "99999999999999999999999"]
+    taken = 0
+    for _ in range(2000):
+        items = [rng.choice(edge) if rng.random() < 0.1 else str(rng.getrandbits(32))
+                 for _ in range(rng.randint(0, 20))]
+        body = ('{"token_ids": [' + rng.choice([",", ", ", " ,\n"]).join(items) + '], '
+                '"model_name": "m"}').encode()
+        obj = http_mod._with_fast_block_hashes(body, b"token_ids")
+        if obj is None:
+            continue
+        taken += 1
+        general = orjson.loads(body)["token_ids"]
+        assert obj["token_ids"].dtype == np.uint32
+        assert all(type(v) is int and 0 <= v < 1 << 32 for v in general), body
+        assert obj["token_ids"].tolist() == general
+    assert taken > 500

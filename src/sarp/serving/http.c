@@ -10,12 +10,13 @@
 
 #include "../native.h"
 
-/* u64_array(body, start, end) -> bytes | None
+/* u64_array(body, start, end[, u32]) -> bytes | None
  * The JSON integers between body[start:end] (the inside of an array: integers,
  * commas, JSON whitespace), as little-endian uint64 (negative ones as their int64
  * two's complement), or None for anything else JSON might hold there or that is out
  * of the uint64/int64 range: the caller then parses the body the general way, which
- * names what is wrong.  Strict JSON number grammar: no leading zeros, no '+'. */
+ * names what is wrong.  Strict JSON number grammar: no leading zeros, no '+'.  With
+ * `u32` true (token ids), as uint32, and None when one is negative or over 2**32 - 1. */
 static int is_ws(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
 /* The array's integers when `*stop` is the array's ']': that byte ends every digit and
@@ -65,10 +66,12 @@ static int parse_to_bracket(const uint8_t *p, const uint8_t *stop, uint64_t *val
 
 PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_U64_ARRAY]++;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "u64_array(body, start, end)");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "u64_array(body, start, end[, u32])");
         return NULL;
     }
+    int u32 = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (u32 < 0) return NULL;
     Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
     if (PyErr_Occurred()) return NULL;
     Py_buffer b;
@@ -128,7 +131,15 @@ PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         }
     }
     if (ok) {
-        out = PyBytes_FromStringAndSize((const char *)vals, (Py_ssize_t)(n * sizeof(uint64_t)));
+        if (u32) {  /* narrowed in place: item i of 4 bytes never passes item i of 8 */
+            for (Py_ssize_t i = 0; i < n && ok; i++) {
+                ok = vals[i] <= 0xFFFFFFFFu;
+                uint32_t narrow = (uint32_t)vals[i];
+                memcpy((char *)vals + 4 * i, &narrow, 4);
+            }
+        }
+        out = ok ? PyBytes_FromStringAndSize((const char *)vals, n * (u32 ? 4 : 8))
+                 : Py_NewRef(Py_None);
     } else {
         out = Py_NewRef(Py_None);
     }

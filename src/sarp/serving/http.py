@@ -188,9 +188,9 @@ _FAST_HEADS = {f: re.compile(_WS + rb'\{' + _WS + b'"' + f + b'"' + _WS + rb':' 
 def _with_fast_block_hashes(body: bytes, field: bytes = b"block_hashes") -> dict | None:
     """A body that begins ``{"block_hashes": [`` (or ``field``: ``token_ids``) and
     holds no other such field and no escape: the ints parsed in C straight into a
-    uint64 array (no Python int per item), the rest of the object by orjson.  ``None``
-    for any other body, or any doubt, and the caller parses the whole body, which
-    names what is wrong.
+    uint64 array (token ids: uint32, each in range; no Python int per item), the rest
+    of the object by orjson.  ``None`` for any other body, or any doubt, and the caller
+    parses the whole body, which names what is wrong.
 
     >>> obj = _with_fast_block_hashes(b'{"block_hashes": [1, -1], "block_size": 16}')
     >>> obj is None or (obj["block_hashes"].tolist(), obj["block_size"]) == ([1, 2**64 - 1], 16)
@@ -204,7 +204,8 @@ def _with_fast_block_hashes(body: bytes, field: bytes = b"block_hashes") -> dict
     if head is None or body.count(quoted) != 1 or b"\\" in body:
         return None
     end = body.find(b"]", head.end())
-    raw = c.u64_array(body, head.end(), end) if end >= 0 else None
+    tokens = field == b"token_ids"
+    raw = c.u64_array(body, head.end(), end, tokens) if end >= 0 else None
     if raw is None:
         return None
     try:
@@ -213,7 +214,7 @@ def _with_fast_block_hashes(body: bytes, field: bytes = b"block_hashes") -> dict
         return None
     if type(obj) is not dict or obj.get(field.decode()) != []:
         return None
-    obj[field.decode()] = np.frombuffer(raw, np.uint64)
+    obj[field.decode()] = np.frombuffer(raw, np.uint32 if tokens else np.uint64)
     return obj
 
 
@@ -397,8 +398,6 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         field = b"block_hashes" if by_hash else b"token_ids"
         try:
             obj = _with_fast_block_hashes(body, field)  # the ids parsed in C, when it can
-            if obj is not None and not by_hash and int(obj["token_ids"].max(initial=0)) >> 32:
-                obj = None  # out of range (or negative): the full parse names the item
             model, keys = rfc.parse_query(orjson.loads(body) if obj is None else obj,
                                           by_hash, models.get())
         except orjson.JSONDecodeError as exc:

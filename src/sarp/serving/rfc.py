@@ -193,7 +193,7 @@ def _tokens(values: list | np.ndarray) -> np.ndarray:
     checked by type); anything else is named item by item.  An array is taken as the
     caller parsed it (in range)."""
     if isinstance(values, np.ndarray):
-        return values.astype(np.uint32)
+        return values.astype(np.uint32, copy=False)
     try:
         arr = np.frombuffer(array.array(_U32, values), np.uint32)
     except (TypeError, OverflowError):
