@@ -125,8 +125,8 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
     want_roots = np.concatenate([np.repeat(roots, sizes)[need], roots[has_parent]])
     want_hashes = np.concatenate([hashes[need], parents[has_parent]])
     s_roots, s_hashes, s_keys = [_EMPTY], [_EMPTY], [_EMPTY]
-    for root in np.unique(want_roots).tolist():
-        got, keys = w.aliases(root, np.unique(want_hashes[want_roots == np.uint64(root)]))
+    for root in _distinct(want_roots).tolist():
+        got, keys = w.aliases(root, _distinct(want_hashes[want_roots == np.uint64(root)]))
         s_roots.append(np.full(got.size, root, np.uint64))
         s_hashes.append(got)
         s_keys.append(keys)
@@ -171,7 +171,7 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
         first = np.ones(h.size, bool)
         first[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
         r, h, k = r[first], h[first], k[first]
-        for root in np.unique(r).tolist():
+        for root in _distinct(r).tolist():
             mine = r == np.uint64(root)
             w.alias_put(list(zip(alias_keys(root, h[mine]), _be(k[mine]), strict=True)))
 
@@ -347,6 +347,20 @@ def _sweep(w: WriteTxn, packer) -> None:
         dead = np.flatnonzero(w.locate(unique)[0][back] == 0)
         if dead.size:
             w.alias_delete([items[j][0] for j in dead.tolist()])
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct values: a sort and a compare (``np.unique`` hashes, and imports
+    ``numpy.ma`` at its first call, 35 ms of a restarted serve's first batch).
+
+    >>> _distinct(np.array([3, 1, 3], np.uint64)).tolist()
+    [1, 3]
+    """
+    values = np.sort(values)
+    keep = np.empty(values.size, bool)
+    keep[:1] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 def _has_tokens(hashes: np.ndarray, tokens: np.ndarray | None, block_size: int | None) -> bool:
