@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -229,6 +230,35 @@ def _wrk(url: str, bodies: list[bytes], seconds: float, work: Path, clients: int
             "p99_ms": float(fields[6]), "requests": requests, "errors": errors}
 
 
+@contextlib.contextmanager
+def engines_and(kind: str, engines: int, batches: int):
+    """A fresh service and ``engines`` simulated engines' publishers (each keeping
+    ``batches`` for replays), registered and subscribed; yields (service, publishers,
+    registrations, work folder)."""
+    with tempfile.TemporaryDirectory(prefix=f"sarp-service-{kind}-") as tmp:
+        work = Path(tmp)
+        context = zmq.Context()
+        pubs = [cf.Publisher(context, name=f"e{i}", buffer_batches=batches + 10)
+                for i in range(engines)]
+        service = Service(kind, work)
+        try:
+            service.start()
+            registrations = [{"instance_id": i + 1, "endpoint": p.endpoint,
+                              "replay_endpoint": p.replay_endpoint, "model_name": MODEL,
+                              "block_size": cf.BLOCK_SIZE, "dp_rank": 0}
+                             for i, p in enumerate(pubs)]
+            for body in registrations:
+                assert cf.post(service.url, "/register", body)[0] == 201
+            for p in pubs:
+                p.wait_subscribers(1)
+            yield service, pubs, registrations, work
+        finally:
+            service.stop()
+            for p in pubs:
+                p.close()
+            context.term()
+
+
 def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[float],
           step_s: float) -> list[dict]:
     """On a fresh service: the stream published at each offered rate (events/s) for
@@ -239,61 +269,42 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
     import threading
 
     events_of = [len(decode(p).events) for _, p in stream]
-    with tempfile.TemporaryDirectory(prefix=f"sarp-sweep-{kind}-") as tmp:
-        work = Path(tmp)
-        context = zmq.Context()
-        pubs = [cf.Publisher(context, name=f"e{i}", buffer_batches=len(stream) + 10)
-                for i in range(engines)]
-        service = Service(kind, work)
+    with engines_and(kind, engines, len(stream)) as (service, pubs, _, _):
         out: list[dict] = []
-        try:
-            service.start()
-            for i, p in enumerate(pubs):
-                assert cf.post(service.url, "/register", {
-                    "instance_id": i + 1, "endpoint": p.endpoint,
-                    "replay_endpoint": p.replay_endpoint, "model_name": MODEL,
-                    "block_size": cf.BLOCK_SIZE, "dp_rank": 0})[0] == 201
-            for p in pubs:
-                p.wait_subscribers(1)
-            probes = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
-            at, probe_id = 0, 1 << 61
-            for rate in rates:
-                probing = _Probes(service.url)
-                watcher = threading.Thread(target=probing.watch, daemon=True)
-                watcher.start()
-                began = time.perf_counter()
-                sent_events, next_probe, k = 0, began, 0
-                while (now := time.perf_counter()) - began < step_s and watcher.is_alive():
-                    if now >= next_probe:
-                        ids = np.array([probe_id], np.uint64)
-                        probe_id += 1
-                        probes[k % engines].serve(ids)
-                        probing.sent(ids, k % engines + 1)
-                        k += 1
-                        next_probe += 0.05
-                    due = (now - began) * rate
-                    while sent_events < due:
-                        n, payload = stream[at % len(stream)]
-                        pubs[n].publish(payload)
-                        sent_events += events_of[at % len(stream)]
-                        at += 1
-                    time.sleep(0.0005)
-                probing.done.set()
-                watcher.join(30)
-                ms = np.array(probing.lags) * 1e3
-                point = {"offered_events_per_s": rate,
-                         "achieved_events_per_s": sent_events / (time.perf_counter() - began),
-                         "lag_p50_ms": float(np.percentile(ms, 50)) if ms.size else None,
-                         "lag_p99_ms": float(np.percentile(ms, 99)) if ms.size else None,
-                         "probes": int(ms.size)}
-                out.append(point)
-                if not ms.size or ms.max() > 2000:
-                    break
-        finally:
-            service.stop()
-            for p in pubs:
-                p.close()
-            context.term()
+        probes = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
+        at, probe_id = 0, 1 << 61
+        for rate in rates:
+            probing = _Probes(service.url)
+            watcher = threading.Thread(target=probing.watch, daemon=True)
+            watcher.start()
+            began = time.perf_counter()
+            sent_events, next_probe, k = 0, began, 0
+            while (now := time.perf_counter()) - began < step_s and watcher.is_alive():
+                if now >= next_probe:
+                    ids = np.array([probe_id], np.uint64)
+                    probe_id += 1
+                    probes[k % engines].serve(ids)
+                    probing.sent(ids, k % engines + 1)
+                    k += 1
+                    next_probe += 0.05
+                due = (now - began) * rate
+                while sent_events < due:
+                    n, payload = stream[at % len(stream)]
+                    pubs[n].publish(payload)
+                    sent_events += events_of[at % len(stream)]
+                    at += 1
+                time.sleep(0.0005)
+            probing.done.set()
+            watcher.join(30)
+            ms = np.array(probing.lags) * 1e3
+            point = {"offered_events_per_s": rate,
+                     "achieved_events_per_s": sent_events / (time.perf_counter() - began),
+                     "lag_p50_ms": float(np.percentile(ms, 50)) if ms.size else None,
+                     "lag_p99_ms": float(np.percentile(ms, 99)) if ms.size else None,
+                     "probes": int(ms.size)}
+            out.append(point)
+            if not ms.size or ms.max() > 2000:
+                break
     return out
 
 
@@ -341,63 +352,43 @@ def held(points: list[dict], bound_ms: float = 100.0) -> float:
 
 def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: list[bytes],
              args) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"sarp-service-{kind}-") as tmp:
-        work = Path(tmp)
-        context = zmq.Context()
-        pubs = [cf.Publisher(context, name=f"e{i}", buffer_batches=len(stream) + 10)
-                for i in range(engines)]
-        service = Service(kind, work)
-        try:
-            service.start()
-            bodies_reg = [{"instance_id": i + 1, "endpoint": p.endpoint,
-                           "replay_endpoint": p.replay_endpoint, "model_name": MODEL,
-                           "block_size": cf.BLOCK_SIZE, "dp_rank": 0}
-                          for i, p in enumerate(pubs)]
+    with engines_and(kind, engines, len(stream)) as (service, pubs, bodies_reg, work):
+        markers = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
+        started = time.perf_counter()
+        for n, payload in stream:
+            pubs[n].publish(payload)
+        cf.wait_for_markers([service.url], markers, timeout_s=600)
+        drain_s = time.perf_counter() - started
+        events = sum(len(decode(p).events) for _, p in stream)
+        rss, pss, anon = service.memory_mib()
+        http = asyncio.run(_load(service.url, bodies, args.http_s))
+        if shutil.which("wrk"):
+            http |= {f"wrk_{k}": v for k, v in
+                     _wrk(service.url, bodies, args.http_s, work).items()}
+        sample = bodies[:50]
+        before = [cf.post(service.url, "/query", json.loads(b)) for b in sample]
+        service.kill()
+        killed = time.perf_counter()
+        service.start()
+        if kind == "dynamo":
             for body in bodies_reg:
-                assert cf.post(service.url, "/register", body)[0] == 201
-            for p in pubs:
-                p.wait_subscribers(1)
-            markers = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
-            started = time.perf_counter()
-            for n, payload in stream:
-                pubs[n].publish(payload)
-            cf.wait_for_markers([service.url], markers, timeout_s=600)
-            drain_s = time.perf_counter() - started
-            events = sum(len(decode(p).events) for _, p in stream)
-            rss, pss, anon = service.memory_mib()
-            http = asyncio.run(_load(service.url, bodies, args.http_s))
-            if shutil.which("wrk"):
-                http |= {f"wrk_{k}": v for k, v in
-                         _wrk(service.url, bodies, args.http_s, work).items()}
-            sample = bodies[:50]
-            before = [cf.post(service.url, "/query", json.loads(b)) for b in sample]
-            service.kill()
-            killed = time.perf_counter()
-            service.start()
-            if kind == "dynamo":
-                for body in bodies_reg:
-                    cf.post(service.url, "/register", body)
-            for p in pubs:  # subscribed again (a batch sent before would reach nobody)
-                p.wait_subscribers(1)
-            for m in markers:  # one more batch each: a gap to replay from
-                m.serve(cf.marker_ids(m) + np.uint64(1 << 20))
-            while (after := [cf.post(service.url, "/query", json.loads(b))
-                             for b in sample]) != before:
-                if time.perf_counter() - killed > args.restart_timeout_s:
-                    wrong = next((b, a) for b, a in zip(before, after, strict=True) if b != a)
-                    raise RuntimeError(f"{kind}: no correct answers {args.restart_timeout_s:.0f}"
-                                       f" s after the kill; before and after: {wrong}")
-                time.sleep(0.02)
-            restart_s = time.perf_counter() - killed
-            return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
-                    "rss_mib": rss, "pss_mib": pss, "anon_rss_mib": anon,
-                    **{f"http_{k}": v for k, v in http.items()},
-                    "kill9_to_correct_s": restart_s}
-        finally:
-            service.stop()
-            for p in pubs:
-                p.close()
-            context.term()
+                cf.post(service.url, "/register", body)
+        for p in pubs:  # subscribed again (a batch sent before would reach nobody)
+            p.wait_subscribers(1)
+        for m in markers:  # one more batch each: a gap to replay from
+            m.serve(cf.marker_ids(m) + np.uint64(1 << 20))
+        while (after := [cf.post(service.url, "/query", json.loads(b))
+                         for b in sample]) != before:
+            if time.perf_counter() - killed > args.restart_timeout_s:
+                wrong = next((b, a) for b, a in zip(before, after, strict=True) if b != a)
+                raise RuntimeError(f"{kind}: no correct answers {args.restart_timeout_s:.0f}"
+                                   f" s after the kill; before and after: {wrong}")
+            time.sleep(0.02)
+        restart_s = time.perf_counter() - killed
+        return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
+                "rss_mib": rss, "pss_mib": pss, "anon_rss_mib": anon,
+                **{f"http_{k}": v for k, v in http.items()},
+                "kill9_to_correct_s": restart_s}
 
 
 def main() -> int:
