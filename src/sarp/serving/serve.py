@@ -8,6 +8,7 @@ stays the one writer and keeps a status file the workers report from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import logging
@@ -200,8 +201,9 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             due = now - last_snapshot >= args.snapshot_every_s
             if not applied and busy_since_snapshot and now - last_snapshot >= 1.0:
                 # idle after work: snapshot now if the work changed enough
-                due = index.stats()["changes_since_snapshot"] >= IDLE_SNAPSHOT_CHANGES
                 busy_since_snapshot = 0
+                with contextlib.suppress(StoreError):  # the store is away: not now
+                    due = index.stats()["changes_since_snapshot"] >= IDLE_SNAPSHOT_CHANGES
             if due:
                 try:
                     index.snapshot()
