@@ -316,8 +316,10 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                     }
                 }
                 if (with_presence) {
-                    if (!PyBytes_CheckExact(record)) {
-                        PyErr_SetString(PyExc_TypeError, "walk: get() must give bytes");
+                    /* kept to the end: bytes as they are, any other buffer copied */
+                    PyObject *kept = PyBytes_CheckExact(record) ? Py_NewRef(record)
+                        : PyBytes_FromStringAndSize((const char *)rec.buf, rec.len);
+                    if (kept == NULL) {
                         PyBuffer_Release(&rec);
                         Py_DECREF(record);
                         goto done;
@@ -327,6 +329,7 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                         Rows *more = PyMem_Realloc(steps, (size_t)grown * sizeof(Rows));
                         if (more == NULL) {
                             PyErr_NoMemory();
+                            Py_DECREF(kept);
                             PyBuffer_Release(&rec);
                             Py_DECREF(record);
                             goto done;
@@ -334,8 +337,8 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                         steps = more;
                         cap = grown;
                     }
-                    steps[nsteps++] = (Rows){Py_NewRef(record), st.presence_at, st.holders_at,
-                                             st.n, st.nh, any_run, total};
+                    steps[nsteps++] = (Rows){kept, st.presence_at, st.holders_at, st.n, st.nh,
+                                             any_run, total};
                 }
                 total += any_run;
                 step = any_run;
