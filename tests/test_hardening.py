@@ -628,6 +628,7 @@ def test_soak_30s_every_fault_at_once_and_no_false_answer(tmp_path, store):
                           "--json", str(tmp_path / "soak.json"),
                           *(["--valkey"] if store == "valkey" else [])],
                          capture_output=True, text=True, timeout=600)
+    assert (tmp_path / "soak.json").exists(), out.stdout[-3000:] + out.stderr[-5000:]
     result = json.loads((tmp_path / "soak.json").read_text())
     print(json.dumps(result, indent=1))  # the figures, in the test log
     assert result["answers_checked"] > 1000

@@ -227,8 +227,9 @@ class Index:
         if self.readonly:
             raise ReadOnlyIndexError(
                 f"{self.path}: {operation} on an index opened readonly=True; writes go through "
-                "the one writer (sarp serve, or sarp.open without readonly)"
-            )
+                "the one writer (sarp serve, or sarp.open without readonly)")
+        if store.maybe_applied:  # the last write got no answer: plan from what is stored
+            recovery.resync(store, self._memory, self._counters)
         return store
 
     def _read(self, query: np.ndarray | None = None) -> contextlib.AbstractContextManager[ReadTxn]:

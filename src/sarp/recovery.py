@@ -276,6 +276,20 @@ def catch_up(store: Store, r: ReadTxn, memory: Memory, counters) -> bool:
     return True
 
 
+def resync(store: Store, memory: Memory, counters) -> None:
+    """A writer whose last write may have been applied without its answer reaching it
+    (``store.maybe_applied``): memory from the store again (names, then the snapshot and
+    the log after it, or a rebuild), so that the next write plans from what is stored,
+    not from what memory believes.  Cost: a reader's reload."""
+    with store.read() as r:
+        memory.load_holders(r)
+        if not reload(store, r, memory, r.counter("next_seq"), counters):
+            rebuild(r, memory)  # a snapshot newer than this read: not ours to trust
+    store.maybe_applied = False
+    log.warning("sarp: %s: memory read again from the store after a write that got no "
+                "answer", store.path)
+
+
 def reload(store: Store, r: ReadTxn, memory: Memory, seq: int, counters) -> bool:
     """A reader: memory from the snapshot and the log after it, or a rebuild in memory
     when the snapshot cannot be used.  False: retry with a newer ``r``."""

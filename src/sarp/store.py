@@ -232,6 +232,9 @@ class Store(Protocol):
     readonly: bool
     index_id: bytes
     capabilities: Capabilities
+    # a write failed with no answer (the server went away mid-commit): it may have been
+    # applied, so the writer's memory is brought to the store before the next write
+    maybe_applied: bool
 
     def read(self) -> ReadTxn: ...
     def write(self, fn: Callable[[WriteTxn], T]) -> T: ...

@@ -87,6 +87,7 @@ class LmdbStore:
 
     # records and lookups are pages of this process's map: about a microsecond each
     capabilities = Capabilities(local_reads=True, prefetch=False)
+    maybe_applied = False  # a commit that fails is not applied
 
     def __init__(self, path: str | os.PathLike, *, durability: str = "sync",
                  map_size_bytes: int = 1 << 36, create: bool = True, readonly: bool = False,

@@ -97,6 +97,7 @@ class ValkeyStore:
 
     # every read is a round trip: a match fetches its predicted records in one
     capabilities = Capabilities(local_reads=False, prefetch=True)
+    maybe_applied = False  # set by a write that got no answer (see Store)
 
     def __init__(self, url: str, *, durability: str = "sync", create: bool = True,
                  readonly: bool = False, lease_s: float = DEFAULT_LEASE_S,
@@ -336,9 +337,11 @@ class ValkeyStore:
                                      "index is unchanged") from exc
             raise StoreError(f"{self.path}: write failed: {exc}") from exc
         except _UNREACHABLE as exc:
+            self.maybe_applied = True
             self._check_lease()  # a write that outlived the lease is a lost lease
             raise StoreError(f"{self.path}: write failed ({exc}); it may or may not have "
-                             "been applied: reopen to see the stored state") from exc
+                             "been applied: the writer reads the stored state again before "
+                             "its next write") from exc
 
 
 def _refused(where, doing: str, exc: Exception) -> StoreError:
