@@ -30,10 +30,10 @@ from .subscriber import Subscriber
 log = logging.getLogger("sarp.serve")
 
 STATUS_EVERY_S = 0.5
-# A snapshot at the first idle poll after this many segment changes (at most one a
-# second), besides --snapshot-every-s: a restart after a burst then loads it and replays
-# a short log, where it rebuilt the directory from every segment (0.13 s at 10,000
-# segments, in serve and in each worker).
+# A snapshot at the first idle poll after this many segment changes, or a tenth of the
+# directory's entries if more (at most one a second), besides --snapshot-every-s: a
+# restart after a burst then loads it and replays a short log, where it rebuilt the
+# directory from every segment (0.13 s at 10,000 segments, in serve and in each worker).
 IDLE_SNAPSHOT_CHANGES = 1000
 TRIM_EVERY_S = 1.0  # freed heap memory handed back at most this often (_trim_malloc)
 # Python's collector looks for cycles in the young objects after every YOUNG_OBJECTS
@@ -199,11 +199,14 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             if with_status:
                 _registry(path, subscriber, index, registered)
             due = now - last_snapshot >= args.snapshot_every_s
-            if not applied and busy_since_snapshot and now - last_snapshot >= 1.0:
-                # idle after work: snapshot now if the work changed enough
+            if busy_since_snapshot and not applied and now - last_snapshot >= 1.0:
+                # idle after work: snapshot now if the work changed a tenth of the
+                # directory (a snapshot costs a pass over it) or IDLE_SNAPSHOT_CHANGES
                 busy_since_snapshot = 0
                 with contextlib.suppress(StoreError):  # the store is away: not now
-                    due = index.stats()["changes_since_snapshot"] >= IDLE_SNAPSHOT_CHANGES
+                    stats = index.stats()
+                    due = due or stats["changes_since_snapshot"] >= max(
+                        IDLE_SNAPSHOT_CHANGES, stats["directory_entries"] // 10)
             if due:
                 try:
                     index.snapshot()
