@@ -242,10 +242,10 @@ class _Forked:
     def is_alive(self) -> bool:
         try:
             os.kill(self.pid, 0)
-        except ProcessLookupError:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:  # gone; or reaped as we look (/proc answers ESRCH): gone too
             return False
-        return not Path(f"/proc/{self.pid}/stat").read_text().rpartition(")")[2] \
-            .startswith(" Z")
+        return not stat.rpartition(")")[2].startswith(" Z")
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
