@@ -277,7 +277,7 @@ class Connection(asyncio.Protocol):
                 and not self.transport.is_closing():
             item = self.queue.popleft()
             if isinstance(item, Response):
-                self._write(item, False, b"")
+                self._write(item, False, "")
                 return
             request, keep = item
             self.pending_since, self.inflight_since = None, time.monotonic()
