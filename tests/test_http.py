@@ -216,13 +216,14 @@ def test_a_pool_of_keepalive_connections_is_spread_evenly_over_the_workers(servi
 
 def _gone(pid: int) -> bool:
     """The process has exited: every thread of it is a zombie, or it was reaped (the
-    leader turns zombie before its other threads have closed the files they share)."""
+    leader turns zombie before its other threads have closed the files they share).
+    Read while the kernel reaps it, /proc answers ESRCH or ENOENT: both mean gone."""
     try:
         states = []
         for task in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{task}/stat") as f:
                 states.append(f.read().rpartition(")")[2].split()[0])
-    except FileNotFoundError:
+    except OSError:
         return True
     return all(state in "ZX" for state in states)
 
