@@ -5,117 +5,172 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from . import argcheck as ac
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sarp", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__, native
+    from .argcheck import Parser
+
+    parser = Parser(prog="sarp", description=__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"sarp {__version__} (hot loops in "
+                        f"{'C' if native.C is not None else 'Python'})")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (_bench_parser, _workingset_parser, _serve_parser, _cluster_parser,
                 _bench_events_parser, _repair_parser, _verify_and_stats_parser):
         add(sub)  # one function per command's options, one per command's run (COMMANDS)
     args = parser.parse_args(argv)
-    return COMMANDS[args.command](args)
+    if getattr(args, "plot", None) is not None:  # before the run, not after it
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            return ac.refuse(f"sarp {args.command}", f"--plot {args.plot} needs matplotlib, "
+                             "which is not installed: pip install 'sarp[bench]'")
+    try:
+        return COMMANDS[args.command](args)
+    except BrokenPipeError:  # `sarp stats ... | head`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _trace_options(p, *, required: bool = False) -> None:
+    """--trace, --split and --limit-requests, as every trace-reading command has them."""
+    p.add_argument("--trace", required=required, type=ac.trace,
+                   help="mooncake-format .jsonl or .jsonl.gz"
+                   + ("" if required else " (default: the built-in workload)"))
+    p.add_argument("--split", type=ac.count, default=1,
+                   help="sub-blocks per block of the trace (4 turns 64-token blocks into 16)")
+    p.add_argument("--limit-requests", type=ac.count, default=None,
+                   help="read at most this many requests (default: all)")
 
 
 def _bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="replay a trace through sarp and the baselines")
-    bench.add_argument("--trace", help="mooncake-format .jsonl or .jsonl.gz (default: built-in)")
-    bench.add_argument("--split", type=int, default=1, help="sub-blocks per block (4: 64->16)")
-    bench.add_argument("--limit-requests", type=int, default=None)
-    bench.add_argument("--indexes", default=None, help="comma-separated (default: all)")
-    bench.add_argument("--workdir", type=Path, default=None)
-    bench.add_argument("--json", type=Path, default=None)
-    bench.add_argument("--plot", type=Path, default=None)
-    bench.add_argument("--segment-blocks", type=int, default=None)
-    bench.add_argument("--passes", type=int, default=5,
-                       help="warm, batch and cold passes per index, interleaved (default 5)")
-    bench.add_argument("--pass-s", type=float, default=1.0,
-                       help="least seconds per warm or batch pass (default 1.0)")
+    _trace_options(bench)
+    bench.add_argument("--indexes", default=None,
+                       help="comma-separated, from " + ", ".join(_index_names())
+                       + " (default: " + ",".join(_default_indexes()) + ")")
+    bench.add_argument("--workdir", type=ac.index_location, default=None,
+                       help="where the indexes' files go (default: a temporary folder)")
+    bench.add_argument("--json", type=Path, default=None, help="write the results here")
+    bench.add_argument("--plot", type=Path, default=None,
+                       help="draw the results here (.png; needs the bench extra)")
+    bench.add_argument("--segment-blocks", type=ac.count, default=None,
+                       help="sarp's blocks per segment (default: sarp's own)")
+    bench.add_argument("--passes", type=ac.count, default=5,
+                       help="warm, batch and cold passes per index, interleaved")
+    bench.add_argument("--pass-s", type=ac.seconds, default=1.0,
+                       help="least seconds per warm or batch pass")
     bench.add_argument("--mix-ids", action="store_true",
                        help="spread the trace's sequential ids like engine hashes")
     bench.add_argument("--durability", default="nosync", choices=["sync", "nosync"],
-                       help="for every index alike (default nosync: survives a process crash)")
+                       help="for every index alike (nosync survives a process crash)")
+
+
+def _index_names() -> tuple[str, ...]:
+    from .bench.baselines import NAMES
+
+    return NAMES
+
+
+def _default_indexes() -> tuple[str, ...]:
+    from .bench.run import DEFAULT_INDEXES
+
+    return DEFAULT_INDEXES
 
 
 def _workingset_parser(sub) -> None:
     ws = sub.add_parser("workingset", help="hit rate at every LRU cache capacity, one pass")
-    ws.add_argument("--trace", required=True, help="mooncake-format .jsonl or .jsonl.gz")
-    ws.add_argument("--split", type=int, default=1, help="sub-blocks per block")
-    ws.add_argument("--limit-requests", type=int, default=None)
-    ws.add_argument("--target", type=float, action="append", default=[],
+    _trace_options(ws, required=True)
+    ws.add_argument("--target", type=ac.positive, action="append", default=[],
                     help="hit rate as a fraction of the unbounded one (repeatable, e.g. 0.9)")
-    ws.add_argument("--target-abs", type=float, action="append", default=[],
+    ws.add_argument("--target-abs", type=ac.positive, action="append", default=[],
                     help="absolute hit rate (repeatable, e.g. 0.5)")
-    ws.add_argument("--block-tokens", type=int, default=None,
+    ws.add_argument("--block-tokens", type=ac.count, default=None,
                     help="tokens per block, for capacities in tokens (per block of the trace "
                          "after --split)")
-    ws.add_argument("--bytes-per-block", type=int, default=None,
+    ws.add_argument("--bytes-per-block", type=ac.count, default=None,
                     help="KV bytes per block, for capacities in bytes")
-    ws.add_argument("--sample-rate", type=float, default=None,
+    ws.add_argument("--sample-rate", type=ac.positive, default=None,
                     help="track only this fraction of blocks (SHARDS); default: exact")
-    ws.add_argument("--sample-size", type=int, default=None,
+    ws.add_argument("--sample-size", type=ac.count, default=None,
                     help="track at most this many blocks (SHARDS, fixed size)")
-    ws.add_argument("--json", type=Path, default=None)
-    ws.add_argument("--plot", type=Path, default=None)
+    ws.add_argument("--json", type=Path, default=None, help="write the results here")
+    ws.add_argument("--plot", type=Path, default=None,
+                    help="draw the curve here (.png; needs the bench extra)")
 
 
 def _serve_parser(sub) -> None:
+    from .hashing import VLLM_DEFAULT_SCHEME
+    from .serving.sources import Source
+
+    def source(text: str) -> str:
+        try:
+            Source.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
     serve = sub.add_parser("serve", help="follow engines' KV events into an index")
-    serve.add_argument("--index", required=True,
+    serve.add_argument("--index", required=True, type=ac.index_location,
                        help="index directory, or valkey://HOST:PORT/NAMESPACE")
-    serve.add_argument("--source", action="append", default=[],
+    serve.add_argument("--source", action="append", default=[], type=source,
                        help="NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], repeatable; with --dp-ranks "
                        "the endpoints of rank 0")
-    serve.add_argument("--sources-file", default=None,
+    serve.add_argument("--sources-file", default=None, type=ac.readable_file,
                        help="a YAML or JSON list of engines (a ConfigMap mounted as a file), "
                        "read again when it changes: engines added are followed, engines "
                        "gone are cleared. Without --source or --sources-file, serve follows "
                        "the engines the index's last serve followed")
-    serve.add_argument("--dp-ranks", type=int, default=None,
+    serve.add_argument("--dp-ranks", type=ac.count, default=None,
                        help="each source is an engine with this many DP ranks, rank r on the "
                        "ports of rank 0 + r (as vLLM and SGLang bind them); holders NAME#r")
-    serve.add_argument("--replay-idle-timeout-s", type=float, default=5.0,
+    serve.add_argument("--replay-idle-timeout-s", type=ac.seconds, default=5.0,
                        help="a replay that delivers nothing for this long is over")
-    serve.add_argument("--replay-budget-s", type=float, default=60.0,
+    serve.add_argument("--replay-budget-s", type=ac.seconds, default=60.0,
                        help="one replay attempt may take this long; one over it clears the "
                        "engine's holders and is retried with backoff")
-    serve.add_argument("--max-frame-bytes", type=int, default=64 << 20,
+    serve.add_argument("--max-frame-bytes", type=ac.count_from(1024), default=64 << 20,
                        help="frames from engines larger than this are dropped before they "
                        "are received (the connection is dropped and made again)")
-    serve.add_argument("--probe-after-s", type=float, default=30.0,
+    serve.add_argument("--probe-after-s", type=ac.seconds_or_zero, default=30.0,
                        help="ask an engine that has sent nothing for this long whether it is "
                        "there (on its replay endpoint); 0: never")
-    serve.add_argument("--dead-after-s", type=float, default=10.0,
+    serve.add_argument("--dead-after-s", type=ac.seconds, default=10.0,
                        help="an engine that does not answer within this long is taken as "
                        "gone: its holders are cleared")
-    serve.add_argument("--http", default=None, metavar="HOST:PORT",
-                       help="also answer POST /v1/match, GET /metrics, /healthz, /readyz")
+    serve.add_argument("--http", default=None, metavar="HOST:PORT", type=ac.host_port,
+                       help="also answer HTTP: POST /v1/match and /query, /register, GET "
+                       "/metrics, /healthz, /readyz, /openapi.json (default: no HTTP)")
     serve.add_argument("--http-token-file", default=None, metavar="FILE",
+                       type=ac.readable_file,
                        help="a file holding a bearer token that every endpoint but /healthz "
                        "and /readyz asks for; needed to bind beyond loopback")
     serve.add_argument("--http-allow-unauthenticated", action="store_true",
                        help="bind beyond loopback without a token (behind a proxy that "
                        "authenticates and terminates TLS)")
-    serve.add_argument("--http-request-timeout-s", type=float, default=10.0,
+    serve.add_argument("--http-request-timeout-s", type=ac.seconds, default=10.0,
                        help="a request's headers and body must arrive within this (else the "
                        "connection is closed)")
-    serve.add_argument("--http-idle-timeout-s", type=float, default=30.0,
+    serve.add_argument("--http-idle-timeout-s", type=ac.seconds, default=30.0,
                        help="a keep-alive connection with nothing asked is closed after this")
-    serve.add_argument("--http-workers", type=int, default=2,
+    serve.add_argument("--http-workers", type=ac.count, default=2,
                        help="HTTP worker processes, each with a readonly open of the index")
-    from .hashing import VLLM_DEFAULT_SCHEME
-
     serve.add_argument("--hash-scheme", default=VLLM_DEFAULT_SCHEME,
                        choices=["vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash",
                                 "vllm-xxhash-cbor", "sglang", "xxh3"],
-                       help="how /v1/match hashes token_ids: the engines' scheme (default "
-                       "vllm-sha256, vLLM's --prefix-caching-hash-algo default sha256; "
-                       "vllm-sha256-cbor for sha256_cbor, and so on)")
+                       help="how /v1/match hashes token_ids: the engines' scheme (vllm-sha256 "
+                       "is vLLM's --prefix-caching-hash-algo sha256, vllm-sha256-cbor its "
+                       "sha256_cbor, and so on; docs/operating.md)")
     serve.add_argument("--hash-seed", default=None,
-                       help="the engines' PYTHONHASHSEED, for the vLLM schemes")
-    serve.add_argument("--block-size", type=int, default=None,
+                       help="the engines' PYTHONHASHSEED, for the vLLM schemes (default: "
+                       "$PYTHONHASHSEED, else vLLM's own)")
+    serve.add_argument("--block-size", type=ac.block_size, default=None,
                        help="the engines' block size, for token_ids requests without one "
                        "(and the model's, with --model-name)")
     serve.add_argument("--model-name", default=None,
@@ -123,61 +178,71 @@ def _serve_parser(sub) -> None:
                        "their tokens, for POST /query (needs --block-size)")
     serve.add_argument("--routing-group", default="default",
                        help="the routing group (tenant) of the --source engines' model")
-    serve.add_argument("--durability", default="sync", choices=["sync", "nosync"])
-    serve.add_argument("--snapshot-every-s", type=float, default=60.0)
-    serve.add_argument("--report-every-s", type=float, default=30.0)
-    serve.add_argument("--lease-s", type=float, default=10.0,
+    serve.add_argument("--durability", default="sync", choices=["sync", "nosync"],
+                       help="sync: every commit on disk before it returns; nosync: survives "
+                       "a crash of serve, not of the machine")
+    serve.add_argument("--snapshot-every-s", type=ac.seconds, default=60.0,
+                       help="write the directory snapshot this often (and when idle after "
+                       "a burst), so a restart replays a short log")
+    serve.add_argument("--report-every-s", type=ac.seconds, default=30.0,
+                       help="log a line of counters this often")
+    serve.add_argument("--lease-s", type=ac.seconds, default=10.0,
                        help="on Valkey: the writer lease, renewed while serve runs")
-    serve.add_argument("--wait-for-lease-s", type=float, default=0.0,
+    serve.add_argument("--wait-for-lease-s", type=ac.seconds_or_zero, default=0.0,
                        help="on Valkey: wait this long for the lease (a standby that takes "
                        "over when the writer stops renewing)")
 
 
 def _cluster_parser(sub) -> None:
     cl = sub.add_parser("cluster", help="simulate engines + events + routing on a trace")
-    cl.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")
-    cl.add_argument("--split", type=int, default=1)
-    cl.add_argument("--limit-requests", type=int, default=None)
-    cl.add_argument("--engines", type=int, default=4)
-    cl.add_argument("--capacity-blocks", type=int, default=10_000, help="LRU cache per engine")
-    cl.add_argument("--drop-rate", type=float, default=0.01,
+    _trace_options(cl)
+    cl.add_argument("--engines", type=ac.count, default=4, help="simulated engines")
+    cl.add_argument("--capacity-blocks", type=ac.count, default=10_000,
+                    help="LRU cache per engine")
+    cl.add_argument("--drop-rate", type=ac.fraction, default=0.01,
                     help="fraction of event batches dropped on the live stream")
-    cl.add_argument("--policies", default="random,round-robin,sarp")
-    cl.add_argument("--json", type=Path, default=None)
+    cl.add_argument("--policies", default="random,round-robin,sarp",
+                    help="routing policies compared, comma-separated")
+    cl.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
 def _bench_events_parser(sub) -> None:
     be = sub.add_parser("bench-events", help="event ingestion: backlog drain, offered-rate "
                         "sweep, baselines")
-    be.add_argument("--trace", help="mooncake-format trace (default: built-in workload)")
-    be.add_argument("--split", type=int, default=1)
-    be.add_argument("--limit-requests", type=int, default=None)
-    be.add_argument("--engines", type=int, default=8)
-    be.add_argument("--capacity-blocks", type=int, default=10_000, help="LRU cache per engine")
-    be.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")],
+    _trace_options(be)
+    be.add_argument("--engines", type=ac.count, default=8, help="simulated engines")
+    be.add_argument("--capacity-blocks", type=ac.count, default=10_000,
+                    help="LRU cache per engine")
+    be.add_argument("--rates", type=ac.rates,
                     default=[2000, 5000, 10000, 15000, 20000, 25000, 30000, 40000, 50000],
                     help="offered events/s, comma-separated")
-    be.add_argument("--rate-s", type=float, default=3.0, help="seconds offered per rate")
-    be.add_argument("--repeat", type=int, default=5, help="backlog and direct runs (medians)")
-    be.add_argument("--chunk-events", type=int, default=None,
+    be.add_argument("--rate-s", type=ac.seconds, default=3.0, help="seconds offered per rate")
+    be.add_argument("--repeat", type=ac.count, default=5,
+                    help="backlog and direct runs (medians)")
+    be.add_argument("--chunk-events", type=ac.count, default=None,
                     help="events per transaction in the direct apply (default: what sarp "
                     "serve commits at most in one while it catches up, 16,384)")
-    be.add_argument("--workdir", default=None)
-    be.add_argument("--json", type=Path, default=None)
-    be.add_argument("--plot", type=Path, default=None)
+    be.add_argument("--workdir", type=ac.index_location, default=None,
+                    help="where the indexes' files go (default: a temporary folder)")
+    be.add_argument("--json", type=Path, default=None, help="write the results here")
+    be.add_argument("--plot", type=Path, default=None,
+                    help="draw the sweep here (.png; needs the bench extra)")
 
 
 def _repair_parser(sub) -> None:
     rp = sub.add_parser("repair", help="write a new index from every readable record")
-    rp.add_argument("path", type=Path)
-    rp.add_argument("--out", type=Path, required=True, help="the new index (a new folder)")
+    rp.add_argument("path", type=ac.existing_index, help="the damaged index folder")
+    rp.add_argument("--out", type=ac.new_folder, required=True,
+                    help="the new index (a new folder)")
 
 
 def _verify_and_stats_parser(sub) -> None:
     for name, text in (("verify", "check every invariant of an index"),
-                       ("stats", "print an index's sizes and counters")):
+                       ("stats", "print an index's sizes and counters (and, beside a "
+                        "running serve, serve's own)")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", help="index directory, or valkey://HOST:PORT/NAMESPACE")
+        p.add_argument("path", type=ac.existing_index,
+                       help="index directory, or valkey://HOST:PORT/NAMESPACE")
 
 
 def _bench_events(args: argparse.Namespace) -> int:
@@ -187,11 +252,16 @@ def _bench_events(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .errors import SarpError
+    from .errors import IndexLockedError, SarpError
     from .serving.serve import run
 
     try:
         return run(args)
+    except IndexLockedError as exc:  # another writer: said in the command's own words
+        text = str(exc).replace("open readonly=True to read beside it, or pass "
+                                "wait_for_lease_s", "run a standby with --wait-for-lease-s")
+        print(f"sarp serve: {text}", file=sys.stderr)
+        return 1
     except SarpError as exc:  # the store failed (disk full, damage): say so, stop
         print(f"sarp serve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -210,15 +280,8 @@ def _workingset(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _exists(path) -> bool:
-    if "://" not in str(path) and not Path(path).exists():
-        print(f"sarp: {path} does not exist", file=sys.stderr)
-        return False
-    return True
-
-
 def _verify_command(args: argparse.Namespace) -> int:
-    return _verify(args.path) if _exists(args.path) else 2
+    return _verify(args.path)
 
 
 def _repair(args: argparse.Namespace) -> int:
@@ -226,8 +289,6 @@ def _repair(args: argparse.Namespace) -> int:
 
     from .repair import repair
 
-    if not _exists(args.path):
-        return 2
     try:
         report = repair(args.path, args.out)
     except (ValueError, sarp.SarpError) as exc:
@@ -242,16 +303,20 @@ def _repair(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import sarp
 
-    if not _exists(args.path):
-        return 2
+    from .serving.status import running_serve
+
     try:
         # Readonly: works beside a running writer (sarp serve) and changes nothing.
         with sarp.open(args.path, readonly=True) as index:
-            print(json.dumps(index.stats(), indent=2))
-            return 0
+            out = index.stats()
     except sarp.SarpError as exc:
         print(f"sarp stats: {exc}", file=sys.stderr)
         return 1
+    serve = running_serve(args.path)
+    if serve is not None:  # its counters, not this process's zeros
+        out["serve"] = serve
+    print(json.dumps(out, indent=2))
+    return 0
 
 
 def _verify_child(path: str, conn) -> None:
@@ -301,9 +366,9 @@ def _cluster(args: argparse.Namespace) -> int:
     from .bench.cluster import POLICIES, simulate
 
     policies = args.policies.split(",")
-    if any(p not in POLICIES for p in policies) or not 0 <= args.drop_rate < 1:
-        print(f"sarp cluster: policies from {POLICIES}, drop rate in [0, 1)", file=sys.stderr)
-        return 2
+    if any(p not in POLICIES for p in policies):
+        return ac.refuse("sarp cluster", f"--policies {args.policies}: pick from "
+                         f"{','.join(POLICIES)}")
     label, requests = load_requests(args.trace, args.split, args.limit_requests)
     rows = simulate([r.hashes for r in requests], policies=policies, engines=args.engines,
                     capacity_blocks=args.capacity_blocks, drop_rate=args.drop_rate)
@@ -325,25 +390,23 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import bench
-    from .bench.baselines import NAMES
+    from .bench.baselines import NAMES, needs
 
     indexes = args.indexes.split(",") if args.indexes else list(bench.DEFAULT_INDEXES)
     unknown = [n for n in indexes if n not in NAMES]
     if unknown:
-        print(f"sarp bench: unknown index {unknown}; pick from {', '.join(NAMES)}",
-              file=sys.stderr)
-        return 2
+        return ac.refuse("sarp bench", f"--indexes {args.indexes}: {', '.join(unknown)} "
+                         f"unknown; pick from {', '.join(NAMES)}")
+    missing = needs(indexes)
+    if missing:
+        return ac.refuse("sarp bench", missing)
     options: dict = {"durability": args.durability}
     if args.segment_blocks:
         options["segment_blocks"] = args.segment_blocks
     label, requests = bench.load_requests(args.trace, args.split, args.limit_requests,
                                           args.mix_ids)
-    if args.passes < 1 or not args.pass_s > 0:
-        print(f"sarp bench: --passes {args.passes} --pass-s {args.pass_s}; pass at least 1 "
-              "pass of more than 0 s (5 passes of 1 s give stable medians)", file=sys.stderr)
-        return 2
     result = bench.run(requests, label=label, indexes=indexes, workdir=args.workdir,
-                       options=options, progress=sys.stderr.isatty(), passes=args.passes,
+                       options=options, progress=True, passes=args.passes,
                        pass_s=args.pass_s)
     print(bench.table(result))
     if args.json:

@@ -181,6 +181,11 @@ def take_lock(lock_path: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
+        if holder == str(os.getpid()):
+            raise IndexLockedError(
+                f"{lock_path.parent} is already open in this process (pid {holder}); one "
+                "open per process: share that Index object (its calls are thread-safe), or "
+                "close it first") from None
         raise IndexLockedError(
             f"{lock_path.parent} is open in another process (pid {holder}); "
             "one process owns an index at a time: close it there first"

