@@ -151,7 +151,7 @@ def test_serves_default_scheme_is_vllms_current_default():
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
         sarp.cli.main(["serve", "--help"])
-    assert f"(default {VLLM_DEFAULT_SCHEME}," in " ".join(shown.getvalue().split())
+    assert f"(default: {VLLM_DEFAULT_SCHEME})" in " ".join(shown.getvalue().split())
 
 
 @pytest.mark.parametrize("scheme", ["vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash",

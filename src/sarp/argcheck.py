@@ -166,7 +166,8 @@ def existing_index(text: str) -> str:
 def new_folder(text: str) -> str:
     """A folder that does not exist yet and can be made."""
     if Path(text).exists():
-        raise argparse.ArgumentTypeError(f"{text!r} exists; pass a new folder")
+        raise argparse.ArgumentTypeError(f"{text!r} exists; pass a new folder (repair never "
+                                         "overwrites)")
     return index_location(text)
 
 
@@ -179,13 +180,3 @@ def readable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} {what}; pass a file this user may read")
     return text
 
-
-def host_port(text: str) -> str:
-    """``HOST:PORT`` to listen on."""
-    from .serving.access import parse_address
-
-    try:
-        parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--http ")) from None
-    return text

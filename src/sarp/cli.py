@@ -116,6 +116,15 @@ def _serve_parser(sub) -> None:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return text
 
+    def host_port(text: str) -> str:
+        from .serving.access import parse_address
+
+        try:
+            parse_address(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("--http ")) from None
+        return text
+
     serve = sub.add_parser("serve", help="follow engines' KV events into an index")
     serve.add_argument("--index", required=True, type=ac.index_location,
                        help="index directory, or valkey://HOST:PORT/NAMESPACE")
@@ -144,7 +153,7 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--dead-after-s", type=ac.seconds, default=10.0,
                        help="an engine that does not answer within this long is taken as "
                        "gone: its holders are cleared")
-    serve.add_argument("--http", default=None, metavar="HOST:PORT", type=ac.host_port,
+    serve.add_argument("--http", default=None, metavar="HOST:PORT", type=host_port,
                        help="also answer HTTP: POST /v1/match and /query, /register, GET "
                        "/metrics, /healthz, /readyz, /openapi.json (default: no HTTP)")
     serve.add_argument("--http-token-file", default=None, metavar="FILE",

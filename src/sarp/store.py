@@ -394,7 +394,7 @@ def open_store(path: str | os.PathLike, *, durability: str = "sync", create: boo
     """
     check_durability(durability)
     if not is_url(path):
-        check_location(os.fspath(path), create=create and not readonly)
+        refuse_lost_slashes(os.fspath(path))
     if is_url(path):
         from .store_valkey import ValkeyStore
 
@@ -415,6 +415,17 @@ PASSWORD_ENV = "SARP_VALKEY_PASSWORD"
 NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
+def refuse_lost_slashes(text: str) -> None:
+    """ValueError for a folder path that is a store URL without its ``//``.
+
+    >>> refuse_lost_slashes("/var/lib/sarp")
+    """
+    scheme, colon, _ = text.partition(":")
+    if colon and scheme.lower() in SCHEMES:
+        raise ValueError(f"{text!r} looks like a {scheme} URL without its '//'; write "
+                         f"{scheme}://HOST:PORT/NAMESPACE (or ./{text} for a folder)")
+
+
 def check_location(text: str, create: bool = True) -> None:
     """ValueError naming the fix unless ``text`` is a usable index location: a
     ``valkey://`` URL, an index folder, or (with ``create``) a folder that can be made,
@@ -432,10 +443,7 @@ def check_location(text: str, create: bool = True) -> None:
     if is_url(text):
         parse_url(text)
         return
-    scheme, colon, _ = text.partition(":")
-    if colon and scheme.lower() in SCHEMES:
-        raise ValueError(f"{text!r} looks like a {scheme} URL without its '//'; write "
-                         f"{scheme}://HOST:PORT/NAMESPACE (or ./{text} for a folder)")
+    refuse_lost_slashes(text)
     path = Path(text)
     if not create or path.exists():
         if path.exists() and not path.is_dir():
