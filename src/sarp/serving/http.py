@@ -56,10 +56,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from .. import native
+from .. import __version__, native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
-from . import rfc, wire
+from . import openapi, rfc, wire
 from .status import STATUS_FILE, STATUS_FRESH_S, read_status, registration_problem, submit
 
 log = logging.getLogger("sarp.http")
@@ -462,7 +462,10 @@ def make_server(index, config: HttpConfig) -> wire.Server:
             entry["endpoints"][str(e["dp_rank"] or 0)] = e["endpoint"]
         return _json([listed[k] for k in sorted(listed, key=str)])
 
+    described = wire.Response(orjson.dumps(openapi.document(__version__)))
+
     routes = {
+        "/openapi.json": {"GET": lambda _: described},
         "/v1/match": {"POST": match},
         "/healthz": {"GET": healthz},
         "/readyz": {"GET": readyz},
