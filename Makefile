@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 BENCH_ARGS ?=
 SOAK_S ?= 120
 
-.PHONY: bench test lint soak clean dynamo
+.PHONY: bench test lint soak clean dynamo wheel
 
 # sarp._native (the match walk and the batch write in C) builds with the system's C compiler; without one
 # (or with SARP_USE_ZIG=1) with zig's, from the ziglang wheel. If neither can build it,
@@ -48,8 +48,17 @@ soak: $(STAMP)
 	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --json bench-results/soak-lmdb.json
 	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --valkey --json bench-results/soak-valkey.json
 
+# dist/: the sdist, and a manylinux wheel with sarp._native inside (auditwheel checks it
+# links nothing beyond glibc, and tags it): `pip install dist/sarp-*.whl` needs no compiler
+wheel: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist/raw .
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/auditwheel repair --wheel-dir dist dist/raw/sarp-*.whl
+	mv dist/raw/sarp-*.tar.gz dist/ && rm -rf dist/raw
+	@ls dist
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(DYNAMO) bench-results .pytest_cache
+	rm -rf $(VENV) $(DYNAMO) bench-results .pytest_cache dist
