@@ -391,6 +391,41 @@ def test_walking_inserts_on_valkey_equal_the_general_path_on_lmdb(url, tmp_path,
     assert any(walked[0]) and sum(walked[1]) > 0
 
 
+def test_a_batch_on_valkey_is_a_few_round_trips_whatever_its_size(url, monkeypatch):
+    """A batch's lookups are fetched at once (its blocks, their records, the tail ids
+    kept after them, the holders) and its changes go in one script: the round trips do
+    not grow with the batch, and the C packer runs on Valkey as on LMDB."""
+    import valkey as valkey_client
+    from test_batch import engine_like_ops
+
+    from sarp import native
+
+    sent = valkey_client.connection.Connection.send_packed_command
+    trips: list[int] = []
+
+    def counted(self, command, check_health=True):
+        trips.append(1)
+        return sent(self, command, check_health)
+
+    counts = []
+    with sarp.open(url, durability="nosync", lease_s=30) as index:
+        index.apply_batch(engine_like_ops(1, 30))  # the index has segments, holders
+        for size in (40, 400, 2000):
+            ops = engine_like_ops(size, size)
+            with native.Tally() as tally:
+                monkeypatch.setattr(valkey_client.connection.Connection,
+                                    "send_packed_command", counted)
+                trips.clear()
+                index.apply_batch(ops)
+                monkeypatch.undo()
+            counts.append(len(trips))
+            if native.C is not None:
+                assert tally.c("pack_batch") >= 1
+        assert index.check() == []
+    assert max(counts) <= 12, counts  # was one or more per operation
+    assert counts[-1] <= counts[0] + 2, counts
+
+
 # -- a commit whose answer is lost ------------------------------------------------------------
 
 

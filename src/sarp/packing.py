@@ -97,6 +97,12 @@ class Packer:
         plan, touched = Plan(), Touched(w)
         failed: list[tuple[int, Exception]] = []
         start = 0
+        if w.capabilities.prefetch:  # each lookup a round trip: all of them at once
+            w.prefetch_blocks(_looked_up(ops))
+            cleared = {h for op in ops if op[0] == "clear"
+                       for h in self.memory.holders.ids_of(op[1], op[2])}
+            touched.fetch_ahead(sorted({s for h in cleared
+                                        for s in self.memory.filters.segments(h)}))
         if self._runs_in_c(w):
             start = self._native_batch(w, ops, plan, touched, failed)
             if start == len(ops):
@@ -123,8 +129,10 @@ class Packer:
 
     def _runs_in_c(self, w: WriteTxn) -> bool:
         """Can a batch on ``w`` run in ``sarp._native.pack_batch``: the extension is
-        built, the store is LMDB, and the walking write path applies."""
-        return native.C is not None and WALKING and w.capabilities.local_reads
+        built, the walking write path applies, and the store's reads are local (LMDB)
+        or fetched ahead for the batch (Valkey)."""
+        return native.C is not None and WALKING and (w.capabilities.local_reads
+                                                     or w.capabilities.prefetch)
 
     def _one(self, w: WriteTxn, op: tuple) -> Plan:
         """One insert or remove as a batch of one (in C), raising what it refused with."""
@@ -154,7 +162,7 @@ class Packer:
         directory = self.memory.directory
         probe = (directory.lookup, *directory.probe_dicts())
         out = None
-        if len(ops) >= DEFERRED_MIN_OPS:
+        if len(ops) >= DEFERRED_MIN_OPS and w.capabilities.local_reads:
             nested = w.nested()
             try:
                 out = native.C.pack_batch((*nested.native_calls(), *probe), ops,
@@ -559,6 +567,8 @@ class Packer:
         return plan
 
     def add_clear(self, touched: Touched, plan: Plan, holder_ids: list[int]) -> None:
+        touched.fetch_ahead(sorted({s for h in holder_ids
+                                    for s in self.memory.filters.segments(h)}))
         for holder_id in holder_ids:
             # Committed segments from the filter, and any this transaction touched
             # (new ones, or ones the holder joined earlier in a batch).
@@ -608,3 +618,13 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int((a != b).argmax())
 
 
+def _looked_up(ops: list[tuple]) -> np.ndarray:
+    """The hashes a batch's inserts and removes look up: their blocks, then the parents.
+
+    >>> _looked_up([("insert", np.array([5, 6], np.uint64), 4, "e", None),
+    ...             ("remove", np.array([9], np.uint64), "e")]).tolist()
+    [5, 6, 9, 4]
+    """
+    parents = [op[2] for op in ops if op[0] == "insert" and op[2] is not None]
+    return np.concatenate([*(op[1] for op in ops if op[0] in ("insert", "remove")),
+                           np.array(parents, np.uint64)])

@@ -425,6 +425,12 @@ class LmdbWriteTxn(WriteLogic):
             offsets[where] = values["off"]
         return seg_ids, offsets
 
+    def prefetch_blocks(self, hashes: np.ndarray) -> None:
+        """Nothing to do: lookups are page reads (``capabilities.prefetch`` is off)."""
+
+    def prefetch_segments(self, seg_ids: np.ndarray) -> None:
+        """Nothing to do, as :meth:`prefetch_blocks`."""
+
     def locate_one(self, block_hash: int) -> tuple[int, int]:
         """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent
         (one LMDB lookup)."""

@@ -45,34 +45,29 @@ import valkey
 
 from . import snapshot as snapshots
 from .errors import (
-    CorruptRecordError,
     IndexLockedError,
     LeaseLostError,
     NotAnIndexError,
     StoreError,
     StoreFullError,
 )
-from .segment import Segment, decode, writable
+from .segment import Segment, decode
 from .store import (
-    BLOCK_DTYPE,
     BLOCK_VALUE,
     LOG_VALUE,
     U64,
-    Capabilities,
-    WriteLogic,
     check_durability,
     check_version,
     counter_value,
-    hash_keys,
     holder_names,
     parse_url,
 )
 from .valkey_scripts import COMMIT, READ, RENEW, SET
+from .valkey_write import CAPABILITIES, ValkeyWriteTxn
 
 log = logging.getLogger("sarp.valkey")
 
 DEFAULT_LEASE_S = 10.0
-_TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in script order
 _UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
 
@@ -96,7 +91,7 @@ class ValkeyStore:
     """:class:`sarp.store.Store` on a Valkey namespace (see the module)."""
 
     # every read is a round trip: a match fetches its predicted records in one
-    capabilities = Capabilities(local_reads=False, prefetch=True)
+    capabilities = CAPABILITIES
     maybe_applied = False  # set by a write that got no answer (see Store)
 
     def __init__(self, url: str, *, durability: str = "sync", create: bool = True,
@@ -467,153 +462,3 @@ class ValkeyReadTxn:
         if key is None:
             return {"entries": self._c.xlen(self._store.keys["log"])}
         return {"entries": self._c.hlen(self._store.keys[key])}
-
-
-class ValkeyWriteTxn(WriteLogic):
-    """A write's reads (through its own pending changes) and its changes, committed at
-    the end by one fenced script (:data:`COMMIT`)."""
-
-    capabilities = ValkeyStore.capabilities
-
-    def __init__(self, store: ValkeyStore) -> None:
-        self._store = store
-        self._c = store.client
-        self._pending: dict[str, dict[bytes, bytes | None]] = {t: {} for t in _TABLES}
-        self._meta: dict[bytes, bytes] | None = None
-        self._log: list[tuple[bytes, bytes]] = []
-        self.trim_below: int | None = None
-
-    # reads through the pending changes
-
-    def _get(self, table: str, key: bytes) -> bytes | None:
-        pending = self._pending[table]
-        if key in pending:
-            return pending[key]
-        return self._c.hget(self._store.keys[table], key)
-
-    def _put(self, table: str, key: bytes, value: bytes | None) -> None:
-        self._pending[table][key] = value
-
-    def counter(self, name: str) -> int:
-        key = name.encode()
-        if key in self._pending["meta"]:
-            raw = self._pending["meta"][key]
-        else:
-            if self._meta is None:
-                self._meta = self._c.hgetall(self._store.keys["meta"])
-            raw = self._meta.get(key)
-        return counter_value(raw, name, self._store.path)
-
-    def set_counter(self, name: str, value: int) -> None:
-        self._put("meta", name.encode(), U64.pack(value))
-
-    def put_meta(self, key: bytes, value: bytes) -> None:
-        self._put("meta", key, value)
-
-    def segment(self, seg_id: int) -> Segment:
-        record = self._get("seg", U64.pack(seg_id))
-        if record is None:
-            raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
-        return writable(seg_id, record)
-
-    def segment_exists(self, seg_id: int) -> bool:
-        return self._get("seg", U64.pack(seg_id)) is not None
-
-    def put_segment(self, seg: Segment) -> None:
-        self._put("seg", U64.pack(seg.seg_id), seg.encode())
-
-    def delete_segment(self, seg: Segment) -> None:
-        self._put("seg", U64.pack(seg.seg_id), None)
-        self.release_blocks(seg.hashes)
-
-    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``."""
-        keys = hash_keys(hashes)
-        values = self._c.hmget(self._store.keys["blk"], keys) if keys else []
-        pending = self._pending["blk"]
-        if pending:
-            values = [pending.get(k, v) for k, v in zip(keys, values, strict=True)]
-        absent = b"\0" * BLOCK_VALUE.size
-        found = np.frombuffer(b"".join(absent if v is None else v for v in values),
-                              BLOCK_DTYPE)
-        return found["seg"].astype(np.uint32), found["off"].astype(np.uint16)
-
-    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
-        pending = self._pending["blk"]
-        for i, key in enumerate(hash_keys(hashes)):
-            pending[key] = BLOCK_VALUE.pack(seg_id, first_offset + i)
-
-    def locate_one(self, block_hash: int) -> tuple[int, int]:
-        seg_ids, offsets = self.locate(np.array([block_hash], np.uint64))
-        return int(seg_ids[0]), int(offsets[0])
-
-    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
-        """:meth:`put_blocks` if none of ``hashes`` is stored (one ``HMGET``); else False."""
-        if self.locate(hashes)[0].any():
-            return False
-        self.put_blocks(hashes, seg_id, first_offset)
-        return True
-
-    def release_blocks(self, hashes: np.ndarray) -> None:
-        """Delete the ``blocks`` entries of ``hashes`` at commit (no Python per block)."""
-        self._pending["blk"].update(dict.fromkeys(hash_keys(hashes)))
-
-    def log(self, entries: list[tuple[int, int]]) -> None:
-        first = self.take_seqs(len(entries))
-        self._log.extend((f"{first + i}-1".encode(), LOG_VALUE.pack(seg_id, first_hash))
-                         for i, (seg_id, first_hash) in enumerate(entries))
-
-    def holder_get(self, key: bytes) -> bytes | None:
-        return self._get("hold", key)
-
-    def holder_put(self, key: bytes, value: bytes | None) -> None:
-        """Set (or with None delete) one entry of the holders table, at commit."""
-        self._put("hold", key, value)
-
-    def holder_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
-        """The holders table's entries whose keys start with ``prefix`` (this write's
-        changes included), in key order.  Cost: one ``HGETALL``."""
-        table = self._c.hgetall(self._store.keys["hold"])
-        table.update(self._pending["hold"])
-        return sorted((k, v) for k, v in table.items() if v is not None and k.startswith(prefix))
-
-    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
-        """Found ``aliases`` entries (this write's changes included): one ``HMGET``."""
-        pending = self._pending["alias"]
-        values = self._c.hmget(self._store.keys["alias"], keys) if keys else []
-        got = {k: pending.get(k, v) for k, v in zip(keys, values, strict=True)}
-        return {k: v for k, v in got.items() if v is not None}
-
-    def alias_put(self, items: list[tuple[bytes, bytes]]) -> None:
-        self._pending["alias"].update(items)
-
-    def alias_delete(self, keys: list[bytes]) -> None:
-        self._pending["alias"].update(dict.fromkeys(keys))
-
-    def alias_scan(self, cursor: int | None, count: int) -> tuple[list, int | None]:
-        """One ``HSCAN`` step (about ``count`` entries)."""
-        after, items = self._c.hscan(self._store.keys["alias"], cursor or 0, count=count)
-        return list(items.items()), (after or None)
-
-    # the commit
-
-    def commit(self) -> None:
-        store = self._store
-        args: list = [store._lease_value,
-                      b"" if self.trim_below is None else f"{self.trim_below}-0".encode()]
-        for table in _TABLES:
-            items = self._pending[table]
-            sets = [(k, v) for k, v in items.items() if v is not None]
-            dels = [k for k, v in items.items() if v is None]
-            args.append(len(sets))
-            for k, v in sets:
-                args += (k, v)
-            args.append(len(dels))
-            args += dels
-        args.append(len(self._log))
-        for entry_id, value in self._log:
-            args += (entry_id, value)
-        keys = [store.keys[name] for name in ("lease", *_TABLES, "log")]
-        store._run(store._commit, keys, args)
-        if store._aof:
-            store.client.execute_command("WAITAOF", 1, 0, 0)

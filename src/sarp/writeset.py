@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .segment import Segment, writable
 from .store import WriteTxn
 
@@ -37,6 +39,12 @@ class Touched:
         self._heads: dict[int, int] = {}  # first hash -> id, for segments created here
         self._cleared: set[int] = set()  # segments where a row may hold nothing now
         self._names: dict[str, int | None] = {}  # holder name -> id, as looked up here
+
+    def fetch_ahead(self, seg_ids: list[int]) -> None:
+        """Segments this write will read, fetched at once where each read is a round
+        trip (``capabilities.prefetch``); nothing on LMDB."""
+        if self._w.capabilities.prefetch and seg_ids:
+            self._w.prefetch_segments(np.array(seg_ids, np.uint64))
 
     def holder_id(self, name: str) -> int | None:
         """The id of holder ``name`` (None if it has none), looked up once per write."""

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     requests = [r.hashes for r in read_requests(args.trace, split=args.split,
                                                 limit=args.limit_requests)]
-    progress = sys.stderr.isatty()
+    progress = True  # bars on stderr, also in a log: a long pass says where it is
     if args.sample_rate is None and args.sample_size is None:
         curve = analyze(requests, progress=progress)
         memory = None

@@ -1,0 +1,262 @@
+"""A write on Valkey (:mod:`sarp.store_valkey`'s): its reads, answered from what it has
+read and fetched ahead for the batch, and its changes, buffered and committed at the
+end by one fenced script (:data:`sarp.valkey_scripts.COMMIT`).  It calls the client
+its store hands it and imports no client itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import CorruptRecordError
+from .segment import Segment, writable
+from .store import (
+    BLOCK_DTYPE,
+    BLOCK_VALUE,
+    ID_STRIDE,
+    LOG_VALUE,
+    U64,
+    Capabilities,
+    WriteLogic,
+    counter_value,
+    hash_keys,
+)
+
+if TYPE_CHECKING:
+    from .store_valkey import ValkeyStore
+
+CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
+TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in script order
+
+
+class ValkeyWriteTxn(WriteLogic):
+    """A write's reads (through its own pending changes) and its changes, committed at
+    the end by one fenced script (:data:`COMMIT`)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, store: ValkeyStore) -> None:
+        self._store = store
+        self._c = store.client
+        self._pending: dict[str, dict[bytes, bytes | None]] = {t: {} for t in TABLES}
+        # what this write has read from the server, per table (None: absent there);
+        # the writer holds the lease, so nothing else changes it meanwhile
+        self._read: dict[str, dict[bytes, bytes | None]] = {t: {} for t in TABLES}
+        self._meta: dict[bytes, bytes] | None = None
+        self._holders_read = False
+        self._log: list[tuple[bytes, bytes]] = []
+        self.trim_below: int | None = None
+
+    # reads through the pending changes
+
+    def _get(self, table: str, key: bytes) -> bytes | None:
+        pending = self._pending[table]
+        if key in pending:
+            return pending[key]
+        if table == "hold":  # small, and a batch asks for several: all of it at once
+            if not self._holders_read:
+                self._read_holders()
+            return self._read["hold"].get(key)
+        read = self._read[table]
+        if key not in read:
+            if table == "seg" and U64.unpack(key)[0] > self._seg_ceiling():
+                return None  # never given out: no record can have it
+            read[key] = self._c.hget(self._store.keys[table], key)
+        return read[key]
+
+    def _seg_ceiling(self) -> int:
+        """The highest segment id given out before this write (``next_seg_id`` as
+        stored): the tails split off this write's new segments look above it."""
+        if self._meta is None:
+            self._meta = self._c.hgetall(self._store.keys["meta"])
+        return counter_value(self._meta.get(b"next_seg_id"), "next_seg_id", self._store.path)
+
+    def _get_many(self, table: str, keys: list[bytes]) -> list[bytes | None]:
+        """Each key's value, this write's changes first, then what it has read; the
+        rest in one ``HMGET`` (remembered)."""
+        read = self._read[table]
+        missing = [k for k in dict.fromkeys(keys) if k not in read]
+        if missing:
+            read.update(zip(missing, self._c.hmget(self._store.keys[table], missing),
+                            strict=True))
+        pending = self._pending[table]
+        if pending:
+            return [pending[k] if k in pending else read[k] for k in keys]
+        return [read[k] for k in keys]
+
+    def _read_holders(self) -> None:
+        table = self._c.hgetall(self._store.keys["hold"])
+        self._read["hold"] = dict(table)
+        self._holders_read = True
+
+    def prefetch_blocks(self, hashes: np.ndarray) -> None:
+        """The ``blocks`` entries of ``hashes`` and the records they name, in two round
+        trips, so that the batch's lookups are answered from memory."""
+        if not hashes.size:
+            return
+        ordered = np.sort(hashes)  # distinct (np.unique's hash table is slower here)
+        ordered = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+        found = [v for v in self._get_many("blk", hash_keys(ordered)) if v is not None]
+        if found:
+            self.prefetch_segments(np.frombuffer(b"".join(found), BLOCK_DTYPE)["seg"])
+
+    def prefetch_segments(self, seg_ids: np.ndarray) -> None:
+        """The records of ``seg_ids`` and of the ids kept after each for the tails
+        split off it (up to the highest id given out), in one round trip."""
+        seg_ids = np.unique(seg_ids).astype(np.uint64)
+        homes = seg_ids[seg_ids % ID_STRIDE == 0]
+        tails = (homes[:, None] + np.arange(1, ID_STRIDE, dtype=np.uint64)).ravel()
+        wanted = np.union1d(seg_ids, tails[tails <= self._seg_ceiling()])
+        self._get_many("seg", [U64.pack(int(i)) for i in wanted])
+
+    def _put(self, table: str, key: bytes, value: bytes | None) -> None:
+        self._pending[table][key] = value
+
+    def counter(self, name: str) -> int:
+        key = name.encode()
+        if key in self._pending["meta"]:
+            raw = self._pending["meta"][key]
+        else:
+            if self._meta is None:
+                self._meta = self._c.hgetall(self._store.keys["meta"])
+            raw = self._meta.get(key)
+        return counter_value(raw, name, self._store.path)
+
+    def set_counter(self, name: str, value: int) -> None:
+        self._put("meta", name.encode(), U64.pack(value))
+
+    def put_meta(self, key: bytes, value: bytes) -> None:
+        self._put("meta", key, value)
+
+    def segment(self, seg_id: int) -> Segment:
+        record = self._get("seg", U64.pack(seg_id))
+        if record is None:
+            raise CorruptRecordError(f"blocks table names segment {seg_id}, which is missing")
+        return writable(seg_id, record)
+
+    def segment_exists(self, seg_id: int) -> bool:
+        return self._get("seg", U64.pack(seg_id)) is not None
+
+    def put_segment(self, seg: Segment) -> None:
+        self._put("seg", U64.pack(seg.seg_id), seg.encode())
+
+    def delete_segment(self, seg: Segment) -> None:
+        self._put("seg", U64.pack(seg.seg_id), None)
+        self.release_blocks(seg.hashes)
+
+    def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``."""
+        values = self._get_many("blk", hash_keys(hashes))
+        absent = b"\0" * BLOCK_VALUE.size
+        found = np.frombuffer(b"".join(absent if v is None else v for v in values),
+                              BLOCK_DTYPE)
+        return found["seg"].astype(np.uint32), found["off"].astype(np.uint16)
+
+    def native_calls(self) -> tuple:
+        """What ``sarp._native.pack_batch`` calls (see ``LmdbWriteTxn.native_calls``),
+        here on this write's buffered changes and what it has read (after
+        :meth:`prefetch_blocks`, a batch's lookups are answered from memory); the
+        tables are named by their hash's name, and a deferred batch's cursor calls are
+        not offered (deferred writes are LMDB's page locality, none here)."""
+        def get_in(table: str):
+            return lambda key: self._get(table, key)
+
+        def put(key: bytes, value: bytes, _dupdata=True, overwrite=True, _append=False,
+                db: str = "blk") -> bool:
+            if not overwrite and self._get(db, key) is not None:
+                return False
+            self._pending[db][key] = value
+            return True
+
+        def delete(key: bytes, _value: bytes = b"", db: str = "blk") -> bool:
+            self._pending[db][key] = None  # (pack_batch reads no answer from a delete)
+            return True
+
+        def deferred_only(*_args):
+            raise RuntimeError("a deferred batch runs on LMDB only")
+
+        return (get_in("blk"), get_in("seg"), self.segment, self.new_segment_id,
+                lambda first: self.set_counter("next_seg_id", first - 1),
+                lambda name: self.holder_id(name, create=False), self.new_holder_id,
+                put, delete, "seg", "blk", deferred_only, deferred_only, deferred_only)
+
+    def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
+        pending = self._pending["blk"]
+        for i, key in enumerate(hash_keys(hashes)):
+            pending[key] = BLOCK_VALUE.pack(seg_id, first_offset + i)
+
+    def locate_one(self, block_hash: int) -> tuple[int, int]:
+        seg_ids, offsets = self.locate(np.array([block_hash], np.uint64))
+        return int(seg_ids[0]), int(offsets[0])
+
+    def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
+        """:meth:`put_blocks` if none of ``hashes`` is stored (one ``HMGET``); else False."""
+        if self.locate(hashes)[0].any():
+            return False
+        self.put_blocks(hashes, seg_id, first_offset)
+        return True
+
+    def release_blocks(self, hashes: np.ndarray) -> None:
+        """Delete the ``blocks`` entries of ``hashes`` at commit (no Python per block)."""
+        self._pending["blk"].update(dict.fromkeys(hash_keys(hashes)))
+
+    def log(self, entries: list[tuple[int, int]]) -> None:
+        first = self.take_seqs(len(entries))
+        self._log.extend((f"{first + i}-1".encode(), LOG_VALUE.pack(seg_id, first_hash))
+                         for i, (seg_id, first_hash) in enumerate(entries))
+
+    def holder_get(self, key: bytes) -> bytes | None:
+        return self._get("hold", key)
+
+    def holder_put(self, key: bytes, value: bytes | None) -> None:
+        """Set (or with None delete) one entry of the holders table, at commit."""
+        self._put("hold", key, value)
+
+    def holder_items(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The holders table's entries whose keys start with ``prefix`` (this write's
+        changes included), in key order.  Cost: one ``HGETALL``."""
+        if not self._holders_read:
+            self._read_holders()
+        table = {**self._read["hold"], **self._pending["hold"]}
+        return sorted((k, v) for k, v in table.items() if v is not None and k.startswith(prefix))
+
+    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """Found ``aliases`` entries (this write's changes included): one ``HMGET``."""
+        got = dict(zip(keys, self._get_many("alias", keys), strict=True))
+        return {k: v for k, v in got.items() if v is not None}
+
+    def alias_put(self, items: list[tuple[bytes, bytes]]) -> None:
+        self._pending["alias"].update(items)
+
+    def alias_delete(self, keys: list[bytes]) -> None:
+        self._pending["alias"].update(dict.fromkeys(keys))
+
+    def alias_scan(self, cursor: int | None, count: int) -> tuple[list, int | None]:
+        """One ``HSCAN`` step (about ``count`` entries)."""
+        after, items = self._c.hscan(self._store.keys["alias"], cursor or 0, count=count)
+        return list(items.items()), (after or None)
+
+    # the commit
+
+    def commit(self) -> None:
+        store = self._store
+        args: list = [store._lease_value,
+                      b"" if self.trim_below is None else f"{self.trim_below}-0".encode()]
+        for table in TABLES:
+            items = self._pending[table]
+            sets = [(k, v) for k, v in items.items() if v is not None]
+            dels = [k for k, v in items.items() if v is None]
+            args.append(len(sets))
+            for k, v in sets:
+                args += (k, v)
+            args.append(len(dels))
+            args += dels
+        args.append(len(self._log))
+        for entry_id, value in self._log:
+            args += (entry_id, value)
+        keys = [store.keys[name] for name in ("lease", *TABLES, "log")]
+        store._run(store._commit, keys, args)
+        if store._aof:
+            store.client.execute_command("WAITAOF", 1, 0, 0)
