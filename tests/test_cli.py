@@ -24,6 +24,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "a-folder").mkdir()
     (tmp / "existing").mkdir()
     missing = str(tmp / "missing.jsonl")
+    (tmp / "not-a-trace.jsonl").write_text("hello\n")
+    (tmp / "not-gzip.jsonl.gz").write_text('{"hash_ids": [1]}\n')
+    bad_lines, bad_gzip = str(tmp / "not-a-trace.jsonl"), str(tmp / "not-gzip.jsonl.gz")
     serve = ["serve", "--index", ix, "--source", OK_SOURCE]
     return [
         # serve
@@ -59,6 +62,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench", "--pass-s", "0"], "'0'"),
         (["bench", "--split", "x"], "'x'"),
         (["bench", "--workdir", str(tmp / "a-file")], "a-file"),
+        (["bench", "--trace", bad_lines, "--indexes", "sarp"], "not-a-trace.jsonl:1"),
+        (["bench", "--trace", bad_gzip, "--indexes", "sarp"], "not-gzip.jsonl.gz"),
+        (["workingset", "--trace", bad_lines], "not-a-trace.jsonl:1"),
+        (["cluster", "--trace", bad_gzip], "not-gzip.jsonl.gz"),
         # bench-events
         (["bench-events", "--rates", "1000,-5"], "1000,-5"),
         (["bench-events", "--engines", "0"], "'0'"),
@@ -102,7 +109,7 @@ def test_every_command_refuses_bad_input_in_one_line_with_exit_2(tmp_path, monke
         assert len(lines) == 1, (argv, err)
         assert "Traceback" not in err and named in lines[0], (argv, err)
         assert sorted(p.name for p in tmp_path.iterdir()) == before, (argv, "created")
-    assert len(cases) >= 45
+    assert len(cases) >= 50
 
 
 def test_a_refusal_as_a_user_sees_it(tmp_path):

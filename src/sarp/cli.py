@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             return ac.refuse(f"sarp {args.command}", f"--plot {args.plot} needs matplotlib, "
                              "which is not installed: pip install 'sarp[bench]'")
+    from .bench.traces import TraceError
+
     try:
         return COMMANDS[args.command](args)
+    except TraceError as exc:  # the file named by --trace is not a trace
+        return ac.refuse(f"sarp {args.command}", str(exc))
     except BrokenPipeError:  # `sarp stats ... | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -379,15 +383,17 @@ def _cluster(args: argparse.Namespace) -> int:
         return ac.refuse("sarp cluster", f"--policies {args.policies}: pick from "
                          f"{','.join(POLICIES)}")
     label, requests = load_requests(args.trace, args.split, args.limit_requests)
-    rows = simulate([r.hashes for r in requests], policies=policies, engines=args.engines,
-                    capacity_blocks=args.capacity_blocks, drop_rate=args.drop_rate)
     print(f"{label}: {len(requests)} requests, {args.engines} engines x "
           f"{args.capacity_blocks} blocks, {args.drop_rate:.0%} of event batches dropped")
     print(f"{'policy':<12}{'hit rate':>10}{'gaps':>8}{'events/s':>11}{'blocks/s':>11}"
-          f"{'index = caches':>16}")
-    for r in rows:
+          f"{'index = caches':>16}", flush=True)
+    rows = []
+    for policy in policies:  # a row as each policy's run ends (each has its own cluster)
+        r = simulate([q.hashes for q in requests], policies=[policy], engines=args.engines,
+                     capacity_blocks=args.capacity_blocks, drop_rate=args.drop_rate)[0]
+        rows.append(r)
         print(f"{r['policy']:<12}{r['hit_rate']:>10.4f}{r['gaps']:>8}{r['events_per_s']:>11.0f}"
-              f"{r['blocks_per_s']:>11.0f}{str(r['index_equals_caches']):>16}")
+              f"{r['blocks_per_s']:>11.0f}{str(r['index_equals_caches']):>16}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"trace": label, "engines": args.engines,

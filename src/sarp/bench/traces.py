@@ -17,6 +17,11 @@ from pathlib import Path
 import numpy as np
 
 
+class TraceError(ValueError):
+    """A trace that cannot be read as one: the message names the file, the line and
+    what is wrong."""
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     hashes: np.ndarray
@@ -34,7 +39,7 @@ def split_blocks(ids: np.ndarray, k: int) -> np.ndarray:
     if k == 1:
         return ids
     if ids.size and int(ids.max()) >= (1 << 64) // k:
-        raise ValueError(f"block id {int(ids.max())} is too large to split {k} ways in 64 bits")
+        raise TraceError(f"block id {int(ids.max())} is too large to split {k} ways in 64 bits")
     return (ids[:, None] * np.uint64(k) + np.arange(k, dtype=np.uint64)).ravel()
 
 
@@ -51,6 +56,14 @@ def read_requests(
     if not path.exists():
         raise FileNotFoundError(f"trace {path} does not exist")
     opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        yield from _read(path, opener, split, limit)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # not gzip, not text, unreadable
+        raise TraceError(f"{path}: cannot be read as a mooncake-format trace ({exc}); pass "
+                         "a .jsonl (or .jsonl.gz) file of {\"hash_ids\": [...]} lines") from exc
+
+
+def _read(path: Path, opener, split: int, limit: int | None) -> Iterator[Request]:
     count = 0
     with opener(path, "rt", encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -62,7 +75,7 @@ def read_requests(
                 row = json.loads(line)
                 ids = np.asarray(row["hash_ids"], dtype=np.uint64)
             except (ValueError, KeyError, TypeError, OverflowError) as exc:
-                raise ValueError(
+                raise TraceError(
                     f"{path}:{line_no}: not a trace line with a 'hash_ids' list of ints ({exc})"
                 ) from exc
             if ids.size == 0:
