@@ -31,6 +31,23 @@ CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
 TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in script order
 
 
+class _Known(dict):
+    """A write's view of one table: what it changed, over what it has read (None:
+    absent); a key it holds neither of is ``fetch(key)`` (a round trip), remembered.
+    Its ``__getitem__`` is a C call for every key the write knows, which is how
+    ``pack_batch`` reads it."""
+
+    __slots__ = ("fetch",)
+
+    def __init__(self, fetch) -> None:
+        super().__init__()
+        self.fetch = fetch
+
+    def __missing__(self, key: bytes) -> bytes | None:
+        value = self[key] = self.fetch(key)
+        return value
+
+
 class ValkeyWriteTxn(WriteLogic):
     """A write's reads (through its own pending changes) and its changes, committed at
     the end by one fenced script (:data:`COMMIT`)."""
@@ -41,9 +58,9 @@ class ValkeyWriteTxn(WriteLogic):
         self._store = store
         self._c = store.client
         self._pending: dict[str, dict[bytes, bytes | None]] = {t: {} for t in TABLES}
-        # what this write has read from the server, per table (None: absent there);
-        # the writer holds the lease, so nothing else changes it meanwhile
-        self._read: dict[str, dict[bytes, bytes | None]] = {t: {} for t in TABLES}
+        # what this write has changed over what it has read, per table; the writer
+        # holds the lease, so nothing else changes the tables meanwhile
+        self._view = {t: _Known(self._fetcher(t)) for t in TABLES}
         self._meta: dict[bytes, bytes] | None = None
         self._holders_read = False
         self._log: list[tuple[bytes, bytes]] = []
@@ -51,20 +68,22 @@ class ValkeyWriteTxn(WriteLogic):
 
     # reads through the pending changes
 
-    def _get(self, table: str, key: bytes) -> bytes | None:
-        pending = self._pending[table]
-        if key in pending:
-            return pending[key]
-        if table == "hold":  # small, and a batch asks for several: all of it at once
-            if not self._holders_read:
-                self._read_holders()
-            return self._read["hold"].get(key)
-        read = self._read[table]
-        if key not in read:
+    def _fetcher(self, table: str):
+        name = self._store.keys[table]
+
+        def fetch(key: bytes) -> bytes | None:
+            if table == "hold":  # small, and a batch asks for several: all of it at once
+                if not self._holders_read:
+                    self._read_holders()
+                    return self._view["hold"].get(key)
+                return None  # the whole table was read: absent
             if table == "seg" and U64.unpack(key)[0] > self._seg_ceiling():
                 return None  # never given out: no record can have it
-            read[key] = self._c.hget(self._store.keys[table], key)
-        return read[key]
+            return self._c.hget(name, key)
+        return fetch
+
+    def _get(self, table: str, key: bytes) -> bytes | None:
+        return self._view[table][key]
 
     def _seg_ceiling(self) -> int:
         """The highest segment id given out before this write (``next_seg_id`` as
@@ -76,19 +95,17 @@ class ValkeyWriteTxn(WriteLogic):
     def _get_many(self, table: str, keys: list[bytes]) -> list[bytes | None]:
         """Each key's value, this write's changes first, then what it has read; the
         rest in one ``HMGET`` (remembered)."""
-        read = self._read[table]
-        missing = [k for k in dict.fromkeys(keys) if k not in read]
+        view = self._view[table]
+        missing = [k for k in dict.fromkeys(keys) if k not in view]
         if missing:
-            read.update(zip(missing, self._c.hmget(self._store.keys[table], missing),
+            view.update(zip(missing, self._c.hmget(self._store.keys[table], missing),
                             strict=True))
-        pending = self._pending[table]
-        if pending:
-            return [pending[k] if k in pending else read[k] for k in keys]
-        return [read[k] for k in keys]
+        return [view[k] for k in keys]
 
     def _read_holders(self) -> None:
-        table = self._c.hgetall(self._store.keys["hold"])
-        self._read["hold"] = dict(table)
+        view = self._view["hold"]
+        for key, value in self._c.hgetall(self._store.keys["hold"]).items():
+            view.setdefault(key, value)  # this write's changes stay
         self._holders_read = True
 
     def prefetch_blocks(self, hashes: np.ndarray) -> None:
@@ -113,6 +130,11 @@ class ValkeyWriteTxn(WriteLogic):
 
     def _put(self, table: str, key: bytes, value: bytes | None) -> None:
         self._pending[table][key] = value
+        self._view[table][key] = value
+
+    def _put_many(self, table: str, items) -> None:
+        self._pending[table].update(items)
+        self._view[table].update(items)
 
     def counter(self, name: str) -> int:
         key = name.encode()
@@ -160,32 +182,31 @@ class ValkeyWriteTxn(WriteLogic):
         :meth:`prefetch_blocks`, a batch's lookups are answered from memory); the
         tables are named by their hash's name, and a deferred batch's cursor calls are
         not offered (deferred writes are LMDB's page locality, none here)."""
-        def get_in(table: str):
-            return lambda key: self._get(table, key)
+        views, pending = self._view, self._pending
 
         def put(key: bytes, value: bytes, _dupdata=True, overwrite=True, _append=False,
                 db: str = "blk") -> bool:
-            if not overwrite and self._get(db, key) is not None:
+            view = views[db]
+            if not overwrite and view[key] is not None:
                 return False
-            self._pending[db][key] = value
+            view[key] = pending[db][key] = value
             return True
 
         def delete(key: bytes, _value: bytes = b"", db: str = "blk") -> bool:
-            self._pending[db][key] = None  # (pack_batch reads no answer from a delete)
+            views[db][key] = pending[db][key] = None  # (pack_batch reads no answer)
             return True
 
         def deferred_only(*_args):
             raise RuntimeError("a deferred batch runs on LMDB only")
 
-        return (get_in("blk"), get_in("seg"), self.segment, self.new_segment_id,
-                lambda first: self.set_counter("next_seg_id", first - 1),
+        return (views["blk"].__getitem__, views["seg"].__getitem__, self.segment,
+                self.new_segment_id, lambda first: self.set_counter("next_seg_id", first - 1),
                 lambda name: self.holder_id(name, create=False), self.new_holder_id,
                 put, delete, "seg", "blk", deferred_only, deferred_only, deferred_only)
 
     def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
-        pending = self._pending["blk"]
-        for i, key in enumerate(hash_keys(hashes)):
-            pending[key] = BLOCK_VALUE.pack(seg_id, first_offset + i)
+        self._put_many("blk", [(key, BLOCK_VALUE.pack(seg_id, first_offset + i))
+                               for i, key in enumerate(hash_keys(hashes))])
 
     def locate_one(self, block_hash: int) -> tuple[int, int]:
         seg_ids, offsets = self.locate(np.array([block_hash], np.uint64))
@@ -200,7 +221,7 @@ class ValkeyWriteTxn(WriteLogic):
 
     def release_blocks(self, hashes: np.ndarray) -> None:
         """Delete the ``blocks`` entries of ``hashes`` at commit (no Python per block)."""
-        self._pending["blk"].update(dict.fromkeys(hash_keys(hashes)))
+        self._put_many("blk", dict.fromkeys(hash_keys(hashes)))
 
     def log(self, entries: list[tuple[int, int]]) -> None:
         first = self.take_seqs(len(entries))
@@ -219,8 +240,8 @@ class ValkeyWriteTxn(WriteLogic):
         changes included), in key order.  Cost: one ``HGETALL``."""
         if not self._holders_read:
             self._read_holders()
-        table = {**self._read["hold"], **self._pending["hold"]}
-        return sorted((k, v) for k, v in table.items() if v is not None and k.startswith(prefix))
+        return sorted((k, v) for k, v in self._view["hold"].items()
+                      if v is not None and k.startswith(prefix))
 
     def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
         """Found ``aliases`` entries (this write's changes included): one ``HMGET``."""
@@ -228,10 +249,10 @@ class ValkeyWriteTxn(WriteLogic):
         return {k: v for k, v in got.items() if v is not None}
 
     def alias_put(self, items: list[tuple[bytes, bytes]]) -> None:
-        self._pending["alias"].update(items)
+        self._put_many("alias", items)
 
     def alias_delete(self, keys: list[bytes]) -> None:
-        self._pending["alias"].update(dict.fromkeys(keys))
+        self._put_many("alias", dict.fromkeys(keys))
 
     def alias_scan(self, cursor: int | None, count: int) -> tuple[list, int | None]:
         """One ``HSCAN`` step (about ``count`` entries)."""
