@@ -36,6 +36,20 @@ def call(port: int, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
+def wait_until(done, timeout_s: float, why) -> None:
+    """Poll ``done()`` (an OSError counts as not yet) every 0.1 s; AssertionError with
+    ``why()`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if done():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(why())
+
+
 def match(port: int, payload: object, timeout_s: float = 10.0) -> tuple[int, object]:
     return call(port, "POST", "/v1/match", json.dumps(payload).encode(), timeout_s=timeout_s)
 
@@ -85,18 +99,14 @@ class Serve:
                       timeout_s, what="/readyz")
 
     def wait_for(self, done, timeout_s: float = 30.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def checked() -> bool:
             if not self.alive():
                 raise AssertionError(f"sarp serve exited {self.proc.returncode} waiting for "
                                      f"{what}: {self.log.read_text()[-3000:]}")
-            try:
-                if done():
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}: {self.log.read_text()[-3000:]}")
+            return done()
+
+        wait_until(checked, timeout_s, lambda: f"timed out waiting for {what}: "
+                   f"{self.log.read_text()[-3000:]}")
 
     def peak_rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():

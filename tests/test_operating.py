@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from servekit import call, free_port
+from servekit import call, free_port, wait_until
 
 import sarp
 from sarp.bench import conformance as cf
@@ -122,12 +122,4 @@ def _post_query(port: int, tokens: list[int]) -> str:
 
 
 def _wait(done, tmp_path: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if done():
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError((tmp_path / "serve.log").read_text()[-3000:])
+    wait_until(done, timeout_s, lambda: (tmp_path / "serve.log").read_text()[-3000:])
