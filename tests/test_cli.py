@@ -134,6 +134,13 @@ def test_version_and_help_show_the_version_the_path_and_every_default():
     assert out.returncode == 0
     assert out.stdout.strip() == (f"sarp {sarp.__version__} (hot loops in "
                                   f"{'C' if sarp.native.C is not None else 'Python'})")
+    # the parsers cost no import of the service or the benchmarks (serve's start-up)
+    probe = ("import sys, sarp.cli as c\ntry:\n    c.main(['--version'])\nexcept SystemExit:"
+             "\n    pass\nprint(sorted(m for m in sys.modules if m.startswith(('sarp.bench', "
+             "'sarp.serving'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=60).stdout.strip().splitlines()[-1]
+    assert loaded == "[]", loaded
     for command in ("serve", "bench", "bench-events", "cluster", "workingset", "verify",
                     "stats", "repair"):
         text = subprocess.run([sys.executable, "-m", "sarp.cli", command, "--help"],

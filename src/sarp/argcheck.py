@@ -133,14 +133,19 @@ def rates(text: str) -> list[float]:
 
 def trace(text: str) -> str:
     """A trace file that exists and is a file (mooncake-format .jsonl or .jsonl.gz)."""
-    path = Path(text)
-    what = ("is a folder" if path.is_dir() else "does not exist" if not path.exists()
-            else None if os.access(path, os.R_OK) else "cannot be read by this user")
+    what = _unreadable(text)
     if what:
         raise argparse.ArgumentTypeError(
             f"{text!r} {what}; pass a mooncake-format .jsonl or .jsonl.gz file (omit "
             "--trace for the built-in workload)")
     return text
+
+
+def _unreadable(text: str) -> str | None:
+    """Why ``text`` is not a file this user may read, or None."""
+    path = Path(text)
+    return ("is a folder" if path.is_dir() else "does not exist" if not path.exists()
+            else None if os.access(path, os.R_OK) else "cannot be read by this user")
 
 
 def index_location(text: str) -> str:
@@ -173,9 +178,7 @@ def new_folder(text: str) -> str:
 
 def readable_file(text: str) -> str:
     """A file that exists and this user may read."""
-    path = Path(text)
-    what = ("is a folder" if path.is_dir() else "does not exist" if not path.exists()
-            else None if os.access(path, os.R_OK) else "cannot be read by this user")
+    what = _unreadable(text)
     if what:
         raise argparse.ArgumentTypeError(f"{text!r} {what}; pass a file this user may read")
     return text

@@ -99,10 +99,8 @@ class Packer:
         start = 0
         if w.capabilities.prefetch:  # each lookup a round trip: all of them at once
             w.prefetch_blocks(_looked_up(ops))
-            cleared = {h for op in ops if op[0] == "clear"
-                       for h in self.memory.holders.ids_of(op[1], op[2])}
-            touched.fetch_ahead(sorted({s for h in cleared
-                                        for s in self.memory.filters.segments(h)}))
+            self._fetch_cleared(touched, {h for op in ops if op[0] == "clear"
+                                          for h in self.memory.holders.ids_of(op[1], op[2])})
         if self._runs_in_c(w):
             start = self._native_batch(w, ops, plan, touched, failed)
             if start == len(ops):
@@ -562,13 +560,16 @@ class Packer:
     def clear(self, w: WriteTxn, holder_ids: list[int]) -> Plan:
         """Clear every block of ``holder_ids``, visiting only their segments (the filters)."""
         plan, touched = Plan(), Touched(w)
+        self._fetch_cleared(touched, holder_ids)
         self.add_clear(touched, plan, holder_ids)
         touched.flush(plan)
         return plan
 
+    def _fetch_cleared(self, touched: Touched, ids) -> None:
+        """The committed segments of the holders ``ids`` (their filters), at once."""
+        touched.fetch_ahead(sorted({s for h in ids for s in self.memory.filters.segments(h)}))
+
     def add_clear(self, touched: Touched, plan: Plan, holder_ids: list[int]) -> None:
-        touched.fetch_ahead(sorted({s for h in holder_ids
-                                    for s in self.memory.filters.segments(h)}))
         for holder_id in holder_ids:
             # Committed segments from the filter, and any this transaction touched
             # (new ones, or ones the holder joined earlier in a batch).
@@ -621,9 +622,8 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def _looked_up(ops: list[tuple]) -> np.ndarray:
     """The hashes a batch's inserts and removes look up: their blocks, then the parents.
 
-    >>> _looked_up([("insert", np.array([5, 6], np.uint64), 4, "e", None),
-    ...             ("remove", np.array([9], np.uint64), "e")]).tolist()
-    [5, 6, 9, 4]
+    >>> _looked_up([("insert", np.array([5], np.uint64), 4, "e", None)]).tolist()
+    [5, 4]
     """
     parents = [op[2] for op in ops if op[0] == "insert" and op[2] is not None]
     return np.concatenate([*(op[1] for op in ops if op[0] in ("insert", "remove")),

@@ -88,9 +88,14 @@ class ValkeyWriteTxn(WriteLogic):
     def _seg_ceiling(self) -> int:
         """The highest segment id given out before this write (``next_seg_id`` as
         stored): the tails split off this write's new segments look above it."""
+        return counter_value(self._stored_meta().get(b"next_seg_id"), "next_seg_id",
+                             self._store.path)
+
+    def _stored_meta(self) -> dict[bytes, bytes]:
+        """The meta hash as stored before this write (one ``HGETALL``, at first use)."""
         if self._meta is None:
             self._meta = self._c.hgetall(self._store.keys["meta"])
-        return counter_value(self._meta.get(b"next_seg_id"), "next_seg_id", self._store.path)
+        return self._meta
 
     def _get_many(self, table: str, keys: list[bytes]) -> list[bytes | None]:
         """Each key's value, this write's changes first, then what it has read; the
@@ -138,12 +143,8 @@ class ValkeyWriteTxn(WriteLogic):
 
     def counter(self, name: str) -> int:
         key = name.encode()
-        if key in self._pending["meta"]:
-            raw = self._pending["meta"][key]
-        else:
-            if self._meta is None:
-                self._meta = self._c.hgetall(self._store.keys["meta"])
-            raw = self._meta.get(key)
+        pending = self._pending["meta"]
+        raw = pending[key] if key in pending else self._stored_meta().get(key)
         return counter_value(raw, name, self._store.path)
 
     def set_counter(self, name: str, value: int) -> None:
