@@ -426,6 +426,57 @@ def test_a_batch_on_valkey_is_a_few_round_trips_whatever_its_size(url, monkeypat
     assert counts[-1] <= counts[0] + 2, counts
 
 
+def test_blocks_stored_and_removed_in_one_batch_cost_the_server_no_deletes():
+    """A block inserted and removed again within one batch was read as absent: its
+    delete is left out of the commit (the writer holds the lease, so it still is), as
+    is a segment created and dropped in it; what stays is what an LMDB index holds."""
+    import numpy as np
+    import valkey as valkey_client
+
+    # its own server: the command counts are this test's
+    with ValkeyServer() as server, sarp.open(server.url("churn"), durability="nosync",
+                                             lease_s=30) as index:
+        kept = np.arange(1, 200, dtype=np.uint64)
+        index.insert(kept, holder="w0")
+        c = valkey_client.Valkey(port=server.port)
+        c.config_resetstat()
+        churn = [("insert", np.arange(1000, 1400, dtype=np.uint64) + 10 * k, None,
+                  f"w{k}", "GPU") for k in range(3)]
+        churn += [("remove", np.arange(1000, 1400, dtype=np.uint64) + 10 * k, f"w{k}",
+                   "GPU") for k in range(3)]
+        index.apply_batch(churn)
+        deletes = c.info("commandstats").get("cmdstat_hdel", {}).get("calls", 0)
+        assert deletes == 0
+        assert index.match(np.arange(1000, 1010, dtype=np.uint64)).num_blocks == 0
+        assert index.match(kept).num_blocks == kept.size
+        index.clear("w0")  # its segments were read as present: deleted
+        assert c.info("commandstats")["cmdstat_hdel"]["calls"] >= 1
+        assert c.hlen("sarp:{churn}:blk") == 0
+        assert index.match(kept).num_blocks == 0
+        assert index.check() == []
+        c.close()
+
+
+def test_commands_packed_with_numpy_are_the_client_librarys_bytes():
+    import numpy as np
+    import valkey as valkey_client
+
+    from sarp import resp
+
+    keys = np.array([0, 1, 2**64 - 1, 0x0d0a0d0a], ">u8").view("V8")
+    values = np.frombuffer(bytes(range(24)), "V6")
+    conn = valkey_client.Connection()
+    plain = [k.tobytes() for k in keys]
+    pairs = [b for k, v in zip(keys, values, strict=True) for b in (k.tobytes(), v.tobytes())]
+    assert resp.command(b"HMGET", b"h", resp.Fixed(keys)) == b"".join(
+        conn.pack_command("HMGET", b"h", *plain))
+    assert resp.command(b"EVALSHA", b"f00", 1, b"k", 4, resp.Fixed(keys, values), 0) == \
+        b"".join(conn.pack_command("EVALSHA", b"f00", 1, b"k", 4, *pairs, 0))
+    assert resp.Fixed.of(plain + [b"short"], width=(8,)) is None  # then packed one by one
+    with pytest.raises(ValueError, match="equal"):
+        resp.Fixed(keys, values[:2])
+
+
 # -- a commit whose answer is lost ------------------------------------------------------------
 
 

@@ -485,13 +485,40 @@ static PyObject *block_value(uint64_t seg_id, Py_ssize_t offset) {
     return PyBytes_FromStringAndSize((const char *)v, 6);
 }
 
+/* A put into a write's buffered changes, `put` being the pair (views, pending) of
+ * dicts by table name (ValkeyWriteTxn.native_calls): with overwrite off, refused when
+ * the view has a value (its lookup of a key not read yet fetches it).  1 written,
+ * 0 refused, -1 error.  Borrows key and value. */
+static int dict_put(PyObject *put, PyObject *key, PyObject *value, int overwrite,
+                    PyObject *db) {
+    PyObject *view = PyDict_GetItemWithError(PyTuple_GET_ITEM(put, 0), db);
+    PyObject *pend = view ? PyDict_GetItemWithError(PyTuple_GET_ITEM(put, 1), db) : NULL;
+    if (pend == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "no such table");
+        return -1;
+    }
+    if (!overwrite && value != Py_None) {
+        PyObject *now = PyObject_GetItem(view, key);
+        if (now == NULL) return -1;
+        int there = now != Py_None;
+        Py_DECREF(now);
+        if (there) return 0;
+    }
+    if (PyDict_SetItem(view, key, value) < 0 || PyDict_SetItem(pend, key, value) < 0) {
+        return -1;
+    }
+    return 1;
+}
+
 /* put(key, value, dupdata, overwrite, append[, db]) through `put` (a transaction's,
  * called with `db`, or a cursor's, with `db` NULL): 1 written, 0 refused (the key is
  * there and overwrite is off), -1 error.  Consumes key and value. */
 static int put_call(PyObject *put, PyObject *key, PyObject *value, int overwrite,
                     PyObject *db) {
     int result = -1;
-    if (key != NULL && value != NULL) {
+    if (key != NULL && value != NULL && PyTuple_Check(put)) {
+        result = dict_put(put, key, value, overwrite, db);
+    } else if (key != NULL && value != NULL) {
         PyObject *args[] = {key, value, Py_True, overwrite ? Py_True : Py_False, Py_False, db};
         PyObject *out = PyObject_Vectorcall(put, args, db != NULL ? 6 : 5, NULL);
         if (out != NULL) {
@@ -512,6 +539,11 @@ static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
 /* txn.delete(key, b"", db), consuming key: 0, or -1 on error. */
 static int delete_key(Batch *b, PyObject *key, int db) {
     if (key == NULL) return -1;
+    if (PyTuple_Check(b->cb[CB_DELETE])) {
+        int r = dict_put(b->cb[CB_DELETE], key, Py_None, 1, b->cb[db]);
+        Py_DECREF(key);
+        return r < 0 ? -1 : 0;
+    }
     PyObject *args[] = {key, b->empty, b->cb[db]};
     PyObject *out = PyObject_Vectorcall(b->cb[CB_DELETE], args, 3, NULL);
     Py_DECREF(key);

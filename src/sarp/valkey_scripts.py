@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # KEYS: lease meta seg blk hold alias log.  ARGV: lease value, trim MINID ("" for none),
 # then per table (meta, seg, blk, hold, alias): n, n field/value pairs, m, m fields to delete; then
-# k, k (stream id, value) pairs.  Chunks keep unpack() under Lua's stack limit.
+# k, k (stream id, value) pairs.  Chunks keep unpack() under Lua's stack limit (8,000).
 COMMIT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('SARPFENCED this writer no longer holds the lease')
@@ -15,23 +15,13 @@ end
 local i = 3
 for t = 2, 6 do
   local n = tonumber(ARGV[i]); i = i + 1
-  local j = 0
-  while j < n do
-    local args = {}
-    for k = j, math.min(n, j + 400) - 1 do
-      args[#args + 1] = ARGV[i + 2 * k]; args[#args + 1] = ARGV[i + 2 * k + 1]
-    end
-    redis.call('HSET', KEYS[t], unpack(args))
-    j = j + 400
+  for j = 0, n - 1, 2000 do  -- the pairs lie in ARGV in order: unpack a range of them
+    redis.call('HSET', KEYS[t], unpack(ARGV, i + 2 * j, i + 2 * math.min(n, j + 2000) - 1))
   end
   i = i + 2 * n
   n = tonumber(ARGV[i]); i = i + 1
-  j = 0
-  while j < n do
-    local args = {}
-    for k = j, math.min(n, j + 800) - 1 do args[#args + 1] = ARGV[i + k] end
-    redis.call('HDEL', KEYS[t], unpack(args))
-    j = j + 800
+  for j = 0, n - 1, 4000 do
+    redis.call('HDEL', KEYS[t], unpack(ARGV, i + j, i + math.min(n, j + 4000) - 1))
   end
   i = i + n
 end

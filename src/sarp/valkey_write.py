@@ -6,10 +6,13 @@ its store hands it and imports no client itself.
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import not_
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import resp
 from .errors import CorruptRecordError
 from .segment import Segment, writable
 from .store import (
@@ -61,6 +64,8 @@ class ValkeyWriteTxn(WriteLogic):
         # what this write has changed over what it has read, per table; the writer
         # holds the lease, so nothing else changes the tables meanwhile
         self._view = {t: _Known(self._fetcher(t)) for t in TABLES}
+        # keys read as absent: a delete of one of them is left out of the commit
+        self._absent: dict[str, set[bytes]] = {t: set() for t in TABLES}
         self._meta: dict[bytes, bytes] | None = None
         self._holders_read = False
         self._log: list[tuple[bytes, bytes]] = []
@@ -79,7 +84,10 @@ class ValkeyWriteTxn(WriteLogic):
                 return None  # the whole table was read: absent
             if table == "seg" and U64.unpack(key)[0] > self._seg_ceiling():
                 return None  # never given out: no record can have it
-            return self._c.hget(name, key)
+            value = self._c.hget(name, key)
+            if value is None:
+                self._absent[table].add(key)
+            return value
         return fetch
 
     def _get(self, table: str, key: bytes) -> bytes | None:
@@ -103,9 +111,18 @@ class ValkeyWriteTxn(WriteLogic):
         view = self._view[table]
         missing = [k for k in dict.fromkeys(keys) if k not in view]
         if missing:
-            view.update(zip(missing, self._c.hmget(self._store.keys[table], missing),
-                            strict=True))
+            values = self._hmget(table, missing)
+            view.update(zip(missing, values, strict=True))
+            self._absent[table].update(compress(missing, map(not_, values)))
         return [view[k] for k in keys]
+
+    def _hmget(self, table: str, keys: list[bytes]) -> list[bytes | None]:
+        """``HMGET`` of ``keys``: many of one width packed by :mod:`sarp.resp`."""
+        name = self._store.keys[table]
+        packed = resp.Fixed.of(keys, width=(len(keys[0]),)) if len(keys) > 64 else None
+        if packed is None:
+            return self._c.hmget(name, keys)
+        return self._store.execute_packed(resp.command(b"HMGET", name, packed))
 
     def _read_holders(self) -> None:
         view = self._view["hold"]
@@ -120,7 +137,14 @@ class ValkeyWriteTxn(WriteLogic):
             return
         ordered = np.sort(hashes)  # distinct (np.unique's hash table is slower here)
         ordered = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
-        found = [v for v in self._get_many("blk", hash_keys(ordered)) if v is not None]
+        keys, view = hash_keys(ordered), self._view["blk"]
+        if view:  # (distinct keys, and usually nothing read yet: no lookups per key then)
+            values = self._get_many("blk", keys)
+        else:
+            values = self._hmget("blk", keys)
+            view.update(zip(keys, values, strict=True))
+            self._absent["blk"].update(compress(keys, map(not_, values)))
+        found = [v for v in values if v is not None]
         if found:
             self.prefetch_segments(np.frombuffer(b"".join(found), BLOCK_DTYPE)["seg"])
 
@@ -183,27 +207,15 @@ class ValkeyWriteTxn(WriteLogic):
         :meth:`prefetch_blocks`, a batch's lookups are answered from memory); the
         tables are named by their hash's name, and a deferred batch's cursor calls are
         not offered (deferred writes are LMDB's page locality, none here)."""
-        views, pending = self._view, self._pending
-
-        def put(key: bytes, value: bytes, _dupdata=True, overwrite=True, _append=False,
-                db: str = "blk") -> bool:
-            view = views[db]
-            if not overwrite and view[key] is not None:
-                return False
-            view[key] = pending[db][key] = value
-            return True
-
-        def delete(key: bytes, _value: bytes = b"", db: str = "blk") -> bool:
-            views[db][key] = pending[db][key] = None  # (pack_batch reads no answer)
-            return True
+        put = (self._view, self._pending)  # dicts pack_batch puts into itself (None: delete)
 
         def deferred_only(*_args):
             raise RuntimeError("a deferred batch runs on LMDB only")
 
-        return (views["blk"].__getitem__, views["seg"].__getitem__, self.segment,
+        return (self._view["blk"].__getitem__, self._view["seg"].__getitem__, self.segment,
                 self.new_segment_id, lambda first: self.set_counter("next_seg_id", first - 1),
                 lambda name: self.holder_id(name, create=False), self.new_holder_id,
-                put, delete, "seg", "blk", deferred_only, deferred_only, deferred_only)
+                put, put, "seg", "blk", deferred_only, deferred_only, deferred_only)
 
     def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
         self._put_many("blk", [(key, BLOCK_VALUE.pack(seg_id, first_offset + i))
@@ -262,23 +274,41 @@ class ValkeyWriteTxn(WriteLogic):
 
     # the commit
 
+    def _deletes(self, table: str, items: dict[bytes, bytes | None]) -> list[bytes]:
+        """The keys ``items`` deletes that the server may have: not those this write
+        read as absent (it holds the lease: they still are), nor records above the
+        highest segment id given out before it (put and deleted again in it)."""
+        absent = self._absent[table]
+        dels = [k for k, v in items.items() if v is None and k not in absent]
+        if table == "seg" and dels:
+            ceiling = U64.pack(self._seg_ceiling())  # big-endian: byte order is numeric
+            dels = [k for k in dels if k <= ceiling]
+        return dels
+
     def commit(self) -> None:
         store = self._store
         args: list = [store._lease_value,
                       b"" if self.trim_below is None else f"{self.trim_below}-0".encode()]
         for table in TABLES:
             items = self._pending[table]
-            sets = [(k, v) for k, v in items.items() if v is not None]
-            dels = [k for k, v in items.items() if v is None]
-            args.append(len(sets))
-            for k, v in sets:
-                args += (k, v)
+            set_keys = [k for k, v in items.items() if v is not None]
+            values = [v for v in items.values() if v is not None]
+            dels = self._deletes(table, items)
+            args.append(len(set_keys))
+            packed = resp.Fixed.of(set_keys, values, width=(len(set_keys[0]), len(
+                values[0]))) if len(set_keys) > 64 else None
+            if packed is not None:
+                args.append(packed)
+            else:
+                for pair in zip(set_keys, values, strict=True):
+                    args += pair
             args.append(len(dels))
-            args += dels
+            packed = resp.Fixed.of(dels, width=(len(dels[0]),)) if len(dels) > 64 else None
+            args += [packed] if packed is not None else dels
         args.append(len(self._log))
         for entry_id, value in self._log:
             args += (entry_id, value)
         keys = [store.keys[name] for name in ("lease", *TABLES, "log")]
-        store._run(store._commit, keys, args)
+        store.run_packed(store._commit, keys, args)
         if store._aof:
             store.client.execute_command("WAITAOF", 1, 0, 0)
