@@ -48,6 +48,21 @@ def valkey_server():
     return _VALKEY
 
 
+_CLUSTER = None
+
+
+def valkey_cluster():
+    """One 3-node Valkey cluster on loopback for the whole session (started at first
+    use); namespaces keep the tests apart."""
+    global _CLUSTER
+    if _CLUSTER is None:
+        from sarp.bench.valkey_server import ValkeyCluster
+
+        _CLUSTER = ValkeyCluster()
+        atexit.register(_CLUSTER.stop)
+    return _CLUSTER
+
+
 @pytest.fixture(params=["lmdb", "valkey"])
 def where(request, tmp_path):
     """Where a behaviour-level test keeps its indexes, once per backend: ``where(name)``

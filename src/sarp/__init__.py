@@ -29,6 +29,7 @@ from .errors import (
 )
 from .hashing import as_hashes, hash_blocks
 from .index import Index, open
+from .shards import ShardedIndex, open_shards
 from .verify import Match
 
 __version__ = "0.1.0"
@@ -48,9 +49,11 @@ __all__ = [
     "ReadOnlyIndexError",
     "ReadersFullError",
     "SarpError",
+    "ShardedIndex",
     "StoreError",
     "StoreFullError",
     "as_hashes",
     "hash_blocks",
     "open",
+    "open_shards",
 ]

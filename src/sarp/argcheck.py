@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from .store import check_location, is_url
+from .store import check_location, check_shard_name, is_url
 
 
 class Parser(argparse.ArgumentParser):
@@ -155,6 +155,15 @@ def index_location(text: str) -> str:
         check_location(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def shard(text: str) -> str:
+    """A shard's name (``--shard``): 1 to 32 characters from [A-Za-z0-9_-]."""
+    try:
+        check_shard_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("shard=", "", 1)) from None
     return text
 
 

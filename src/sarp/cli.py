@@ -193,6 +193,9 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--wait-for-lease-s", type=ac.seconds_or_zero, default=0.0,
                        help="on Valkey: wait this long for the lease (a standby that takes "
                        "over when the writer stops renewing)")
+    serve.add_argument("--shard", default=None, type=ac.shard,
+                       help="on Valkey: write this shard of the sharded index at --index "
+                       "(the engines named here); the HTTP workers answer from every shard")
 
 
 def _cluster_parser(sub) -> None:

@@ -41,7 +41,15 @@ from .holders import DEFAULT_MEDIUM, check_instance, held_blocks, holder_name
 from .ops import Batch, BatchResult, as_meta, chain_after, prepare_all
 from .packing import Packer
 from .recovery import Memory
-from .store import DEFAULT_MAX_READERS, ReadTxn, Store, check_int, is_url, open_store
+from .store import (
+    DEFAULT_MAX_READERS,
+    ReadTxn,
+    Store,
+    check_int,
+    is_url,
+    open_store,
+    shard_location,
+)
 from .verify import Match, match_chains, match_one
 from .writeset import Plan
 
@@ -86,6 +94,7 @@ def open(  # noqa: A001 - the public name the design asks for
     max_readers: int = DEFAULT_MAX_READERS,
     lease_s: float = 10.0,
     wait_for_lease_s: float = 0.0,
+    shard: str | None = None,
 ) -> Index:
     """Open (creating, or recovering after a restart or crash) the index at ``path``.
 
@@ -113,6 +122,11 @@ def open(  # noqa: A001 - the public name the design asks for
     ``max_readers``: LMDB's reader table, set by the first process to open the
     index (every open process takes a slot).
 
+    ``shard`` (Valkey): open that shard of the sharded index at ``path``, a namespace
+    of its own registered under ``path``'s (new ones spread over a cluster's nodes):
+    an index like any other, written by the writer of that shard's engines and read,
+    with every other shard, by :func:`sarp.open_shards`.
+
     Cost: loads the snapshot memory-mapped and replays the log after it; without a
     usable snapshot, one scan of every segment (a reader does it in memory only).
 
@@ -122,6 +136,8 @@ def open(  # noqa: A001 - the public name the design asks for
     ...     index.match([11, 12, 99]).num_blocks
     2
     """
+    if shard is not None:
+        path = shard_location(path, shard, create=create and not readonly)
     store_options = {"durability": durability, "create": create,
                      "map_size_bytes": map_size_bytes, "max_readers": max_readers,
                      "lease_s": lease_s, "wait_for_lease_s": wait_for_lease_s}

@@ -410,6 +410,54 @@ def open_store(path: str | os.PathLike, *, durability: str = "sync", create: boo
                      create=create, readonly=readonly, max_readers=max_readers)
 
 
+SHARD_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
+def check_shard_name(shard: object) -> None:
+    """ValueError naming the fix unless ``shard`` is a shard's name.
+
+    >>> check_shard_name("a b")
+    Traceback (most recent call last):
+      ...
+    ValueError: shard='a b': a shard's name is 1 to 32 characters from [A-Za-z0-9_-], e.g. shard='a'
+    """
+    if not isinstance(shard, str) or not SHARD_NAME.fullmatch(shard):
+        raise ValueError(f"shard={shard!r}: a shard's name is 1 to 32 characters from "
+                         "[A-Za-z0-9_-], e.g. shard='a'")
+
+
+def shard_location(path: str | os.PathLike, shard: str, *, create: bool = True) -> str:
+    """The location of shard ``shard`` of the sharded index at ``path`` (a Valkey URL):
+    see :func:`sarp.store_valkey.shard_url`.  ValueError for a folder."""
+    if not is_url(path):
+        raise ValueError(f"{os.fspath(path)!r} with shard={shard!r}: shards are namespaces "
+                         "of a Valkey server or cluster; pass valkey://HOST:PORT/NAMESPACE "
+                         "(an index folder is one shard already)")
+    from .store_valkey import shard_url
+
+    return shard_url(os.fspath(path), shard, create=create)
+
+
+def shard_registry(path: str | os.PathLike):
+    """The registry of the shards under ``path`` (a Valkey URL): ``.shards()`` gives
+    name -> location, ``.close()`` lets it go (:class:`sarp.store_valkey.ShardRegistry`)."""
+    if not is_url(path):
+        raise ValueError(f"{os.fspath(path)!r}: shards are namespaces of a Valkey server "
+                         "or cluster; pass valkey://HOST:PORT/NAMESPACE")
+    from .store_valkey import ShardRegistry
+
+    return ShardRegistry(os.fspath(path))
+
+
+def shard_locations(path: str | os.PathLike) -> dict[str, str]:
+    """The shards registered under ``path`` (a Valkey URL): name -> location."""
+    registry = shard_registry(path)
+    try:
+        return registry.shards()
+    finally:
+        registry.close()
+
+
 SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}  # -> TLS
 
 

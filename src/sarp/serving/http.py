@@ -91,6 +91,7 @@ class HttpConfig:
     request_timeout_s: float = 10.0  # a request's headers and body arrive within this
     answer_timeout_s: float = 30.0  # ... and its answer goes out within this
     idle_timeout_s: float = 30.0  # a keep-alive connection with nothing asked is closed
+    sharded: bool = False  # index_path is a sharded index: answer from every shard
 
 
 class BadRequest(ValueError):
@@ -289,7 +290,8 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
     # every millisecond instead of every 5: /healthz and small matches wait less
     # behind a maximal request.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    index = sarp.open(config.index_path, readonly=True)
+    index = sarp.open_shards(config.index_path) if config.sharded else sarp.open(
+        config.index_path, readonly=True)
     chores = [] if heartbeats is None else [lambda: _heartbeat(heartbeats, slot)]
     try:
         wire.run(make_server(index, config), channel, chores)

@@ -129,7 +129,8 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
     # with HTTP, engines may all come by /register (as to Dynamo's standalone indexer)
     named = bool(sources or args.sources_file or http)
     try:  # with no engine named, follow the last serve's: the index must exist already
-        index = sarp.open(args.index, durability=args.durability, create=named, **lease)
+        index = sarp.open(args.index, durability=args.durability, create=named,
+                          shard=getattr(args, "shard", None), **lease)
     except sarp.NotAnIndexError:
         if named:
             raise
@@ -241,6 +242,9 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
 
 def _flagged(args) -> list[Source]:
     """The ``--source`` engines, of ``--model-name`` (token-keyed) when one is given."""
+    if getattr(args, "shard", None) is not None and "://" not in str(args.index):
+        raise ValueError(f"--shard {args.shard} needs a sharded index on Valkey: pass "
+                         "--index valkey://HOST:PORT/NAMESPACE")
     sources = [s for spec in args.source for s in Source.expand(spec, args.dp_ranks)]
     keys = [s.key for s in sources]
     if len(set(keys)) != len(keys):
@@ -431,7 +435,8 @@ def _start_http(args, dealer, zygote, status_dir: str):
     config = HttpConfig(str(args.index), metrics_dir, scheme=args.hash_scheme,
                         seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir,
                         token=args.http_token, request_timeout_s=args.http_request_timeout_s,
-                        idle_timeout_s=args.http_idle_timeout_s)
+                        idle_timeout_s=args.http_idle_timeout_s,
+                        sharded=getattr(args, "shard", None) is not None)
     service = HttpService(dealer, config, zygote)
     log.info("HTTP on %s:%d with %d worker processes", host, port, len(service.procs))
     return service
