@@ -43,6 +43,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         ([*serve, "--block-size", "70000"], "'70000'"),
         ([*serve, "--source", OK_SOURCE], "e named twice"),
         ([*serve, "--dp-ranks", "0"], "'0'"),
+        ([*serve, "--shard", "a"], "--shard a needs a sharded index on Valkey"),
+        (["serve", "--index", "valkey://127.0.0.1:6379/ns", "--source", OK_SOURCE,
+          "--shard", "a/b"], "'a/b'"),
         ([*serve, "--http", "127.0.0.1"], "'127.0.0.1'"),
         ([*serve, "--http", "127.0.0.1:8080", "--http-workers", "0"], "'0'"),
         ([*serve, "--dead-after-s", "-1"], "'-1'"),
@@ -71,6 +74,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bench-events", "--engines", "0"], "'0'"),
         (["bench-events", "--repeat", "0"], "'0'"),
         (["bench-events", "--trace", missing], "missing.jsonl"),
+        (["bench-events", "--index", ix], "not a Valkey URL"),
         # cluster
         (["cluster", "--drop-rate", "1.5"], "'1.5'"),
         (["cluster", "--policies", "sarp,nope"], "sarp,nope"),

@@ -590,3 +590,21 @@ def test_a_commit_whose_answer_is_lost_is_read_back_before_the_next_write(tmp_pa
                 assert ix.match(c).by_holder == reference.match(c).by_holder
     finally:
         proxy.close()
+
+
+def test_bench_events_on_valkey_against_lmdb(tmp_path):
+    """``sarp bench-events --index valkey://...``: the drain and the direct apply on
+    namespaces of that server, against LMDB, and the index equal to the caches."""
+    out = tmp_path / "be.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sarp.cli", "bench-events", "--limit-requests", "40",
+         "--engines", "2", "--capacity-blocks", "300", "--repeat", "1", "--index",
+         shared_server().url(f"be-{uuid.uuid4().hex[:8]}"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["index_equals_caches"] is True
+    for kind in ("backlog", "direct"):
+        assert got[kind]["index"] > 0 and got[kind]["lmdb"] > 0
+        assert got[kind]["index_to_lmdb"] == got[kind]["index"] / got[kind]["lmdb"]
+    assert "backlog: valkey://" in proc.stdout

@@ -158,6 +158,15 @@ def index_location(text: str) -> str:
     return text
 
 
+def valkey_url(text: str) -> str:
+    """A ``valkey://HOST:PORT/NAMESPACE`` URL (its form checked; nothing is reached)."""
+    if not is_url(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Valkey URL; pass "
+                                         "valkey://HOST:PORT/NAMESPACE")
+    index_location(text)
+    return text
+
+
 def shard(text: str) -> str:
     """A shard's name (``--shard``): 1 to 32 characters from [A-Za-z0-9_-]."""
     try:

@@ -227,6 +227,9 @@ def _bench_events_parser(sub) -> None:
     be.add_argument("--chunk-events", type=ac.count, default=None,
                     help="events per transaction in the direct apply (default: what sarp "
                     "serve commits at most in one while it catches up, 16,384)")
+    be.add_argument("--index", type=ac.valkey_url, default=None,
+                    help="valkey://HOST:PORT/PREFIX: measure only the drain and the direct "
+                    "apply on namespaces of that server against LMDB (interleaved)")
     be.add_argument("--workdir", type=ac.index_location, default=None,
                     help="where the indexes' files go (default: a temporary folder)")
     be.add_argument("--json", type=Path, default=None, help="write the results here")

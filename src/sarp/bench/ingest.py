@@ -132,7 +132,9 @@ TOKEN_MODEL = "bench"  # the model of the engines whose blocks are keyed by thei
 
 
 def backlog(stream, engines: int, caches, durability: str, workdir: str,
-            token_keys: bool = False) -> dict:
+            token_keys: bool = False, where: str | None = None) -> dict:
+    """Events/s draining the whole stream, published at once, through serve's
+    subscriber into an index in ``workdir`` (or at ``where``, a Valkey URL)."""
     import zmq
 
     import sarp
@@ -145,7 +147,7 @@ def backlog(stream, engines: int, caches, durability: str, workdir: str,
     pubs = [EnginePublisher(ctx, buffer_batches=len(stream) + 1) for _ in range(engines)]
     folder = Path(tempfile.mkdtemp(prefix=f"sarp-ingest-{durability}-", dir=workdir))
     try:
-        with sarp.open(folder / "ix", durability=durability) as index:
+        with sarp.open(where or folder / "ix", durability=durability) as index:
             model = TOKEN_MODEL if token_keys else None
             sub = Subscriber(index, [Source(f"e{i}", p.endpoint, p.replay_endpoint,
                                             model=model, block_size=16 if model else None)
@@ -295,26 +297,67 @@ def ops_of(stream, chunk_events: int, root: int | None = None) -> list[list[tupl
     return chunks
 
 
-def direct(name: str, chunks, workdir: str) -> dict:
-    """Events/s applying the operations straight to index ``name``."""
+def direct(name: str, chunks, workdir: str, where: str | None = None) -> dict:
+    """Events/s applying the operations straight to index ``name`` (sarp: at ``where``
+    when given, a Valkey URL), under serve's collector settings."""
+    from ..serving.serve import collector_tuned
     from .baselines import opener
 
     folder = Path(tempfile.mkdtemp(prefix=f"sarp-direct-{name}-", dir=workdir))
-    index = opener(name.removesuffix("-token-keys"))(folder / "ix", durability="nosync")
+    index = opener(name.removesuffix("-token-keys"))(where or folder / "ix",
+                                                     durability="nosync")
     events = sum(len(c) for c in chunks)
-    started = time.perf_counter()
-    for chunk in chunks:
-        if name.startswith("sarp"):
-            index.apply_decoded(chunk)  # what serve's event applier calls
-        else:
-            index.apply_ops(chunk)
-    seconds = time.perf_counter() - started
+    with collector_tuned():  # as serve's applier runs
+        started = time.perf_counter()
+        for chunk in chunks:
+            if name.startswith("sarp"):
+                index.apply_decoded(chunk)  # what serve's event applier calls
+            else:
+                index.apply_ops(chunk)
+        seconds = time.perf_counter() - started
     index.close()
     shutil.rmtree(folder, ignore_errors=True)
     return {"events_per_s": events / seconds, "seconds": seconds}
 
 
 # -- the command ------------------------------------------------------------------------------
+
+
+def _against_lmdb(args, work: str, stream, caches, label: str, events: int) -> int:
+    """``--index URL``: the backlog drain and the direct apply on that index against
+    LMDB, nosync both, passes interleaved, medians and ratios; nothing else."""
+    import uuid
+
+    from ..serving.subscriber import MAX_BATCH_OPS
+
+    chunks = ops_of(stream, args.chunk_events or MAX_BATCH_OPS)
+    base = args.index.rstrip("/")
+    runs: dict[str, dict[str, list[float]]] = {"backlog": {"lmdb": [], "index": []},
+                                               "direct": {"lmdb": [], "index": []}}
+    equal = True
+    for k in range(args.repeat):  # interleaved: LMDB, the index, LMDB, the index, ...
+        for name in ("lmdb", "index"):
+            where = None if name == "lmdb" else f"{base}-drain-{k}-{uuid.uuid4().hex[:6]}"
+            b = backlog(stream, args.engines, caches, "nosync", work, where=where)
+            equal &= b["index_equals_caches"]
+            runs["backlog"][name].append(b["events_per_s"])
+            where = None if name == "lmdb" else f"{base}-apply-{k}-{uuid.uuid4().hex[:6]}"
+            runs["direct"][name].append(direct("sarp", chunks, work, where)["events_per_s"])
+    result: dict = {"trace": label, "events": events, "index": args.index,
+                    "command": " ".join(sys.argv), "index_equals_caches": equal}
+    for kind, by in runs.items():
+        med = {name: statistics.median(r) for name, r in by.items()}
+        result[kind] = {"lmdb": med["lmdb"], "index": med["index"],
+                        "index_to_lmdb": med["index"] / med["lmdb"], "runs": by}
+        print(f"{kind}: {args.index} {med['index']:,.0f} events/s ({min(by['index']):,.0f}-"
+              f"{max(by['index']):,.0f}), LMDB {med['lmdb']:,.0f} ({min(by['lmdb']):,.0f}-"
+              f"{max(by['lmdb']):,.0f}): {med['index'] / med['lmdb']:.2f}x (medians of "
+              f"{args.repeat}, interleaved)", flush=True)
+    print(f"index = caches: {equal}", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0 if equal else 1
 
 
 def run(args) -> int:
@@ -336,6 +379,8 @@ def _run(args, work: str) -> int:
     stream, caches = record(requests, args.engines, args.capacity_blocks)
     events, blocks, per_batch = count(stream)
     print(f"{len(stream):,} batches, {events:,} events, {blocks:,} blocks", flush=True)
+    if args.index is not None:
+        return _against_lmdb(args, work, stream, caches, label, events)
     result: dict = {"trace": label, "engines": args.engines,
                     "capacity_blocks": args.capacity_blocks, "batches": len(stream),
                     "events": events, "blocks": blocks, "command": " ".join(sys.argv),
