@@ -608,3 +608,37 @@ def test_bench_events_on_valkey_against_lmdb(tmp_path):
         assert got[kind]["index"] > 0 and got[kind]["lmdb"] > 0
         assert got[kind]["index_to_lmdb"] == got[kind]["index"] / got[kind]["lmdb"]
     assert "backlog: valkey://" in proc.stdout
+
+
+def test_a_reader_rebuilding_beside_a_busy_writer_ends_current(url, monkeypatch):
+    """A reader with no snapshot to load scans the records while the writer goes on:
+    the scan may meet a record twice (HSCAN), and what the writer does meanwhile is
+    replayed from the log after it, so the reader ends as current as the writer."""
+    from sarp.store_valkey import ValkeyReadTxn
+
+    chains = [[1000 * c + k for k in range(1, 30)] for c in range(1, 8)]
+    with sarp.open(url, durability="nosync", segment_blocks=4) as writer:
+        for chain in chains[:4]:
+            writer.insert(chain, holder="w0")
+        scan = ValkeyReadTxn.raw_segments
+
+        def busy_scan(self):
+            for n, item in enumerate(scan(self)):
+                yield item
+                yield item  # met twice
+                if n == 1:  # the writer goes on mid-scan
+                    writer.insert(chains[4], holder="w1")
+                    writer.remove(chains[0][10:], holder="w0")
+                    writer.clear("w0")
+                    for chain in chains[5:]:
+                        writer.insert(chain, holder="w0")
+
+        monkeypatch.setattr(ValkeyReadTxn, "raw_segments", busy_scan)
+        with sarp.open(url, readonly=True) as reader:
+            monkeypatch.undo()
+            assert reader.recovered_from == "rebuild"
+            for chain in chains:
+                assert reader.match(chain).by_holder == writer.match(chain).by_holder
+            assert reader.match(chains[4]).by_holder == {"w1": 29}
+            assert reader.match(chains[1]).num_blocks == 0  # cleared mid-scan
+            assert reader.stats()["directory_entries"] == writer.stats()["directory_entries"]

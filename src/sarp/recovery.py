@@ -211,15 +211,27 @@ def replay(r: ReadTxn, memory: Memory, latest: dict[int, list[int]]) -> None:
 
 def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:
     """Scan every segment (as of ``r``) to rebuild the directory and the holder
-    filters; return how many segments it read.  Cost: one read of every record."""
-    total = r.stat("segments")["entries"]
-    keys = np.empty(total, np.uint64)
-    segs = np.empty(total, np.uint32)
-    by_holder: dict[int, list[int]] = {}
-    count = 0
+    filters; return how many segments it read.  Cost: one read of every record.
+
+    The watermark is the log's counter from before the scan.  On a store whose reads
+    are not one snapshot (Valkey: the scan is ``HSCAN``, which may return a record
+    twice, while a writer goes on), a reader's next catch-up then replays what was
+    written during the scan (and reads the holder names again if they changed), so it
+    ends as current as the writer.  On LMDB nothing is written during ``r``.
+    """
+    start = r.counter("next_seq")
+    count = _scan(r, memory, progress)
+    memory.watermark = start
+    return count
+
+
+def _scan(r: ReadTxn, memory: Memory, progress: bool | None) -> int:
+    heads: dict[int, int] = {}  # segment id -> first hash (a record met twice is one)
+    by_holder: dict[int, set[int]] = {}
     from tqdm import tqdm  # here: its import costs every start 45 ms
 
-    bar = tqdm(r.raw_segments(), total=total, desc="sarp: rebuilding directory", unit="seg",
+    bar = tqdm(r.raw_segments(), total=r.stat("segments")["entries"],
+               desc="sarp: rebuilding directory", unit="seg",
                disable=None if progress is None else not progress, leave=False)
     for seg_id, record in bar:
         try:
@@ -227,17 +239,18 @@ def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:
         except CorruptRecordError as exc:
             log.warning("sarp: rebuild skips %s", exc)
             continue
-        keys[count] = seg.hashes[0]
-        segs[count] = seg_id
-        count += 1
+        if seg_id in heads:
+            continue
+        heads[seg_id] = int(seg.hashes[0])
         for holder_id in seg.holder_ids.tolist():
-            by_holder.setdefault(holder_id, []).append(seg_id)
-    memory.directory = Directory.from_entries(keys[:count], segs[:count])
+            by_holder.setdefault(holder_id, set()).add(seg_id)
+    memory.directory = Directory.from_entries(
+        np.fromiter(heads.values(), np.uint64, len(heads)),
+        np.fromiter(heads.keys(), np.uint32, len(heads)))
     memory.filters = HolderSegments()
     for holder_id, seg_ids in by_holder.items():
-        memory.filters.add_many(holder_id, seg_ids)
-    memory.watermark = r.counter("next_seq")
-    return count
+        memory.filters.add_many(holder_id, sorted(seg_ids))
+    return len(heads)
 
 
 def catch_up(store: Store, r: ReadTxn, memory: Memory, counters) -> bool:
