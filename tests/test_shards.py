@@ -195,6 +195,15 @@ def test_shard_mistakes_get_a_clear_error(tmp_path):
         sarp.open_shards(url, refresh_s=-1)
     with sarp.open_shards(url) as empty:  # nothing registered yet: nothing held
         assert empty.shards == [] and empty.match([1, 2]).num_blocks == 0
+    # a shard registered by a writer that died before it made its index: skipped
+    # until that index is there
+    sarp.store.shard_location(url, "early")
+    with sarp.open_shards(url, refresh_s=0) as reader:
+        assert reader.shards == []
+        with sarp.open(url, shard="early") as writer:
+            writer.insert([1, 2], holder="w0")
+            assert reader.match([1, 2]).by_holder == {"w0": 2}
+            assert reader.shards == ["early"]
 
 
 _SHARD_WRITER = """

@@ -19,6 +19,7 @@ ValueError: '/tmp/not-a-url': shards are namespaces of a Valkey server or cluste
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -26,11 +27,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .errors import IndexClosedError, NotAnIndexError
 from .hashing import HashesLike
 from .index import Index
 from .index import open as open_index
 from .store import shard_registry
 from .verify import Match
+
+log = logging.getLogger("sarp")
 
 
 def merge(answers: Sequence[Match]) -> Match:
@@ -85,12 +89,18 @@ class ShardedIndex:
             raise
 
     def refresh(self) -> list[str]:
-        """Open the shards registered since the last look; their names, all of them.
-        Cost: one ``HGETALL``, and an open (a snapshot load) per new shard."""
+        """Open the shards registered since the last look; the names of those open.
+        A shard registered whose writer has not created its index yet is looked for
+        again at the next refresh.  Cost: one ``HGETALL``, and an open (a snapshot
+        load) per new shard."""
         with self._lock:
             for name, location in self._registry.shards().items():
-                if name not in self._shards:
+                if name in self._shards:
+                    continue
+                try:
                     self._shards[name] = open_index(location, readonly=True)
+                except NotAnIndexError:  # registered, its writer not there yet: next time
+                    log.info("sarp: shard %s of %s has no index yet", name, self.path)
             self._checked = time.monotonic()
             return sorted(self._shards)
 
@@ -109,8 +119,6 @@ class ShardedIndex:
 
     def _current(self) -> list[Index]:
         if self._closed:
-            from .errors import IndexClosedError
-
             raise IndexClosedError(f"{self.path}: the sharded index is closed")
         if time.monotonic() - self._checked > self.refresh_s:  # a shard added meanwhile
             self.refresh()
