@@ -426,13 +426,16 @@ def check_shard_name(shard: object) -> None:
                          "[A-Za-z0-9_-], e.g. shard='a'")
 
 
+def _shards_on_valkey(path: str | os.PathLike) -> None:
+    if not is_url(path):
+        raise ValueError(f"{os.fspath(path)!r}: shards are namespaces of a Valkey server "
+                         "or cluster; pass valkey://HOST:PORT/NAMESPACE")
+
+
 def shard_location(path: str | os.PathLike, shard: str, *, create: bool = True) -> str:
     """The location of shard ``shard`` of the sharded index at ``path`` (a Valkey URL):
     see :func:`sarp.store_valkey.shard_url`.  ValueError for a folder."""
-    if not is_url(path):
-        raise ValueError(f"{os.fspath(path)!r} with shard={shard!r}: shards are namespaces "
-                         "of a Valkey server or cluster; pass valkey://HOST:PORT/NAMESPACE "
-                         "(an index folder is one shard already)")
+    _shards_on_valkey(path)
     from .store_valkey import shard_url
 
     return shard_url(os.fspath(path), shard, create=create)
@@ -441,9 +444,7 @@ def shard_location(path: str | os.PathLike, shard: str, *, create: bool = True) 
 def shard_registry(path: str | os.PathLike):
     """The registry of the shards under ``path`` (a Valkey URL): ``.shards()`` gives
     name -> location, ``.close()`` lets it go (:class:`sarp.store_valkey.ShardRegistry`)."""
-    if not is_url(path):
-        raise ValueError(f"{os.fspath(path)!r}: shards are namespaces of a Valkey server "
-                         "or cluster; pass valkey://HOST:PORT/NAMESPACE")
+    _shards_on_valkey(path)
     from .store_valkey import ShardRegistry
 
     return ShardRegistry(os.fspath(path))

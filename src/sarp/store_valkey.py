@@ -167,7 +167,8 @@ def _placed(client, base: str, registered: list[bytes]) -> str:
 
     load = {n.name: 0 for n in client.get_primaries()}
     for ns in registered:
-        load[node(ns.decode())] = load.get(node(ns.decode()), 0) + 1
+        where = node(ns.decode())
+        load[where] = load.get(where, 0) + 1
     target = min(load, key=lambda n: (load[n], n))
     for k in range(10_000):  # 16,384 slots over a few nodes: a handful of tries
         if node(f"{base}:{k}") == target:
