@@ -191,3 +191,23 @@ def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path, monkeypatch):
             errors.append(str(caught.value).replace(str(tmp_path / str(in_c)), "IX"))
             assert _state(index) == before  # nothing of the batch applied
     assert errors[0] == errors[1]
+
+
+def test_distinct_keeps_each_value_once_in_the_order_first_seen():
+    """``distinct`` (the Valkey prefetch's keys) against the sort it replaced: the same
+    values, each once, in the order they first appear; bad input is refused."""
+    from sarp.valkey_write import _distinct
+
+    rng = np.random.default_rng(5)
+    for size, space in ((0, 1), (1, 1), (1000, 50), (200_000, 3_000), (5000, 1 << 63)):
+        values = rng.integers(0, space, size, dtype=np.uint64)
+        with native.Tally() as tally:
+            got = _distinct(values)
+        assert tally.c("distinct") == 1
+        first = sorted(np.unique(values, return_index=True)[1].tolist())
+        assert got.tolist() == values[first].tolist()
+        with native.forced("python"), native.Tally() as tally:
+            assert sorted(_distinct(values).tolist()) == sorted(got.tolist())
+        assert tally.python("distinct") == 1
+    with pytest.raises(ValueError, match="3 bytes is not whole uint64s"):
+        native.C.distinct(b"abc")

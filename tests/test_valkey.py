@@ -457,6 +457,66 @@ def test_blocks_stored_and_removed_in_one_batch_cost_the_server_no_deletes():
         c.close()
 
 
+def test_a_commit_that_meets_the_lease_being_renewed_is_sent_again(url):
+    """A commit is a MULTI/EXEC after a WATCH of the lease; the lease's renewal touches
+    that key, so an EXEC it meets is refused by the server and sent again (nothing was
+    applied).  Another client touching the key often, as the renewal does, refuses some
+    EXECs; every write still goes through once, and a reader sees exactly them."""
+    import threading
+
+    import valkey as valkey_client
+
+    ns = url.rsplit("/", 1)[1]
+    stop = threading.Event()
+
+    def renew_often() -> None:
+        with valkey_client.Valkey(port=shared_server().port) as c:
+            while not stop.is_set():
+                c.pexpire(f"sarp:{{{ns}}}:lease", 60_000)
+                time.sleep(0.002)
+
+    renewer = threading.Thread(target=renew_often)
+    with sarp.open(url, durability="nosync", lease_s=60) as writer:
+        store = writer._store
+        renewer.start()
+        try:
+            written = 0
+            while written < 2000 and (store.exec_refused == 0 or written < 100):
+                writer.insert([written + 1, 10_000 + written], holder=f"w{written % 3}")
+                written += 1
+        finally:
+            stop.set()
+            renewer.join()
+        assert store.exec_refused > 0
+        with sarp.open(url, readonly=True) as reader:
+            held = {h: reader.blocks_of(h).size for h in ("w0", "w1", "w2")}
+        assert sum(held.values()) == 2 * written
+        assert writer.check() == []
+
+
+def test_a_full_valkey_refuses_the_whole_commit_and_the_index_is_unchanged():
+    """Valkey at its ``maxmemory`` (no eviction) refuses the commit's commands as they
+    are queued, so EXEC applies none of them: StoreFullError that says what happened,
+    the index as it was, and writes go on once there is room."""
+    import numpy as np
+    import valkey as valkey_client
+
+    with ValkeyServer() as server, sarp.open(server.url("full"), durability="nosync",
+                                             lease_s=30) as index:
+        index.insert(np.arange(1, 100, dtype=np.uint64), holder="w0")
+        c = valkey_client.Valkey(port=server.port)
+        c.config_set("maxmemory", max(1, c.info("memory")["used_memory"] // 2))
+        with pytest.raises(sarp.StoreFullError, match="out of memory"):
+            index.insert(np.arange(1000, 3000, dtype=np.uint64), holder="w1")
+        assert c.hlen("sarp:{full}:blk") == 99
+        assert index.match(np.arange(1000, 1010, dtype=np.uint64)).num_blocks == 0
+        c.config_set("maxmemory", 0)
+        index.insert(np.arange(1000, 3000, dtype=np.uint64), holder="w1")
+        assert index.match(np.arange(1000, 3000, dtype=np.uint64)).by_holder == {"w1": 2000}
+        assert index.check() == []
+        c.close()
+
+
 def test_commands_packed_with_numpy_are_the_client_librarys_bytes():
     import numpy as np
     import valkey as valkey_client
@@ -481,19 +541,17 @@ def test_commands_packed_with_numpy_are_the_client_librarys_bytes():
 
 
 class _LosingProxy:
-    """A TCP proxy on loopback in front of Valkey that, once armed, passes the next
-    call of the writer's commit script on to the server whole and then closes the
+    """A TCP proxy on loopback in front of Valkey that, once armed, passes the writer's
+    next commit (its ``MULTI`` ... ``EXEC``) on to the server whole and then closes the
     client's connection instead of passing its answer back: the write is applied, and
     the writer never hears so."""
 
+    MARK = b"*1\r\n$5\r\nMULTI\r\n"  # only a commit sends MULTI
+
     def __init__(self, upstream_port: int) -> None:
-        import hashlib
         import socket
         import threading
 
-        from sarp.valkey_scripts import COMMIT
-
-        self.sha = hashlib.sha1(COMMIT.encode()).hexdigest().encode()
         self.upstream_port, self.armed, self.cut = upstream_port, threading.Event(), 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -520,7 +578,7 @@ class _LosingProxy:
             while data := src.recv(1 << 20):
                 if not upward and pair["cut"]:
                     return
-                if upward and self.armed.is_set() and self.sha in data:
+                if upward and self.armed.is_set() and self.MARK in data:
                     self.armed.clear()
                     pair["cut"] = True
                     dst.sendall(data)

@@ -10,17 +10,17 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 14
+#define ABI_VERSION 15
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
- * resolve_aliases): calls so far */
+ * resolve_aliases, distinct): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
-                         sarp_calls[CALL_RESOLVE_ALIASES]);
+                         sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_DISTINCT]);
 }
 
 static PyMethodDef methods[] = {
@@ -41,16 +41,18 @@ static PyMethodDef methods[] = {
      "token_keys(data, width, block_size, seed, parent): see sarp.tokenkeys"},
     {"resolve_aliases", (PyCFunction)(void (*)(void))sarp_resolve_aliases, METH_FASTCALL,
      "resolve_aliases(...): a batch's engine hashes resolved to token keys (sarp.aliases)"},
+    {"distinct", (PyCFunction)(void (*)(void))sarp_distinct, METH_FASTCALL,
+     "distinct(data): the distinct uint64 values of a buffer, in the order first seen"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
-     "resolve_aliases) calls so far"},
+     "resolve_aliases, distinct) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
-    "token_keys, resolve_aliases); each "
+    "token_keys, resolve_aliases, distinct); each "
     "has a Python reference.", -1,
     methods,
 };

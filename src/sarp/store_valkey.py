@@ -5,7 +5,7 @@
 the same :class:`sarp.Index` as a folder does, with this module in place of
 :mod:`sarp.store_lmdb` (both implement :mod:`sarp.store`'s contract).  Every key of a
 namespace carries the hash tag ``{NAMESPACE}``, so all of them live in one slot of a
-Valkey cluster and every write is one atomic script on one node::
+Valkey cluster and every write is one atomic transaction on one node::
 
     sarp:{NS}:meta    HASH   counters and identity (the LMDB meta table's keys/values)
     sarp:{NS}:seg     HASH   segment id (u64 BE) -> segment record
@@ -19,14 +19,15 @@ Valkey cluster and every write is one atomic script on one node::
 
 **One writer, fenced.**  A writer takes the lease with ``SET NX PX`` and a fence from
 ``INCR``; a thread renews it every third of its time.  Every write (a whole insert,
-remove, clear or batch) is one Lua script that first checks the lease still holds this
-writer's value, then applies every change and appends the log entries: all or nothing,
-and a writer that was paused past its lease (another took over, or nobody did) can
-never write again (:class:`sarp.LeaseLostError`).  Readers keep their directory current
+remove, clear or batch) is one ``MULTI``/``EXEC`` of its changes and log entries, sent
+after a ``WATCH`` of the lease and a read that it still holds this writer's value
+(:meth:`ValkeyStore.transact`): all or nothing, and a writer that was paused past its
+lease (another took over, or nobody did) can never write again
+(:class:`sarp.LeaseLostError`).  Readers keep their directory current
 by reading the log stream past their watermark, as LMDB readers read the log table.
 
 Cost: a match makes one round trip per segment step (``HGET``); a write a few round
-trips to read what it changes, then one script.  This module is the only one that
+trips to read what it changes, then two to commit.  This module is the only one that
 imports the valkey client.
 """
 
@@ -64,12 +65,13 @@ from .store import (
     holder_names,
     parse_url,
 )
-from .valkey_scripts import COMMIT, READ, RENEW, SET
+from .valkey_scripts import READ, RENEW, SET
 from .valkey_write import CAPABILITIES, ValkeyWriteTxn
 
 log = logging.getLogger("sarp.valkey")
 
 DEFAULT_LEASE_S = 10.0
+TRANSACT_TRIES = 5  # EXECs refused in a row (the lease renewed meanwhile) before giving up
 _UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
 
@@ -208,10 +210,10 @@ class ValkeyStore:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._match_conn = None
+        self.exec_refused = 0  # commits the server turned away (the lease key changed)
         try:
             self.client = connect(self.settings)
             self._aof = durability == "sync" and _aof_enabled(self.client)
-            self._commit = self.client.register_script(COMMIT)
             self._set = self.client.register_script(SET)
             self._renew = self.client.register_script(RENEW)
             self._read_script = self.client.register_script(READ)
@@ -410,20 +412,62 @@ class ValkeyStore:
     def _run(self, script, keys: list, args: list):
         return self._guarded(lambda: script(keys=keys, args=args))
 
-    def run_packed(self, script, keys: list[bytes], args: list) -> object:
-        """``script`` on ``keys`` and ``args`` (:class:`sarp.resp.Fixed` runs among
-        them), packed by :mod:`sarp.resp`, on a connection to the namespace's node;
-        errors as :meth:`_run` gives them.  Cost: one round trip (two the first time
-        the server meets the script)."""
-        data = resp.command(b"EVALSHA", script.sha.encode(), len(keys), *keys, *args)
+    def transact(self, commands: list[bytes]) -> None:
+        """``commands`` (packed by :mod:`sarp.resp`) applied all together, and only while
+        this writer holds the lease: ``WATCH`` of the lease and its ``GET`` (one round
+        trip; not ours: :class:`sarp.LeaseLostError`), then ``MULTI``, the commands and
+        ``EXEC`` (one round trip), which the server refuses when the lease key changed
+        after the ``WATCH`` (taken over, expired, or renewed by this writer's own
+        thread: then it is asked again).  Errors as :meth:`_run` gives them.
 
-        def call():
+        Cost: two round trips; the server parses each argument once (a script's would
+        each become a Lua string and back)."""
+        def call() -> None:
+            for _ in range(TRANSACT_TRIES):
+                if self._exec_fenced(commands):
+                    return
+            raise StoreError(f"{self.path}: a write was refused {TRANSACT_TRIES} times "
+                             "because the lease key kept changing; the index is unchanged")
+        self._guarded(call)
+
+    def _exec_fenced(self, commands: list[bytes]) -> bool:
+        """One try of :meth:`transact`: False when ``EXEC`` was refused (nothing done)."""
+        pool = self._node_client().connection_pool
+        conn = pool.get_connection("MULTI")
+        try:
+            conn.send_packed_command([resp.command(b"WATCH", self.keys["lease"]),
+                                      resp.command(b"GET", self.keys["lease"])])
+            conn.read_response()
+            if conn.read_response() != self._lease_value:
+                conn.send_packed_command([resp.command(b"UNWATCH")])
+                conn.read_response()
+                raise valkey.exceptions.ResponseError("SARPFENCED the lease is not ours")
+            conn.send_packed_command([resp.command(b"MULTI"), *commands,
+                                      resp.command(b"EXEC")])
+            refused = []  # a command refused as it is queued (OOM): EXEC does nothing
+            for _ in range(len(commands) + 1):
+                try:
+                    conn.read_response()
+                except valkey.exceptions.ResponseError as exc:
+                    refused.append(exc)
             try:
-                return self.execute_packed(data)
-            except valkey.exceptions.NoScriptError:
-                self._node_client().script_load(script.script)
-                return self.execute_packed(data)
-        return self._guarded(call)
+                done = conn.read_response()
+            except valkey.exceptions.ResponseError:
+                # EXECABORT: the first refusal says why (OOM: StoreFullError)
+                raise (refused or [valkey.exceptions.ResponseError("EXEC refused")])[0] \
+                    from None
+            if done is None:
+                self.exec_refused += 1
+                return False
+            failed = [r for r in done if isinstance(r, Exception)]
+            if failed:
+                raise failed[0]
+            return True
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread: the next use connects again
+            raise
+        finally:
+            pool.release(conn)
 
     def _node_client(self):
         """A client of the node holding the namespace (the one client, off a cluster)."""
@@ -455,7 +499,7 @@ class ValkeyStore:
                 raise LeaseLostError(f"{self.path}: this writer lost its lease (another "
                                      "writer took over, or it was paused past the lease); "
                                      "the write was refused; reopen") from None
-            if "OOM" in str(exc):
+            if isinstance(exc, valkey.exceptions.OutOfMemoryError) or "OOM" in str(exc):
                 raise StoreFullError(f"{self.path}: Valkey is out of memory ({exc}); the "
                                      "index is unchanged") from exc
             raise StoreError(f"{self.path}: write failed: {exc}") from exc

@@ -1,7 +1,7 @@
 """A write on Valkey (:mod:`sarp.store_valkey`'s): its reads, answered from what it has
 read and fetched ahead for the batch, and its changes, buffered and committed at the
-end by one fenced script (:data:`sarp.valkey_scripts.COMMIT`).  It calls the client
-its store hands it and imports no client itself.
+end by one ``MULTI``/``EXEC`` the lease fences (:meth:`ValkeyStore.transact`).  It
+calls the client its store hands it and imports no client itself.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import resp
+from . import native, resp
 from .errors import CorruptRecordError
 from .segment import Segment, writable
 from .store import (
@@ -26,12 +26,39 @@ from .store import (
     counter_value,
     hash_keys,
 )
+from .valkey_scripts import LOG
 
 if TYPE_CHECKING:
     from .store_valkey import ValkeyStore
 
 CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
-TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in script order
+TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in commit order
+COMMAND_ARGS = 100_000  # fields (or field/value items) per HSET or HDEL of a commit
+
+
+def _distinct(hashes: np.ndarray) -> np.ndarray:
+    """The distinct values of ``hashes`` (a batch's million lookups are a few tens of
+    thousands of blocks): a hash set in C, else a sort.
+
+    >>> sorted(_distinct(np.array([3, 1, 3], np.uint64)).tolist())
+    [1, 3]
+    """
+    c = native.C
+    if c is not None:
+        return np.frombuffer(c.distinct(np.ascontiguousarray(hashes, np.uint64)), np.uint64)
+    native.ran_python("distinct")
+    ordered = np.sort(hashes)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))[: ordered.size]]
+
+
+def _packed(*columns: list[bytes]) -> list:
+    """Equal-length columns (keys; or keys and values) as one command's arguments,
+    interleaved: one :class:`sarp.resp.Fixed` run when each column has one width."""
+    if len(columns[0]) > 64:
+        packed = resp.Fixed.of(*columns, width=tuple(len(c[0]) for c in columns))
+        if packed is not None:
+            return [packed]
+    return [item for row in zip(*columns, strict=True) for item in row]
 
 
 class _Known(dict):
@@ -53,7 +80,7 @@ class _Known(dict):
 
 class ValkeyWriteTxn(WriteLogic):
     """A write's reads (through its own pending changes) and its changes, committed at
-    the end by one fenced script (:data:`COMMIT`)."""
+    the end by one transaction the lease fences (:meth:`commit`)."""
 
     capabilities = CAPABILITIES
 
@@ -135,9 +162,7 @@ class ValkeyWriteTxn(WriteLogic):
         trips, so that the batch's lookups are answered from memory."""
         if not hashes.size:
             return
-        ordered = np.sort(hashes)  # distinct (np.unique's hash table is slower here)
-        ordered = ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
-        keys, view = hash_keys(ordered), self._view["blk"]
+        keys, view = hash_keys(_distinct(hashes)), self._view["blk"]
         if view:  # (distinct keys, and usually nothing read yet: no lookups per key then)
             values = self._get_many("blk", keys)
         else:
@@ -286,29 +311,28 @@ class ValkeyWriteTxn(WriteLogic):
         return dels
 
     def commit(self) -> None:
+        """Every change in one ``MULTI``/``EXEC`` fenced by the lease
+        (:meth:`ValkeyStore.transact`): per table an ``HSET`` and an ``HDEL`` (in runs
+        of :data:`COMMAND_ARGS`), and the log entries through :data:`LOG`."""
         store = self._store
-        args: list = [store._lease_value,
-                      b"" if self.trim_below is None else f"{self.trim_below}-0".encode()]
+        commands: list[bytes] = []
         for table in TABLES:
-            items = self._pending[table]
+            items, name = self._pending[table], store.keys[table]
             set_keys = [k for k, v in items.items() if v is not None]
             values = [v for v in items.values() if v is not None]
+            step = COMMAND_ARGS // 2
+            for at in range(0, len(set_keys), step):
+                commands.append(resp.command(b"HSET", name, *_packed(
+                    set_keys[at:at + step], values[at:at + step])))
             dels = self._deletes(table, items)
-            args.append(len(set_keys))
-            packed = resp.Fixed.of(set_keys, values, width=(len(set_keys[0]), len(
-                values[0]))) if len(set_keys) > 64 else None
-            if packed is not None:
-                args.append(packed)
-            else:
-                for pair in zip(set_keys, values, strict=True):
-                    args += pair
-            args.append(len(dels))
-            packed = resp.Fixed.of(dels, width=(len(dels[0]),)) if len(dels) > 64 else None
-            args += [packed] if packed is not None else dels
-        args.append(len(self._log))
-        for entry_id, value in self._log:
-            args += (entry_id, value)
-        keys = [store.keys[name] for name in ("lease", *TABLES, "log")]
-        store.run_packed(store._commit, keys, args)
+            for at in range(0, len(dels), COMMAND_ARGS):
+                commands.append(resp.command(b"HDEL", name,
+                                             *_packed(dels[at:at + COMMAND_ARGS])))
+        if self._log or self.trim_below is not None:
+            commands.append(resp.command(
+                b"EVAL", LOG.encode(), 1, store.keys["log"],
+                b"" if self.trim_below is None else f"{self.trim_below}-0".encode(),
+                *(part for entry in self._log for part in entry)))
+        store.transact(commands)
         if store._aof:
             store.client.execute_command("WAITAOF", 1, 0, 0)
