@@ -193,21 +193,65 @@ def test_a_damaged_record_fails_the_batch_as_python_does(tmp_path, monkeypatch):
     assert errors[0] == errors[1]
 
 
-def test_distinct_keeps_each_value_once_in_the_order_first_seen():
-    """``distinct`` (the Valkey prefetch's keys) against the sort it replaced: the same
-    values, each once, in the order they first appear; bad input is refused."""
-    from sarp.valkey_write import _distinct
+def test_the_c_blocks_table_of_a_valkey_write_answers_as_its_python_reference():
+    """``BlockTable`` (a write's ``blocks`` on Valkey, read and changed by pack_batch in
+    C) against ``BlockView``, its Python reference, under the same random loads, puts,
+    deletes and fetches: the same lookups, the same hashes wanted, and the same changes
+    for the commit (a delete of an entry the server never had left out)."""
+    from sarp.valkey_write import BlockView
 
     rng = np.random.default_rng(5)
-    for size, space in ((0, 1), (1, 1), (1000, 50), (200_000, 3_000), (5000, 1 << 63)):
-        values = rng.integers(0, space, size, dtype=np.uint64)
-        with native.Tally() as tally:
-            got = _distinct(values)
-        assert tally.c("distinct") == 1
-        first = sorted(np.unique(values, return_index=True)[1].tolist())
-        assert got.tolist() == values[first].tolist()
-        with native.forced("python"), native.Tally() as tally:
-            assert sorted(_distinct(values).tolist()) == sorted(got.tolist())
-        assert tally.python("distinct") == 1
+    server = {int(h): bytes(rng.integers(0, 256, 6, dtype=np.uint8))
+              for h in rng.integers(1, 400, 150, dtype=np.uint64)}
+    fetched: list[list[int]] = [[], []]
+
+    def fetcher(log):
+        def fetch(key: bytes):
+            log.append(int.from_bytes(key, "big"))
+            return server.get(int.from_bytes(key, "big"))
+        return fetch
+
+    with native.Tally() as tally:
+        c = native.C.BlockTable(fetcher(fetched[0]))
+    assert tally.c("block_table") == 1
+    with native.forced("python"), native.Tally() as tally:
+        py = BlockView(fetcher(fetched[1]))
+    assert tally.python("block_table") == 1
+    absent_loaded: set[int] = set()
+    for step in range(300):
+        hashes = rng.integers(1, 400, int(rng.integers(0, 40)), dtype=np.uint64)
+        kind = step % 5
+        if kind == 0:
+            assert c.wanted(hashes) == py.wanted(hashes)
+            wanted = np.frombuffer(c.wanted(hashes), np.uint64)
+            values = [server.get(int(h)) for h in wanted]
+            absent_loaded.update(int(h) for h, v in zip(wanted, values, strict=True) if v is None)
+            c.load(wanted, values)
+            py.load(wanted, values)
+        elif kind == 1:
+            seg, first = int(rng.integers(1, 1 << 32)), int(rng.integers(0, 60000))
+            c.put(hashes, seg, first)
+            py.put(hashes, seg, first)
+        elif kind == 2:
+            c.delete(hashes)
+            py.delete(hashes)
+        else:
+            assert c.get(hashes) == py.get(hashes)
+    assert fetched[0] == fetched[1]
+
+    def table(changes):
+        keys, values, gone = changes
+        return (dict(zip(np.frombuffer(keys, ">u8").tolist(),
+                         [values[i:i + 6] for i in range(0, len(values), 6)], strict=True)),
+                sorted(np.frombuffer(gone, ">u8").tolist()))
+
+    assert table(c.changes()) == table(py.changes())
+    sets, gone = table(c.changes())
+    read_absent = {h for h in fetched[0] if h not in server} | absent_loaded
+    assert sets and gone and not read_absent & set(gone)
     with pytest.raises(ValueError, match="3 bytes is not whole uint64s"):
-        native.C.distinct(b"abc")
+        c.get(b"abc")
+    with pytest.raises(ValueError, match="blocks table entry of 2 bytes"):
+        c.load(np.array([999], np.uint64), [b"xy"])
+    with pytest.raises(ValueError, match="1 hashes and 0 values"):
+        c.load(np.array([998], np.uint64), [])

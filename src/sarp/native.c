@@ -15,12 +15,12 @@
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
- * resolve_aliases, distinct): calls so far */
+ * resolve_aliases, BlockTable): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(KKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
-                         sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_DISTINCT]);
+                         sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE]);
 }
 
 static PyMethodDef methods[] = {
@@ -41,18 +41,16 @@ static PyMethodDef methods[] = {
      "token_keys(data, width, block_size, seed, parent): see sarp.tokenkeys"},
     {"resolve_aliases", (PyCFunction)(void (*)(void))sarp_resolve_aliases, METH_FASTCALL,
      "resolve_aliases(...): a batch's engine hashes resolved to token keys (sarp.aliases)"},
-    {"distinct", (PyCFunction)(void (*)(void))sarp_distinct, METH_FASTCALL,
-     "distinct(data): the distinct uint64 values of a buffer, in the order first seen"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
-     "resolve_aliases, distinct) calls so far"},
+     "resolve_aliases, BlockTable) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
-    "token_keys, resolve_aliases, distinct); each "
+    "token_keys, resolve_aliases, BlockTable); each "
     "has a Python reference.", -1,
     methods,
 };
@@ -64,6 +62,11 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     if (mod != NULL && PyModule_AddIntConstant(mod, "ABI_VERSION", ABI_VERSION) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    if (mod != NULL && (PyType_Ready(&sarp_BlockTableType) < 0
+                        || PyModule_AddType(mod, &sarp_BlockTableType) < 0)) {
         Py_DECREF(mod);
         return NULL;
     }

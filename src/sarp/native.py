@@ -33,7 +33,7 @@ from types import ModuleType
 ABI = 15  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
-         "resolve_aliases", "distinct")
+         "resolve_aliases", "block_table")
 _TRUE = ("1", "true", "yes", "on")
 
 

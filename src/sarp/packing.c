@@ -291,6 +291,291 @@ static int map_put(Map *m, uint64_t key, uint64_t val) {
     return 0;
 }
 
+/* -- a write's `blocks` table on Valkey ------------------------------------------- */
+
+/* BlockTable(fetch): what a write on Valkey knows of the `blocks` table, hash -> entry,
+ * as the server had it and as the write changed it (ValkeyWriteTxn's; its Python
+ * reference is valkey_write.BlockView).  pack_batch reads and changes it in C, and the
+ * commit takes its changes as arrays: no Python object per block.  fetch(key) -> bytes
+ * or None reads one entry nobody fetched ahead (a round trip). */
+#define E_VALUE(e) ((e) & 0xffffffffffffULL) /* segment id << 16 | offset */
+#define E_PRESENT (1ULL << 48)
+#define E_CHANGED (1ULL << 49)
+#define E_GONE (1ULL << 50) /* the server has no entry: a delete need not be sent */
+
+typedef struct {
+    PyObject_HEAD
+    Map map;
+    PyObject *fetch;
+} BlockTable;
+
+static int bt_record(BlockTable *t, uint64_t hash, PyObject *value) {
+    uint64_t e = E_GONE;
+    if (value != Py_None) {
+        char *p;
+        Py_ssize_t len;
+        if (PyBytes_AsStringAndSize(value, &p, &len) < 0) return -1;
+        if (len != 6) {
+            PyErr_Format(PyExc_ValueError, "blocks table entry of %zd bytes", len);
+            return -1;
+        }
+        e = E_PRESENT | ((uint64_t)u32_at((const uint8_t *)p) << 16)
+            | u16_at((const uint8_t *)p + 4);
+    }
+    if (map_put(&t->map, hash, e) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The entry of `hash`, fetched when the write does not know it yet: 0, or -1 error. */
+static int bt_lookup(BlockTable *t, uint64_t hash, uint64_t *e) {
+    if (map_get(&t->map, hash, e)) return 0;
+    PyObject *key = be_key(hash);
+    if (key == NULL) return -1;
+    PyObject *value = PyObject_CallOneArg(t->fetch, key);
+    Py_DECREF(key);
+    if (value == NULL) return -1;
+    int r = bt_record(t, hash, value);
+    Py_DECREF(value);
+    if (r < 0) return -1;
+    map_get(&t->map, hash, e);
+    return 0;
+}
+
+/* Set (present) or delete (seg_id 0 with `present` 0) one entry; what the server had
+ * is kept (E_GONE). */
+static int bt_change(BlockTable *t, uint64_t hash, int present, uint64_t seg_id,
+                     Py_ssize_t off) {
+    uint64_t old = 0;
+    uint64_t e = (map_get(&t->map, hash, &old) ? old & E_GONE : 0) | E_CHANGED;
+    if (present) e |= E_PRESENT | ((uint64_t)(uint32_t)seg_id << 16) | (uint16_t)off;
+    if (map_put(&t->map, hash, e) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static int bt_u64s(PyObject *obj, Py_buffer *buf) {
+    if (PyObject_GetBuffer(obj, buf, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (buf->len % 8) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes is not whole uint64s", buf->len);
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *bt_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *fetch;
+    if (!PyArg_ParseTuple(args, "O:BlockTable", &fetch)) return NULL;
+    sarp_calls[CALL_BLOCK_TABLE]++;
+    BlockTable *t = (BlockTable *)type->tp_alloc(type, 0);
+    if (t == NULL) return NULL;
+    if (map_init(&t->map, 1024) < 0) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    t->fetch = Py_NewRef(fetch);
+    return (PyObject *)t;
+}
+
+static void bt_dealloc(BlockTable *t) {
+    map_free(&t->map);
+    Py_XDECREF(t->fetch);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* wanted(hashes) -> bytes: the distinct hashes the write knows nothing of, first seen
+ * first (what a prefetch asks the server for). */
+static PyObject *bt_wanted(BlockTable *t, PyObject *arg) {
+    Py_buffer in;
+    if (bt_u64s(arg, &in) < 0) return NULL;
+    Py_ssize_t n = in.len / 8, k = 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, in.len);
+    Map seen;
+    memset(&seen, 0, sizeof(seen));
+    if (out == NULL || map_init(&seen, 1024) < 0) goto oom;
+    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out), unused;
+    const uint64_t *src = in.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (map_get(&t->map, src[i], &unused) || map_get(&seen, src[i], &unused)) continue;
+        if (map_put(&seen, src[i], 0) < 0) goto oom;
+        dst[k++] = src[i];
+    }
+    map_free(&seen);
+    PyBuffer_Release(&in);
+    if (_PyBytes_Resize(&out, k * 8) < 0) return NULL;
+    return out;
+oom:
+    map_free(&seen);
+    PyBuffer_Release(&in);
+    Py_XDECREF(out);
+    return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+}
+
+/* load(hashes, values): the server's entries (bytes, or None where it has none) of
+ * hashes the write knows nothing of yet (a known one keeps what the write has). */
+static PyObject *bt_load(BlockTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "load(hashes, values: list)");
+        return NULL;
+    }
+    Py_buffer in;
+    if (bt_u64s(args[0], &in) < 0) return NULL;
+    const uint64_t *h = in.buf;
+    Py_ssize_t n = in.len / 8;
+    if (PyList_GET_SIZE(args[1]) != n) {
+        PyBuffer_Release(&in);
+        PyErr_Format(PyExc_ValueError, "load: %zd hashes and %zd values", n,
+                     PyList_GET_SIZE(args[1]));
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t unused;
+        if (map_get(&t->map, h[i], &unused)) continue;
+        if (bt_record(t, h[i], PyList_GET_ITEM(args[1], i)) < 0) {
+            PyBuffer_Release(&in);
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&in);
+    Py_RETURN_NONE;
+}
+
+/* get(hashes) -> (segment ids, offsets) as uint32 and uint16 bytes, 0 where absent
+ * (an entry the write does not know is fetched). */
+static PyObject *bt_get(BlockTable *t, PyObject *arg) {
+    Py_buffer in;
+    if (bt_u64s(arg, &in) < 0) return NULL;
+    Py_ssize_t n = in.len / 8;
+    PyObject *segs = PyBytes_FromStringAndSize(NULL, n * 4);
+    PyObject *offs = PyBytes_FromStringAndSize(NULL, n * 2);
+    if (segs == NULL || offs == NULL) goto fail;
+    uint32_t *sp = (uint32_t *)PyBytes_AS_STRING(segs);
+    uint16_t *op = (uint16_t *)PyBytes_AS_STRING(offs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t e;
+        if (bt_lookup(t, ((const uint64_t *)in.buf)[i], &e) < 0) goto fail;
+        sp[i] = e & E_PRESENT ? (uint32_t)(E_VALUE(e) >> 16) : 0;
+        op[i] = e & E_PRESENT ? (uint16_t)E_VALUE(e) : 0;
+    }
+    PyBuffer_Release(&in);
+    return Py_BuildValue("(NN)", segs, offs);
+fail:
+    PyBuffer_Release(&in);
+    Py_XDECREF(segs);
+    Py_XDECREF(offs);
+    return NULL;
+}
+
+/* put(hashes, seg_id, first_offset): the entries of consecutive blocks of a segment. */
+static PyObject *bt_put(BlockTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long seg_id;
+    Py_ssize_t first;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "put(hashes, seg_id, first_offset)");
+        return NULL;
+    }
+    seg_id = PyLong_AsUnsignedLongLong(args[1]);
+    first = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer in;
+    if (bt_u64s(args[0], &in) < 0) return NULL;
+    for (Py_ssize_t i = 0; i < in.len / 8; i++) {
+        if (bt_change(t, ((const uint64_t *)in.buf)[i], 1, seg_id, first + i) < 0) {
+            PyBuffer_Release(&in);
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&in);
+    Py_RETURN_NONE;
+}
+
+/* delete(hashes): their entries, at the commit. */
+static PyObject *bt_delete(BlockTable *t, PyObject *arg) {
+    Py_buffer in;
+    if (bt_u64s(arg, &in) < 0) return NULL;
+    for (Py_ssize_t i = 0; i < in.len / 8; i++) {
+        if (bt_change(t, ((const uint64_t *)in.buf)[i], 0, 0, 0) < 0) {
+            PyBuffer_Release(&in);
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&in);
+    Py_RETURN_NONE;
+}
+
+/* changes() -> (set keys, set values, delete keys): the commit's, as big-endian 8-byte
+ * keys and 6-byte values end to end; a delete of an entry the server has not is left
+ * out (nobody else writes while the write holds the lease). */
+static PyObject *bt_changes(BlockTable *t, PyObject *unused) {
+    size_t sets = 0, dels = 0;
+    for (size_t i = 0; i <= t->map.mask; i++) {
+        uint64_t e = t->map.vals[i];
+        if (!t->map.used[i] || !(e & E_CHANGED)) continue;
+        if (e & E_PRESENT) sets++;
+        else if (!(e & E_GONE)) dels++;
+    }
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sets * 8);
+    PyObject *vals = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)sets * 6);
+    PyObject *gone = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)dels * 8);
+    if (keys == NULL || vals == NULL || gone == NULL) {
+        Py_XDECREF(keys);
+        Py_XDECREF(vals);
+        Py_XDECREF(gone);
+        return NULL;
+    }
+    uint8_t *kp = (uint8_t *)PyBytes_AS_STRING(keys), *vp = (uint8_t *)PyBytes_AS_STRING(vals);
+    uint8_t *gp = (uint8_t *)PyBytes_AS_STRING(gone);
+    for (size_t i = 0; i <= t->map.mask; i++) {
+        uint64_t e = t->map.vals[i], h = t->map.keys[i];
+        if (!t->map.used[i] || !(e & E_CHANGED)) continue;
+        uint8_t *out = e & E_PRESENT ? kp : !(e & E_GONE) ? gp : NULL;
+        if (out == NULL) continue;
+        for (int b = 0; b < 8; b++) out[b] = (uint8_t)(h >> (56 - 8 * b));
+        if (e & E_PRESENT) {
+            uint32_t sid = (uint32_t)(E_VALUE(e) >> 16);
+            uint16_t off = (uint16_t)E_VALUE(e);
+            memcpy(vp, &sid, 4);
+            memcpy(vp + 4, &off, 2);
+            vp += 6;
+            kp += 8;
+        } else {
+            gp += 8;
+        }
+    }
+    return Py_BuildValue("(NNN)", keys, vals, gone);
+}
+
+static PyMethodDef bt_methods[] = {
+    {"wanted", (PyCFunction)bt_wanted, METH_O,
+     "wanted(hashes) -> bytes: the distinct hashes not known yet, first seen first"},
+    {"load", (PyCFunction)(void (*)(void))bt_load, METH_FASTCALL,
+     "load(hashes, values): the server's entries (None: it has none)"},
+    {"get", (PyCFunction)bt_get, METH_O,
+     "get(hashes) -> (uint32 segment ids, uint16 offsets) bytes, 0 where absent"},
+    {"put", (PyCFunction)(void (*)(void))bt_put, METH_FASTCALL,
+     "put(hashes, seg_id, first_offset): entries of consecutive blocks"},
+    {"delete", (PyCFunction)bt_delete, METH_O, "delete(hashes): entries to delete"},
+    {"changes", (PyCFunction)bt_changes, METH_NOARGS,
+     "changes() -> (set keys, set values, delete keys) as bytes"},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject sarp_BlockTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sarp._native.BlockTable",
+    .tp_basicsize = sizeof(BlockTable),
+    .tp_dealloc = (destructor)bt_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "BlockTable(fetch): a write's view of the blocks table on Valkey",
+    .tp_methods = bt_methods,
+    .tp_new = bt_new,
+};
+
 /* -- the batch -------------------------------------------------------------------- */
 
 /* ctx's callables, in order: the write transaction's (WriteTxn.native_calls), then the
@@ -325,6 +610,7 @@ typedef struct {
     Map heads;       /* first hash of a segment created here -> its id */
     int deferred;    /* `blocks` changes wait in `pend` for apply_pending */
     Map pend;
+    BlockTable *table; /* the write's `blocks` on Valkey, or NULL: the callables' */
     Py_ssize_t new_blocks, removed_blocks;
     PyObject *empty; /* b"" */
 } Batch;
@@ -406,6 +692,12 @@ static int locate_one(Batch *b, uint64_t hash, uint64_t *seg_id, Py_ssize_t *off
         *seg_id = PEND_SEG(v);
         *off = PEND_OFF(v);
         return 1;
+    }
+    if (b->table != NULL) {
+        if (bt_lookup(b->table, hash, &v) < 0) return -1;
+        *seg_id = E_VALUE(v) >> 16;
+        *off = (Py_ssize_t)(E_VALUE(v) & 0xffff);
+        return (v & E_PRESENT) && *seg_id != 0;
     }
     PyObject *key = be_key(hash);
     if (key == NULL) return -1;
@@ -552,6 +844,18 @@ static int delete_key(Batch *b, PyObject *key, int db) {
     return 0;
 }
 
+/* A `blocks` entry set (overwriting) or deleted, in the table or through the
+ * callables: 0, or -1 on error. */
+static int blk_set(Batch *b, uint64_t hash, uint64_t seg_id, Py_ssize_t off) {
+    if (b->table != NULL) return bt_change(b->table, hash, 1, seg_id, off);
+    return put_entry(b, be_key(hash), block_value(seg_id, off), 1) < 0 ? -1 : 0;
+}
+
+static int blk_delete(Batch *b, uint64_t hash) {
+    if (b->table != NULL) return bt_change(b->table, hash, 0, 0, 0);
+    return delete_key(b, be_key(hash), CB_BLOCKS_DB);
+}
+
 /* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left), -1 error.  Each
  * entry goes in with LMDB's no-overwrite put; at the first refusal the ones put are
  * deleted again. */
@@ -573,11 +877,21 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
         return 1;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
-        int put = put_entry(b, be_key(hashes[i]), block_value(seg_id, first_offset + i), 0);
-        if (put < 0) return -1;
+        int put;
+        if (b->table != NULL) {
+            uint64_t e;
+            if (bt_lookup(b->table, hashes[i], &e) < 0) return -1;
+            put = !(e & E_PRESENT);
+            if (put && bt_change(b->table, hashes[i], 1, seg_id, first_offset + i) < 0) {
+                return -1;
+            }
+        } else {
+            put = put_entry(b, be_key(hashes[i]), block_value(seg_id, first_offset + i), 0);
+            if (put < 0) return -1;
+        }
         if (!put) {
             for (Py_ssize_t j = 0; j < i; j++) {
-                if (delete_key(b, be_key(hashes[j]), CB_BLOCKS_DB) < 0) return -1;
+                if (blk_delete(b, hashes[j]) < 0) return -1;
             }
             return 0;
         }
@@ -647,7 +961,7 @@ static int split(Batch *b, Seg *s, Py_ssize_t at) {
                 PyErr_NoMemory();
                 return -1;
             }
-        } else if (put_entry(b, be_key(t->hashes[i]), block_value(id, i), 1) < 0) {
+        } else if (blk_set(b, t->hashes[i], id, i) < 0) {
             return -1;
         }
     }
@@ -708,7 +1022,7 @@ static int release_claims(Batch *b, const uint64_t *chain, const Py_ssize_t *cla
                     PyErr_NoMemory();
                     return -1;
                 }
-            } else if (delete_key(b, be_key(chain[i]), CB_BLOCKS_DB) < 0) {
+            } else if (blk_delete(b, chain[i]) < 0) {
                 return -1;
             }
         }
@@ -1110,7 +1424,7 @@ static PyObject *flush(Batch *b, int *conflict) {
         if (!s->nh) { /* the record, and its blocks' entries (WriteTxn.delete_segment) */
             if (delete_key(b, be_key(s->id), CB_SEGMENTS_DB) < 0) goto fail;
             for (Py_ssize_t i = 0; !b->deferred && i < s->n; i++) {
-                if (delete_key(b, be_key(s->hashes[i]), CB_BLOCKS_DB) < 0) goto fail;
+                if (blk_delete(b, s->hashes[i]) < 0) goto fail;
             }
             entry = Py_BuildValue("(KKOO)", (unsigned long long)s->id,
                                   (unsigned long long)s->hashes[0], Py_None, Py_False);
@@ -1189,50 +1503,6 @@ static int is_kind(PyObject *op, const char *kind) {
  * created: [(id, name)] of the holders it named.
  * rest: when done == len(ops), (segments, dropped, log entries) of the flush done
  * here; otherwise the touched segments for Python, [(id, record, is_new, cleared)]. */
-/* distinct(data) -> bytes: the distinct uint64 values of a buffer, in the order first
- * seen (ValkeyWriteTxn.prefetch_blocks' keys; the Python reference sorts them).  A
- * batch looks up a million hashes of which a few tens of thousands differ: a hash set
- * that fits in cache, where a sort was most of the batch's time on Valkey. */
-PyObject *sarp_distinct(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    sarp_calls[CALL_DISTINCT]++;
-    if (nargs != 1) {
-        PyErr_SetString(PyExc_TypeError, "distinct(data: a buffer of uint64)");
-        return NULL;
-    }
-    Py_buffer in;
-    if (PyObject_GetBuffer(args[0], &in, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    PyObject *out = NULL;
-    Map seen;
-    memset(&seen, 0, sizeof(seen));
-    if (in.len % 8) {
-        PyErr_Format(PyExc_ValueError, "distinct: %zd bytes is not whole uint64s", in.len);
-        goto done;
-    }
-    Py_ssize_t n = in.len / 8, k = 0;
-    out = PyBytes_FromStringAndSize(NULL, in.len);
-    if (out == NULL || map_init(&seen, 1024) < 0) {
-        Py_CLEAR(out);
-        if (!PyErr_Occurred()) PyErr_NoMemory();
-        goto done;
-    }
-    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out), unused;
-    const uint64_t *src = in.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (map_get(&seen, src[i], &unused)) continue;
-        if (map_put(&seen, src[i], 0) < 0) {
-            Py_CLEAR(out);
-            PyErr_NoMemory();
-            goto done;
-        }
-        dst[k++] = src[i];
-    }
-    if (_PyBytes_Resize(&out, k * 8) < 0) out = NULL;
-done:
-    map_free(&seen);
-    PyBuffer_Release(&in);
-    return out;
-}
-
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_PACK_BATCH]++;
     if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
@@ -1252,6 +1522,13 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     b.split_tail = PyLong_AsSsize_t(args[3]);
     b.deferred = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred() || b.deferred < 0) return NULL;
+    if (PyObject_TypeCheck(b.cb[CB_BLOCK_GET], &sarp_BlockTableType)) {
+        if (b.deferred) {
+            PyErr_SetString(PyExc_ValueError, "pack_batch: a deferred batch runs on LMDB only");
+            return NULL;
+        }
+        b.table = (BlockTable *)b.cb[CB_BLOCK_GET];
+    }
     if (b.cap_blocks < 1) {
         PyErr_SetString(PyExc_ValueError, "segment_blocks must be >= 1");
         return NULL;

@@ -36,19 +36,88 @@ TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in c
 COMMAND_ARGS = 100_000  # fields (or field/value items) per HSET or HDEL of a commit
 
 
-def _distinct(hashes: np.ndarray) -> np.ndarray:
-    """The distinct values of ``hashes`` (a batch's million lookups are a few tens of
-    thousands of blocks): a hash set in C, else a sort.
+class BlockView:
+    """What a write on Valkey knows of the ``blocks`` table, hash -> entry (6 bytes:
+    segment id, offset), as the server had it and as the write changed it; an entry it
+    knows nothing of is ``fetch(key)`` (a round trip), remembered.  The Python
+    reference of ``sarp._native.BlockTable``, which ``pack_batch`` reads and changes in
+    C and whose changes the commit takes as arrays (:func:`block_table` picks one).
 
-    >>> sorted(_distinct(np.array([3, 1, 3], np.uint64)).tolist())
-    [1, 3]
+    Cost: a dict entry per block named (the C table: 16 bytes, no Python object).
+
+    >>> view = BlockView(lambda key: None)
+    >>> view.put(np.array([7], np.uint64), 3, 0)
+    >>> [np.frombuffer(b, t).tolist() for b, t in zip(view.get(np.array([7, 8], np.uint64)),
+    ...                                               ("<u4", "<u2"))]
+    [[3, 0], [0, 0]]
+    >>> view.delete(np.array([7], np.uint64)); view.changes()  # 7 was never on the server
+    (b'', b'', b'')
     """
+
+    def __init__(self, fetch) -> None:
+        native.ran_python("block_table")
+        self.fetch = fetch
+        self._had: dict[int, bytes | None] = {}  # as the server has it (None: absent)
+        self._now: dict[int, bytes | None] = {}  # as this write changed it
+
+    def _entry(self, h: int) -> bytes | None:
+        if h in self._now:
+            return self._now[h]
+        if h not in self._had:
+            self._had[h] = self.fetch(U64.pack(h))
+        return self._had[h]
+
+    def wanted(self, hashes: np.ndarray) -> bytes:
+        """The distinct hashes the write knows nothing of, first seen first."""
+        return np.array([h for h in dict.fromkeys(np.asarray(hashes).tolist())
+                         if h not in self._had and h not in self._now], np.uint64).tobytes()
+
+    def load(self, hashes: np.ndarray, values: list[bytes | None]) -> None:
+        """The server's entries of ``hashes`` (a known one keeps what the write has)."""
+        for h, value in zip(np.asarray(hashes).tolist(), values, strict=True):
+            if h not in self._had and h not in self._now:
+                self._had[h] = value
+
+    def get(self, hashes: np.ndarray) -> tuple[bytes, bytes]:
+        """Segment ids (uint32) and offsets (uint16) of ``hashes``, 0 where absent."""
+        absent = b"\0" * BLOCK_VALUE.size
+        found = np.frombuffer(b"".join(self._entry(h) or absent
+                                       for h in np.asarray(hashes).tolist()), BLOCK_DTYPE)
+        return found["seg"].tobytes(), found["off"].tobytes()
+
+    def put(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
+        for i, h in enumerate(np.asarray(hashes).tolist()):
+            self._now[h] = BLOCK_VALUE.pack(seg_id, first_offset + i)
+
+    def delete(self, hashes: np.ndarray) -> None:
+        self._now.update(dict.fromkeys(np.asarray(hashes).tolist()))
+
+    def changes(self) -> tuple[bytes, bytes, bytes]:
+        """The commit's: keys set (8 bytes each, big-endian), their values, and keys
+        deleted that the server has (as ``hash_keys`` gives them), end to end."""
+        sets = [(h, v) for h, v in self._now.items() if v is not None]
+        gone = [h for h, v in self._now.items()
+                if v is None and not (h in self._had and self._had[h] is None)]
+        return (b"".join(hash_keys(np.array([h for h, _ in sets], np.uint64))),
+                b"".join(v for _, v in sets), b"".join(hash_keys(np.array(gone, np.uint64))))
+
+
+def _block_commands(name: bytes, keys: bytes, values: bytes, gone: bytes) -> list[bytes]:
+    """The ``HSET`` and ``HDEL`` commands of :meth:`BlockView.changes`' arrays."""
+    keys_v, values_v = np.frombuffer(keys, "V8"), np.frombuffer(values, "V6")
+    gone_v, step = np.frombuffer(gone, "V8"), COMMAND_ARGS // 2
+    return [*(resp.command(b"HSET", name, resp.Fixed(keys_v[at:at + step],
+                                                      values_v[at:at + step]))
+              for at in range(0, len(keys_v), step)),
+            *(resp.command(b"HDEL", name, resp.Fixed(gone_v[at:at + COMMAND_ARGS]))
+              for at in range(0, len(gone_v), COMMAND_ARGS))]
+
+
+def block_table(fetch):
+    """A write's ``blocks`` table: ``sarp._native.BlockTable`` when the C code is on,
+    else :class:`BlockView`."""
     c = native.C
-    if c is not None:
-        return np.frombuffer(c.distinct(np.ascontiguousarray(hashes, np.uint64)), np.uint64)
-    native.ran_python("distinct")
-    ordered = np.sort(hashes)
-    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))[: ordered.size]]
+    return c.BlockTable(fetch) if c is not None else BlockView(fetch)
 
 
 def _packed(*columns: list[bytes]) -> list:
@@ -97,6 +166,8 @@ class ValkeyWriteTxn(WriteLogic):
         self._holders_read = False
         self._log: list[tuple[bytes, bytes]] = []
         self.trim_below: int | None = None
+        c, name = self._c, store.keys["blk"]  # (the table must not hold the write: a cycle)
+        self._blocks = block_table(lambda key: c.hget(name, key))
 
     # reads through the pending changes
 
@@ -160,18 +231,23 @@ class ValkeyWriteTxn(WriteLogic):
     def prefetch_blocks(self, hashes: np.ndarray) -> None:
         """The ``blocks`` entries of ``hashes`` and the records they name, in two round
         trips, so that the batch's lookups are answered from memory."""
-        if not hashes.size:
-            return
-        keys, view = hash_keys(_distinct(hashes)), self._view["blk"]
-        if view:  # (distinct keys, and usually nothing read yet: no lookups per key then)
-            values = self._get_many("blk", keys)
-        else:
-            values = self._hmget("blk", keys)
-            view.update(zip(keys, values, strict=True))
-            self._absent["blk"].update(compress(keys, map(not_, values)))
-        found = [v for v in values if v is not None]
+        found = [v for v in self._fetch_blocks(hashes) if v is not None]
         if found:
             self.prefetch_segments(np.frombuffer(b"".join(found), BLOCK_DTYPE)["seg"])
+
+    def _fetch_blocks(self, hashes: np.ndarray) -> list[bytes | None]:
+        """The entries of the distinct ``hashes`` the write knows nothing of, in one
+        ``HMGET`` (its keys packed from the array), into the table; returns them."""
+        wanted = np.frombuffer(self._blocks.wanted(np.ascontiguousarray(hashes, np.uint64)),
+                               np.uint64)
+        if not wanted.size:
+            return []
+        name = self._store.keys["blk"]
+        values = self._c.hmget(name, hash_keys(wanted)) if wanted.size <= 64 else \
+            self._store.execute_packed(resp.command(b"HMGET", name, resp.Fixed(
+                wanted.astype(">u8").view("V8"))))
+        self._blocks.load(wanted, values)
+        return values
 
     def prefetch_segments(self, seg_ids: np.ndarray) -> None:
         """The records of ``seg_ids`` and of the ids kept after each for the tails
@@ -219,12 +295,12 @@ class ValkeyWriteTxn(WriteLogic):
         self.release_blocks(seg.hashes)
 
     def locate(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``."""
-        values = self._get_many("blk", hash_keys(hashes))
-        absent = b"\0" * BLOCK_VALUE.size
-        found = np.frombuffer(b"".join(absent if v is None else v for v in values),
-                              BLOCK_DTYPE)
-        return found["seg"].astype(np.uint32), found["off"].astype(np.uint16)
+        """Segment id and offset of each hash (segment id 0 where absent): one ``HMGET``
+        of those the write does not know."""
+        hashes = np.ascontiguousarray(hashes, np.uint64)
+        self._fetch_blocks(hashes)
+        segs, offsets = self._blocks.get(hashes)
+        return np.frombuffer(segs, np.uint32).copy(), np.frombuffer(offsets, np.uint16).copy()
 
     def native_calls(self) -> tuple:
         """What ``sarp._native.pack_batch`` calls (see ``LmdbWriteTxn.native_calls``),
@@ -233,18 +309,20 @@ class ValkeyWriteTxn(WriteLogic):
         tables are named by their hash's name, and a deferred batch's cursor calls are
         not offered (deferred writes are LMDB's page locality, none here)."""
         put = (self._view, self._pending)  # dicts pack_batch puts into itself (None: delete)
+        if isinstance(self._blocks, BlockView):
+            raise RuntimeError("this write began on the Python path (SARP_PURE_PYTHON or "
+                               "native.forced): pack_batch needs its blocks in C")
 
         def deferred_only(*_args):
             raise RuntimeError("a deferred batch runs on LMDB only")
 
-        return (self._view["blk"].__getitem__, self._view["seg"].__getitem__, self.segment,
+        return (self._blocks, self._view["seg"].__getitem__, self.segment,
                 self.new_segment_id, lambda first: self.set_counter("next_seg_id", first - 1),
                 lambda name: self.holder_id(name, create=False), self.new_holder_id,
                 put, put, "seg", "blk", deferred_only, deferred_only, deferred_only)
 
     def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
-        self._put_many("blk", [(key, BLOCK_VALUE.pack(seg_id, first_offset + i))
-                               for i, key in enumerate(hash_keys(hashes))])
+        self._blocks.put(np.ascontiguousarray(hashes, np.uint64), seg_id, first_offset)
 
     def locate_one(self, block_hash: int) -> tuple[int, int]:
         seg_ids, offsets = self.locate(np.array([block_hash], np.uint64))
@@ -259,7 +337,7 @@ class ValkeyWriteTxn(WriteLogic):
 
     def release_blocks(self, hashes: np.ndarray) -> None:
         """Delete the ``blocks`` entries of ``hashes`` at commit (no Python per block)."""
-        self._put_many("blk", dict.fromkeys(hash_keys(hashes)))
+        self._blocks.delete(np.ascontiguousarray(hashes, np.uint64))
 
     def log(self, entries: list[tuple[int, int]]) -> None:
         first = self.take_seqs(len(entries))
@@ -318,6 +396,9 @@ class ValkeyWriteTxn(WriteLogic):
         commands: list[bytes] = []
         for table in TABLES:
             items, name = self._pending[table], store.keys[table]
+            if table == "blk":
+                commands += _block_commands(name, *self._blocks.changes())
+                continue
             set_keys = [k for k, v in items.items() if v is not None]
             values = [v for v in items.values() if v is not None]
             step = COMMAND_ARGS // 2
