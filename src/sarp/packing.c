@@ -228,8 +228,10 @@ static Seg *seg_parse(uint64_t id, const uint8_t *r, Py_ssize_t size, int *bad) 
 
 /* -- u64 -> u64 map (open addressing) -------------------------------------------- */
 
+typedef struct { uint64_t key, val; } Slot; /* together: one cache line read per probe */
+
 typedef struct {
-    uint64_t *keys, *vals;
+    Slot *slots;
     uint8_t *used;
     size_t mask, count;
 } Map;
@@ -243,19 +245,17 @@ static uint64_t mix(uint64_t x) { /* splitmix64's finaliser: ids and hashes alik
 }
 
 static void map_free(Map *m) {
-    PyMem_Free(m->keys);
-    PyMem_Free(m->vals);
+    PyMem_Free(m->slots);
     PyMem_Free(m->used);
     memset(m, 0, sizeof(*m));
 }
 
 static int map_init(Map *m, size_t slots) {
-    m->keys = PyMem_Malloc(slots * 8);
-    m->vals = PyMem_Malloc(slots * 8);
+    m->slots = PyMem_Malloc(slots * sizeof(Slot));
     m->used = PyMem_Calloc(slots, 1);
     m->mask = slots - 1;
     m->count = 0;
-    if (m->keys == NULL || m->vals == NULL || m->used == NULL) {
+    if (m->slots == NULL || m->used == NULL) {
         map_free(m);
         return -1;
     }
@@ -265,8 +265,8 @@ static int map_init(Map *m, size_t slots) {
 static int map_get(const Map *m, uint64_t key, uint64_t *val) {
     for (size_t i = mix(key) & m->mask;; i = (i + 1) & m->mask) {
         if (!m->used[i]) return 0;
-        if (m->keys[i] == key) {
-            *val = m->vals[i];
+        if (m->slots[i].key == key) {
+            *val = m->slots[i].val;
             return 1;
         }
     }
@@ -277,18 +277,44 @@ static int map_put(Map *m, uint64_t key, uint64_t val) {
         Map bigger;
         if (map_init(&bigger, 2 * (m->mask + 1)) < 0) return -1;
         for (size_t i = 0; i <= m->mask; i++) {
-            if (m->used[i]) map_put(&bigger, m->keys[i], m->vals[i]);
+            if (m->used[i]) map_put(&bigger, m->slots[i].key, m->slots[i].val);
         }
         map_free(m);
         *m = bigger;
     }
     size_t i = mix(key) & m->mask;
-    while (m->used[i] && m->keys[i] != key) i = (i + 1) & m->mask;
+    while (m->used[i] && m->slots[i].key != key) i = (i + 1) & m->mask;
     if (!m->used[i]) m->count++;
     m->used[i] = 1;
-    m->keys[i] = key;
-    m->vals[i] = val;
+    m->slots[i].key = key;
+    m->slots[i].val = val;
     return 0;
+}
+
+/* The slot of `key`, made (`*found` 0, its value 0) when the map has none; NULL when
+ * out of memory.  One probe where map_get then map_put take two. */
+static Slot *map_slot(Map *m, uint64_t key, int *found) {
+    int made = 0;
+    if (2 * (m->count + 1) > m->mask + 1) { /* grow (map_put does), the key put */
+        uint64_t val;
+        if (!map_get(m, key, &val)) {
+            if (map_put(m, key, 0) < 0) return NULL;
+            made = 1;
+        }
+    }
+    size_t i = mix(key) & m->mask;
+    while (m->used[i]) {
+        if (m->slots[i].key == key) {
+            *found = !made;
+            return &m->slots[i];
+        }
+        i = (i + 1) & m->mask;
+    }
+    m->used[i] = 1;
+    m->slots[i] = (Slot){key, 0};
+    m->count++;
+    *found = 0;
+    return &m->slots[i];
 }
 
 /* -- a write's `blocks` table on Valkey ------------------------------------------- */
@@ -302,6 +328,7 @@ static int map_put(Map *m, uint64_t key, uint64_t val) {
 #define E_PRESENT (1ULL << 48)
 #define E_CHANGED (1ULL << 49)
 #define E_GONE (1ULL << 50) /* the server has no entry: a delete need not be sent */
+#define E_WANTED (1ULL << 51) /* named by wanted(), not loaded yet: not known */
 
 typedef struct {
     PyObject_HEAD
@@ -309,8 +336,9 @@ typedef struct {
     PyObject *fetch;
 } BlockTable;
 
-static int bt_record(BlockTable *t, uint64_t hash, PyObject *value) {
-    uint64_t e = E_GONE;
+/* An entry as the server gave it (bytes, or None): 0 with `*e`, or -1 error. */
+static int bt_parse(PyObject *value, uint64_t *e) {
+    *e = E_GONE;
     if (value != Py_None) {
         char *p;
         Py_ssize_t len;
@@ -319,9 +347,15 @@ static int bt_record(BlockTable *t, uint64_t hash, PyObject *value) {
             PyErr_Format(PyExc_ValueError, "blocks table entry of %zd bytes", len);
             return -1;
         }
-        e = E_PRESENT | ((uint64_t)u32_at((const uint8_t *)p) << 16)
-            | u16_at((const uint8_t *)p + 4);
+        *e = E_PRESENT | ((uint64_t)u32_at((const uint8_t *)p) << 16)
+             | u16_at((const uint8_t *)p + 4);
     }
+    return 0;
+}
+
+static int bt_record(BlockTable *t, uint64_t hash, PyObject *value) {
+    uint64_t e;
+    if (bt_parse(value, &e) < 0) return -1;
     if (map_put(&t->map, hash, e) < 0) {
         PyErr_NoMemory();
         return -1;
@@ -331,7 +365,7 @@ static int bt_record(BlockTable *t, uint64_t hash, PyObject *value) {
 
 /* The entry of `hash`, fetched when the write does not know it yet: 0, or -1 error. */
 static int bt_lookup(BlockTable *t, uint64_t hash, uint64_t *e) {
-    if (map_get(&t->map, hash, e)) return 0;
+    if (map_get(&t->map, hash, e) && !(*e & E_WANTED)) return 0;
     PyObject *key = be_key(hash);
     if (key == NULL) return -1;
     PyObject *value = PyObject_CallOneArg(t->fetch, key);
@@ -348,13 +382,16 @@ static int bt_lookup(BlockTable *t, uint64_t hash, uint64_t *e) {
  * is kept (E_GONE). */
 static int bt_change(BlockTable *t, uint64_t hash, int present, uint64_t seg_id,
                      Py_ssize_t off) {
-    uint64_t old = 0;
-    uint64_t e = (map_get(&t->map, hash, &old) ? old & E_GONE : 0) | E_CHANGED;
-    if (present) e |= E_PRESENT | ((uint64_t)(uint32_t)seg_id << 16) | (uint16_t)off;
-    if (map_put(&t->map, hash, e) < 0) {
+    int found;
+    Slot *slot = map_slot(&t->map, hash, &found);
+    if (slot == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    /* (a wanted entry changed before it is loaded is not known gone: its delete is sent) */
+    uint64_t e = (found ? slot->val & E_GONE : 0) | E_CHANGED;
+    if (present) e |= E_PRESENT | ((uint64_t)(uint32_t)seg_id << 16) | (uint16_t)off;
+    slot->val = e;
     return 0;
 }
 
@@ -389,31 +426,35 @@ static void bt_dealloc(BlockTable *t) {
 }
 
 /* wanted(hashes) -> bytes: the distinct hashes the write knows nothing of, first seen
- * first (what a prefetch asks the server for). */
+ * first (what a prefetch asks the server for); each is marked wanted, so that it is
+ * named once, until load() records it. */
 static PyObject *bt_wanted(BlockTable *t, PyObject *arg) {
     Py_buffer in;
     if (bt_u64s(arg, &in) < 0) return NULL;
     Py_ssize_t n = in.len / 8, k = 0;
     PyObject *out = PyBytes_FromStringAndSize(NULL, in.len);
-    Map seen;
-    memset(&seen, 0, sizeof(seen));
-    if (out == NULL || map_init(&seen, 1024) < 0) goto oom;
-    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out), unused;
+    if (out == NULL) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     const uint64_t *src = in.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (map_get(&t->map, src[i], &unused) || map_get(&seen, src[i], &unused)) continue;
-        if (map_put(&seen, src[i], 0) < 0) goto oom;
-        dst[k++] = src[i];
+        int found;
+        Slot *slot = map_slot(&t->map, src[i], &found);
+        if (slot == NULL) {
+            PyBuffer_Release(&in);
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+        if (!found) {
+            slot->val = E_WANTED;
+            dst[k++] = src[i];
+        }
     }
-    map_free(&seen);
     PyBuffer_Release(&in);
     if (_PyBytes_Resize(&out, k * 8) < 0) return NULL;
     return out;
-oom:
-    map_free(&seen);
-    PyBuffer_Release(&in);
-    Py_XDECREF(out);
-    return PyErr_Occurred() ? NULL : PyErr_NoMemory();
 }
 
 /* load(hashes, values): the server's entries (bytes, or None where it has none) of
@@ -434,12 +475,20 @@ static PyObject *bt_load(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t unused;
-        if (map_get(&t->map, h[i], &unused)) continue;
-        if (bt_record(t, h[i], PyList_GET_ITEM(args[1], i)) < 0) {
+        int found;
+        Slot *slot = map_slot(&t->map, h[i], &found);
+        uint64_t e;
+        if (slot == NULL || (found && !(slot->val & E_WANTED))) {
+            if (slot != NULL) continue;
+            PyBuffer_Release(&in);
+            return PyErr_NoMemory();
+        }
+        if (bt_parse(PyList_GET_ITEM(args[1], i), &e) < 0) {
+            slot->val = E_WANTED; /* (made here: not known) */
             PyBuffer_Release(&in);
             return NULL;
         }
+        slot->val = e;
     }
     PyBuffer_Release(&in);
     Py_RETURN_NONE;
@@ -514,7 +563,7 @@ static PyObject *bt_delete(BlockTable *t, PyObject *arg) {
 static PyObject *bt_changes(BlockTable *t, PyObject *unused) {
     size_t sets = 0, dels = 0;
     for (size_t i = 0; i <= t->map.mask; i++) {
-        uint64_t e = t->map.vals[i];
+        uint64_t e = t->map.slots[i].val;
         if (!t->map.used[i] || !(e & E_CHANGED)) continue;
         if (e & E_PRESENT) sets++;
         else if (!(e & E_GONE)) dels++;
@@ -531,7 +580,7 @@ static PyObject *bt_changes(BlockTable *t, PyObject *unused) {
     uint8_t *kp = (uint8_t *)PyBytes_AS_STRING(keys), *vp = (uint8_t *)PyBytes_AS_STRING(vals);
     uint8_t *gp = (uint8_t *)PyBytes_AS_STRING(gone);
     for (size_t i = 0; i <= t->map.mask; i++) {
-        uint64_t e = t->map.vals[i], h = t->map.keys[i];
+        uint64_t e = t->map.slots[i].val, h = t->map.slots[i].key;
         if (!t->map.used[i] || !(e & E_CHANGED)) continue;
         uint8_t *out = e & E_PRESENT ? kp : !(e & E_GONE) ? gp : NULL;
         if (out == NULL) continue;
@@ -1348,9 +1397,9 @@ static int apply_pending(Batch *b, int dead) {
     }
     for (size_t slot = 0; slot <= b->pend.mask; slot++) {
         if (!b->pend.used[slot]) continue;
-        int kind = PEND_KIND(b->pend.vals[slot]);
+        int kind = PEND_KIND(b->pend.slots[slot].val);
         if (kind == PEND_NEW || kind == PEND_SET) {
-            w[n++] = (Write){b->pend.keys[slot], b->pend.vals[slot],
+            w[n++] = (Write){b->pend.slots[slot].key, b->pend.slots[slot].val,
                              kind == PEND_NEW ? W_PUT_NEW : W_PUT_SET};
         }
     }

@@ -19,7 +19,6 @@ from .store import (
     BLOCK_DTYPE,
     BLOCK_VALUE,
     ID_STRIDE,
-    LOG_VALUE,
     U64,
     Capabilities,
     WriteLogic,
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
     from .store_valkey import ValkeyStore
 
 CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
+LOG_DTYPE = np.dtype([("seg", "<u4"), ("hash", "<u8")])  # LOG_VALUE's bytes, as an array
 TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in commit order
 COMMAND_ARGS = 100_000  # fields (or field/value items) per HSET or HDEL of a commit
 
@@ -59,6 +59,7 @@ class BlockView:
         self.fetch = fetch
         self._had: dict[int, bytes | None] = {}  # as the server has it (None: absent)
         self._now: dict[int, bytes | None] = {}  # as this write changed it
+        self._asked: set[int] = set()  # named by wanted()
 
     def _entry(self, h: int) -> bytes | None:
         if h in self._now:
@@ -68,9 +69,12 @@ class BlockView:
         return self._had[h]
 
     def wanted(self, hashes: np.ndarray) -> bytes:
-        """The distinct hashes the write knows nothing of, first seen first."""
-        return np.array([h for h in dict.fromkeys(np.asarray(hashes).tolist())
-                         if h not in self._had and h not in self._now], np.uint64).tobytes()
+        """The distinct hashes the write knows nothing of, first seen first; each is
+        named once (until :meth:`load` records it, a lookup still fetches it)."""
+        new = [h for h in dict.fromkeys(np.asarray(hashes).tolist())
+               if h not in self._had and h not in self._now and h not in self._asked]
+        self._asked.update(new)
+        return np.array(new, np.uint64).tobytes()
 
     def load(self, hashes: np.ndarray, values: list[bytes | None]) -> None:
         """The server's entries of ``hashes`` (a known one keeps what the write has)."""
@@ -164,7 +168,9 @@ class ValkeyWriteTxn(WriteLogic):
         self._absent: dict[str, set[bytes]] = {t: set() for t in TABLES}
         self._meta: dict[bytes, bytes] | None = None
         self._holders_read = False
-        self._log: list[tuple[bytes, bytes]] = []
+        self._log: list[bytes] = []  # the log entries' values, end to end
+        self._log_first = 0  # the sequence of the first (they are consecutive)
+        self._log_next = 0
         self.trim_below: int | None = None
         c, name = self._c, store.keys["blk"]  # (the table must not hold the write: a cycle)
         self._blocks = block_table(lambda key: c.hget(name, key))
@@ -341,8 +347,12 @@ class ValkeyWriteTxn(WriteLogic):
 
     def log(self, entries: list[tuple[int, int]]) -> None:
         first = self.take_seqs(len(entries))
-        self._log.extend((f"{first + i}-1".encode(), LOG_VALUE.pack(seg_id, first_hash))
-                         for i, (seg_id, first_hash) in enumerate(entries))
+        if not self._log:
+            self._log_first = first
+        elif first != self._log_next:  # take_seqs counts on: never
+            raise RuntimeError(f"log sequence {first} after {self._log_next - 1}")
+        self._log_next = first + len(entries)
+        self._log.append(np.array(entries, LOG_DTYPE).tobytes())
 
     def holder_get(self, key: bytes) -> bytes | None:
         return self._get("hold", key)
@@ -413,7 +423,7 @@ class ValkeyWriteTxn(WriteLogic):
             commands.append(resp.command(
                 b"EVAL", LOG.encode(), 1, store.keys["log"],
                 b"" if self.trim_below is None else f"{self.trim_below}-0".encode(),
-                *(part for entry in self._log for part in entry)))
+                self._log_first, b"".join(self._log)))
         store.transact(commands)
         if store._aof:
             store.client.execute_command("WAITAOF", 1, 0, 0)
