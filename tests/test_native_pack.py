@@ -251,6 +251,21 @@ def test_the_c_blocks_table_of_a_valkey_write_answers_as_its_python_reference():
     sets, gone = table(c.changes())
     read_absent = {h for h in fetched[0] if h not in server} | absent_loaded
     assert sets and gone and not read_absent & set(gone)
+    # what a writer keeps after the commit, and a next write taking from it
+    known_c, known_py = native.C.BlockTable(fetcher([])), BlockView(fetcher([]))
+    known_c.absorb(c)
+    known_py.absorb(py)
+    assert len(known_c) == len(known_py) > 0
+    hashes = rng.integers(1, 800, 300, dtype=np.uint64)
+    next_c, next_py = native.C.BlockTable(fetcher([])), BlockView(fetcher([]))
+    wanted = next_c.wanted(hashes)
+    assert wanted == next_py.wanted(hashes)
+    assert next_c.take(known_c, np.frombuffer(wanted, np.uint64)) == \
+        next_py.take(known_py, np.frombuffer(wanted, np.uint64))
+    taken = np.array([h for h in np.frombuffer(wanted, np.uint64).tolist()
+                      if h in known_py._had], np.uint64)
+    assert next_c.get(taken) == next_py.get(taken) == c.get(taken)  # as the commit left
+    assert next_c.changes() == (b"", b"", b"")  # taken entries are read, not changed
     with pytest.raises(ValueError, match="3 bytes is not whole uint64s"):
         c.get(b"abc")
     with pytest.raises(ValueError, match="blocks table entry of 2 bytes"):

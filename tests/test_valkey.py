@@ -517,6 +517,43 @@ def test_a_full_valkey_refuses_the_whole_commit_and_the_index_is_unchanged():
         c.close()
 
 
+def test_a_valkey_writer_keeps_what_its_commits_wrote_and_forgets_it_when_one_fails():
+    """Between its writes the writer keeps the ``blocks`` entries its commits left (it
+    holds the lease: nobody else writes), so a batch naming blocks it wrote asks the
+    server for none of them; a write that fails (here: Valkey full) forgets them, and
+    the next one asks again and ends as an index fed without the fault."""
+    import numpy as np
+    import valkey as valkey_client
+
+    with ValkeyServer() as server, sarp.open(server.url("kept"), durability="nosync",
+                                             lease_s=30) as index:
+        c = valkey_client.Valkey(port=server.port)
+        chain = np.arange(1, 51, dtype=np.uint64)
+        index.insert(chain, holder="a")
+        store = index._store
+        assert len(store.known_blocks) >= 50
+
+        def blk_lookups() -> int:
+            # HMGET and HGET calls so far (the blocks' and the records')
+            stats = c.info("commandstats")
+            return sum(stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("hmget", "hget"))
+
+        before = blk_lookups()
+        index.insert(chain, holder="b")  # the entries are kept: only the records are read
+        assert blk_lookups() - before == 1
+        c.config_set("maxmemory", max(1, c.info("memory")["used_memory"] // 2))
+        with pytest.raises(sarp.StoreFullError):
+            index.insert(np.arange(100, 200, dtype=np.uint64), holder="c")
+        assert store.known_blocks is None
+        c.config_set("maxmemory", 0)
+        before = blk_lookups()
+        index.insert(chain, holder="c")
+        assert blk_lookups() - before == 2  # the entries asked for again, and the records
+        assert index.match(chain).by_holder == {"a": 50, "b": 50, "c": 50}
+        assert index.check() == []
+        c.close()
+
+
 def test_commands_packed_with_numpy_are_the_client_librarys_bytes():
     import numpy as np
     import valkey as valkey_client

@@ -599,7 +599,71 @@ static PyObject *bt_changes(BlockTable *t, PyObject *unused) {
     return Py_BuildValue("(NNN)", keys, vals, gone);
 }
 
+/* take(known, hashes) -> bytes: the entries `known` (the writer's table of what the
+ * server has, kept between writes) has of `hashes`, copied in as read; returns the
+ * hashes it lacks (what is still to be fetched). */
+static PyObject *bt_take(BlockTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyObject_TypeCheck(args[0], &sarp_BlockTableType)) {
+        PyErr_SetString(PyExc_TypeError, "take(known: BlockTable, hashes)");
+        return NULL;
+    }
+    const Map *known = &((BlockTable *)args[0])->map;
+    Py_buffer in;
+    if (bt_u64s(args[1], &in) < 0) return NULL;
+    Py_ssize_t n = in.len / 8, k = 0;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, in.len);
+    if (out == NULL) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h = ((const uint64_t *)in.buf)[i], e;
+        if (!map_get(known, h, &e) || (e & E_WANTED)) {
+            dst[k++] = h;
+            continue;
+        }
+        int found;
+        Slot *slot = map_slot(&t->map, h, &found);
+        if (slot == NULL) {
+            PyBuffer_Release(&in);
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+        if (!found || (slot->val & E_WANTED)) slot->val = e & (E_PRESENT | E_GONE | E_VALUE(~0ULL));
+    }
+    PyBuffer_Release(&in);
+    if (_PyBytes_Resize(&out, k * 8) < 0) return NULL;
+    return out;
+}
+
+/* absorb(write): what a committed write's table knows, as the server now has it. */
+static PyObject *bt_absorb(BlockTable *t, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &sarp_BlockTableType)) {
+        PyErr_SetString(PyExc_TypeError, "absorb(write: BlockTable)");
+        return NULL;
+    }
+    const Map *w = &((BlockTable *)arg)->map;
+    for (size_t i = 0; i <= w->mask; i++) {
+        uint64_t e = w->slots[i].val;
+        if (!w->used[i] || (e & E_WANTED)) continue;
+        if (map_put(&t->map, w->slots[i].key, e & E_PRESENT ? E_PRESENT | E_VALUE(e) : E_GONE)
+            < 0) {
+            return PyErr_NoMemory();
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t bt_len(BlockTable *t) { return (Py_ssize_t)t->map.count; }
+
+static PySequenceMethods bt_sequence = {.sq_length = (lenfunc)bt_len};
+
 static PyMethodDef bt_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))bt_take, METH_FASTCALL,
+     "take(known, hashes) -> bytes: known's entries of hashes copied in; those it lacks"},
+    {"absorb", (PyCFunction)bt_absorb, METH_O,
+     "absorb(write): a committed write's entries, as the server now has them"},
     {"wanted", (PyCFunction)bt_wanted, METH_O,
      "wanted(hashes) -> bytes: the distinct hashes not known yet, first seen first"},
     {"load", (PyCFunction)(void (*)(void))bt_load, METH_FASTCALL,
@@ -619,6 +683,7 @@ PyTypeObject sarp_BlockTableType = {
     .tp_name = "sarp._native.BlockTable",
     .tp_basicsize = sizeof(BlockTable),
     .tp_dealloc = (destructor)bt_dealloc,
+    .tp_as_sequence = &bt_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "BlockTable(fetch): a write's view of the blocks table on Valkey",
     .tp_methods = bt_methods,

@@ -211,6 +211,10 @@ class ValkeyStore:
         self._renewer: threading.Thread | None = None
         self._match_conn = None
         self.exec_refused = 0  # commits the server turned away (the lease key changed)
+        # what the server has of `blocks`, as this writer's commits left it, and the
+        # next_seq they left (valkey_write.ValkeyWriteTxn.remember)
+        self.known_blocks = None
+        self.known_seq: bytes | None = None
         try:
             self.client = connect(self.settings)
             self._aof = durability == "sync" and _aof_enabled(self.client)
@@ -344,13 +348,19 @@ class ValkeyStore:
         self._check_lease()
         w = ValkeyWriteTxn(self)
         try:
-            result = fn(w)
-        except _UNREACHABLE as exc:
-            self._check_lease()  # the lease ran out meanwhile: say that, not a timeout
-            raise StoreError(f"{self.path}: write failed ({exc}); nothing was written") from exc
-        except valkey.exceptions.ValkeyError as exc:
-            raise _refused(self.path, "writing (nothing was written)", exc) from exc
-        w.commit()
+            try:
+                result = fn(w)
+            except _UNREACHABLE as exc:
+                self._check_lease()  # the lease ran out meanwhile: say that, not a timeout
+                raise StoreError(f"{self.path}: write failed ({exc}); nothing was "
+                                 "written") from exc
+            except valkey.exceptions.ValkeyError as exc:
+                raise _refused(self.path, "writing (nothing was written)", exc) from exc
+            w.commit()
+        except BaseException:
+            self.known_blocks = None  # (the server may have restarted, or the commit landed)
+            raise
+        w.remember()
         return result
 
     def counter(self, name: str) -> int:

@@ -34,6 +34,7 @@ CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
 LOG_DTYPE = np.dtype([("seg", "<u4"), ("hash", "<u8")])  # LOG_VALUE's bytes, as an array
 TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in commit order
 COMMAND_ARGS = 100_000  # fields (or field/value items) per HSET or HDEL of a commit
+KNOWN_BLOCKS = 2_000_000  # blocks entries a writer keeps between writes (32-64 MB in C)
 
 
 class BlockView:
@@ -96,6 +97,26 @@ class BlockView:
     def delete(self, hashes: np.ndarray) -> None:
         self._now.update(dict.fromkeys(np.asarray(hashes).tolist()))
 
+    def take(self, known: BlockView, hashes: np.ndarray) -> bytes:
+        """Copy in ``known``'s entries of ``hashes`` (the writer's table of what the
+        server has, kept between its writes) as read; return the hashes it lacks."""
+        lacking = []
+        for h in np.frombuffer(np.ascontiguousarray(hashes, np.uint64), np.uint64).tolist():
+            if h in known._had:
+                if h not in self._now and h not in self._had:
+                    self._had[h] = known._had[h]
+            else:
+                lacking.append(h)
+        return np.array(lacking, np.uint64).tobytes()
+
+    def absorb(self, write: BlockView) -> None:
+        """What a committed write knows, as the server now has it."""
+        self._had.update(write._had)
+        self._had.update(write._now)
+
+    def __len__(self) -> int:
+        return len(self._had) + len(self._now)
+
     def changes(self) -> tuple[bytes, bytes, bytes]:
         """The commit's: keys set (8 bytes each, big-endian), their values, and keys
         deleted that the server has (as ``hash_keys`` gives them), end to end."""
@@ -117,11 +138,17 @@ def _block_commands(name: bytes, keys: bytes, values: bytes, gone: bytes) -> lis
               for at in range(0, len(gone_v), COMMAND_ARGS))]
 
 
-def block_table(fetch):
+def block_table(fetch=None):
     """A write's ``blocks`` table: ``sarp._native.BlockTable`` when the C code is on,
-    else :class:`BlockView`."""
+    else :class:`BlockView`; without ``fetch``, one that never fetches (the writer's
+    table of what the server has, :meth:`ValkeyWriteTxn.remember`)."""
     c = native.C
+    fetch = fetch or _never_fetch
     return c.BlockTable(fetch) if c is not None else BlockView(fetch)
+
+
+def _never_fetch(key: bytes) -> None:
+    raise RuntimeError("the writer's table of known blocks never fetches")
 
 
 def _packed(*columns: list[bytes]) -> list:
@@ -236,24 +263,34 @@ class ValkeyWriteTxn(WriteLogic):
 
     def prefetch_blocks(self, hashes: np.ndarray) -> None:
         """The ``blocks`` entries of ``hashes`` and the records they name, in two round
-        trips, so that the batch's lookups are answered from memory."""
-        found = [v for v in self._fetch_blocks(hashes) if v is not None]
-        if found:
-            self.prefetch_segments(np.frombuffer(b"".join(found), BLOCK_DTYPE)["seg"])
+        trips (the entries the writer kept from its last writes cost none), so that the
+        batch's lookups are answered from memory."""
+        new = self._fetch_blocks(hashes)
+        if new.size:
+            seg_ids = np.frombuffer(self._blocks.get(new)[0], np.uint32)
+            if seg_ids.any():
+                self.prefetch_segments(seg_ids[seg_ids != 0])
 
-    def _fetch_blocks(self, hashes: np.ndarray) -> list[bytes | None]:
-        """The entries of the distinct ``hashes`` the write knows nothing of, in one
-        ``HMGET`` (its keys packed from the array), into the table; returns them."""
-        wanted = np.frombuffer(self._blocks.wanted(np.ascontiguousarray(hashes, np.uint64)),
-                               np.uint64)
-        if not wanted.size:
-            return []
-        name = self._store.keys["blk"]
-        values = self._c.hmget(name, hash_keys(wanted)) if wanted.size <= 64 else \
-            self._store.execute_packed(resp.command(b"HMGET", name, resp.Fixed(
-                wanted.astype(">u8").view("V8"))))
-        self._blocks.load(wanted, values)
-        return values
+    def _fetch_blocks(self, hashes: np.ndarray) -> np.ndarray:
+        """Into the table, the entries of the distinct ``hashes`` the write knew nothing
+        of: those the writer kept from its last commits (:meth:`remember`), the rest in
+        one ``HMGET`` (its keys packed from the array); returns those hashes."""
+        new = np.frombuffer(self._blocks.wanted(np.ascontiguousarray(hashes, np.uint64)),
+                            np.uint64)
+        wanted = new
+        known = self._store.known_blocks
+        if new.size and known is not None and type(known) is type(self._blocks):
+            if self._stored_meta().get(b"next_seq") == self._store.known_seq:
+                wanted = np.frombuffer(self._blocks.take(known, new), np.uint64)
+            else:  # the server is not as this writer's last commit left it (it restarted)
+                self._store.known_blocks = None
+        if wanted.size:
+            name = self._store.keys["blk"]
+            values = self._c.hmget(name, hash_keys(wanted)) if wanted.size <= 64 else \
+                self._store.execute_packed(resp.command(b"HMGET", name, resp.Fixed(
+                    wanted.astype(">u8").view("V8"))))
+            self._blocks.load(wanted, values)
+        return new
 
     def prefetch_segments(self, seg_ids: np.ndarray) -> None:
         """The records of ``seg_ids`` and of the ids kept after each for the tails
@@ -397,6 +434,23 @@ class ValkeyWriteTxn(WriteLogic):
             ceiling = U64.pack(self._seg_ceiling())  # big-endian: byte order is numeric
             dels = [k for k in dels if k <= ceiling]
         return dels
+
+    def remember(self) -> None:
+        """After the commit: what this write knows of ``blocks`` is what the server has,
+        and the store keeps it for the writer's next writes (it holds the lease, so
+        nobody else writes), as long as the server's ``next_seq`` is still what this
+        commit left (else the server lost writes: a restart), up to
+        :data:`KNOWN_BLOCKS` entries (then it starts again)."""
+        store = self._store
+        seq = self._pending["meta"].get(b"next_seq") or (self._meta or {}).get(b"next_seq")
+        if seq is None:
+            store.known_blocks = None
+            return
+        if store.known_blocks is None or len(store.known_blocks) > KNOWN_BLOCKS \
+                or type(store.known_blocks) is not type(self._blocks):
+            store.known_blocks = block_table()
+        store.known_blocks.absorb(self._blocks)
+        store.known_seq = seq
 
     def commit(self) -> None:
         """Every change in one ``MULTI``/``EXEC`` fenced by the lease
