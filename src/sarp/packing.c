@@ -405,6 +405,24 @@ static int bt_u64s(PyObject *obj, Py_buffer *buf) {
     return 0;
 }
 
+/* The uint64s of `obj` in `in`, and bytes as long for those a call keeps (cut to
+ * them by bt_kept): the bytes' data, or NULL on error (nothing held then). */
+static uint64_t *bt_u64s_out(PyObject *obj, Py_buffer *in, PyObject **out) {
+    if (bt_u64s(obj, in) < 0) return NULL;
+    *out = PyBytes_FromStringAndSize(NULL, in->len);
+    if (*out == NULL) {
+        PyBuffer_Release(in);
+        return NULL;
+    }
+    return (uint64_t *)PyBytes_AS_STRING(*out);
+}
+
+static PyObject *bt_kept(Py_buffer *in, PyObject *out, Py_ssize_t k) {
+    PyBuffer_Release(in);
+    if (_PyBytes_Resize(&out, k * 8) < 0) return NULL;
+    return out;
+}
+
 static PyObject *bt_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *fetch;
     if (!PyArg_ParseTuple(args, "O:BlockTable", &fetch)) return NULL;
@@ -430,14 +448,10 @@ static void bt_dealloc(BlockTable *t) {
  * named once, until load() records it. */
 static PyObject *bt_wanted(BlockTable *t, PyObject *arg) {
     Py_buffer in;
-    if (bt_u64s(arg, &in) < 0) return NULL;
+    PyObject *out;
+    uint64_t *dst = bt_u64s_out(arg, &in, &out);
+    if (dst == NULL) return NULL;
     Py_ssize_t n = in.len / 8, k = 0;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, in.len);
-    if (out == NULL) {
-        PyBuffer_Release(&in);
-        return NULL;
-    }
-    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     const uint64_t *src = in.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         int found;
@@ -452,9 +466,7 @@ static PyObject *bt_wanted(BlockTable *t, PyObject *arg) {
             dst[k++] = src[i];
         }
     }
-    PyBuffer_Release(&in);
-    if (_PyBytes_Resize(&out, k * 8) < 0) return NULL;
-    return out;
+    return bt_kept(&in, out, k);
 }
 
 /* load(hashes, values): the server's entries (bytes, or None where it has none) of
@@ -609,14 +621,10 @@ static PyObject *bt_take(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
     }
     const Map *known = &((BlockTable *)args[0])->map;
     Py_buffer in;
-    if (bt_u64s(args[1], &in) < 0) return NULL;
+    PyObject *out;
+    uint64_t *dst = bt_u64s_out(args[1], &in, &out);
+    if (dst == NULL) return NULL;
     Py_ssize_t n = in.len / 8, k = 0;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, in.len);
-    if (out == NULL) {
-        PyBuffer_Release(&in);
-        return NULL;
-    }
-    uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t h = ((const uint64_t *)in.buf)[i], e;
         if (!map_get(known, h, &e) || (e & E_WANTED)) {
@@ -630,11 +638,11 @@ static PyObject *bt_take(BlockTable *t, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(out);
             return PyErr_NoMemory();
         }
-        if (!found || (slot->val & E_WANTED)) slot->val = e & (E_PRESENT | E_GONE | E_VALUE(~0ULL));
+        if (!found || (slot->val & E_WANTED)) {
+            slot->val = e & (E_PRESENT | E_GONE | E_VALUE(~0ULL));
+        }
     }
-    PyBuffer_Release(&in);
-    if (_PyBytes_Resize(&out, k * 8) < 0) return NULL;
-    return out;
+    return bt_kept(&in, out, k);
 }
 
 /* absorb(write): what a committed write's table knows, as the server now has it. */

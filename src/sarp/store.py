@@ -434,18 +434,18 @@ def _shards_on_valkey(path: str | os.PathLike) -> None:
 
 def shard_location(path: str | os.PathLike, shard: str, *, create: bool = True) -> str:
     """The location of shard ``shard`` of the sharded index at ``path`` (a Valkey URL):
-    see :func:`sarp.store_valkey.shard_url`.  ValueError for a folder."""
+    see :func:`sarp.valkey_shards.shard_url`.  ValueError for a folder."""
     _shards_on_valkey(path)
-    from .store_valkey import shard_url
+    from .valkey_shards import shard_url
 
     return shard_url(os.fspath(path), shard, create=create)
 
 
 def shard_registry(path: str | os.PathLike):
     """The registry of the shards under ``path`` (a Valkey URL): ``.shards()`` gives
-    name -> location, ``.close()`` lets it go (:class:`sarp.store_valkey.ShardRegistry`)."""
+    name -> location, ``.close()`` lets it go (:class:`sarp.valkey_shards.ShardRegistry`)."""
     _shards_on_valkey(path)
-    from .store_valkey import ShardRegistry
+    from .valkey_shards import ShardRegistry
 
     return ShardRegistry(os.fspath(path))
 

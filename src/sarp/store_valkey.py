@@ -59,7 +59,6 @@ from .store import (
     LOG_VALUE,
     U64,
     check_durability,
-    check_shard_name,
     check_version,
     counter_value,
     holder_names,
@@ -72,7 +71,8 @@ log = logging.getLogger("sarp.valkey")
 
 DEFAULT_LEASE_S = 10.0
 TRANSACT_TRIES = 5  # EXECs refused in a row (the lease renewed meanwhile) before giving up
-_UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
+# the errors by which the client says the server cannot be reached
+UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
 
 
@@ -89,93 +89,6 @@ def connect(settings: dict):
 
         return ValkeyCluster(**kwargs)
     return client
-
-
-# -- shards: namespaces registered under one, placed over a cluster's nodes ------------------
-
-def _registry(settings: dict) -> bytes:
-    return f"sarp:{{{settings['namespace']}}}:shards".encode()
-
-
-def _with_namespace(url: str, namespace: str) -> str:
-    return url.rsplit("/", 1)[0] + "/" + namespace
-
-
-class ShardRegistry:
-    """The shards registered under a URL's namespace, read on one kept connection."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.settings = parse_url(url)
-        try:
-            self._client = connect(self.settings)
-        except _UNREACHABLE as exc:
-            raise StoreError(f"{url}: cannot reach Valkey ({exc}); is the server up?") from exc
-
-    def shards(self) -> dict[str, str]:
-        """Name -> the URL of each shard's own namespace.  Cost: one ``HGETALL``."""
-        try:
-            got = self._client.hgetall(_registry(self.settings))
-        except _UNREACHABLE as exc:
-            raise StoreError(f"{self.url}: cannot reach Valkey ({exc}); is the server "
-                             "up?") from exc
-        return {name.decode(): _with_namespace(self.url, ns.decode())
-                for name, ns in sorted(got.items())}
-
-    def close(self) -> None:
-        self._client.close()
-
-
-def shard_url(url: str, shard: str, *, create: bool = True) -> str:
-    """The URL of shard ``shard`` of the sharded index at ``url``: a namespace of its
-    own, registered under ``url``'s (``sarp:{NS}:shards``).  A new one, on a cluster,
-    gets a namespace whose slot is on the node holding the fewest shards, so that the
-    shards spread over the nodes (and their writers' and readers' traffic with them).
-
-    Cost: a connection, one ``HGET``; a new shard a few more (``HSETNX``: two writers
-    naming one new shard at once get the same namespace).
-    """
-    check_shard_name(shard)
-    settings = parse_url(url)
-    base = f"{settings['namespace']}:shard:{shard}"
-    if len(base) + 5 > 64:
-        raise ValueError(f"{url!r} with shard {shard!r}: namespace and shard name together "
-                         "must stay within 59 characters; shorten one")
-    client = connect(settings)
-    try:
-        key = _registry(settings)
-        known = client.hget(key, shard)
-        if known is None and not create:
-            raise NotAnIndexError(f"{url}: no shard {shard!r} is registered; open it once "
-                                  "without readonly=True to create it")
-        if known is None:
-            client.hsetnx(key, shard, _placed(client, base, client.hvals(key)))
-            known = client.hget(key, shard)
-    except _UNREACHABLE as exc:
-        raise StoreError(f"{url}: cannot reach Valkey ({exc}); is the server up?") from exc
-    finally:
-        client.close()
-    return _with_namespace(url, known.decode())
-
-
-def _placed(client, base: str, registered: list[bytes]) -> str:
-    """``base`` with a suffix whose slot is on the node with the fewest of the
-    ``registered`` shards (off a cluster, the one server: suffix 0)."""
-    if not hasattr(client, "get_node_from_key"):
-        return f"{base}:0"
-
-    def node(ns: str):
-        return client.get_node_from_key(f"sarp:{{{ns}}}:meta").name
-
-    load = {n.name: 0 for n in client.get_primaries()}
-    for ns in registered:
-        where = node(ns.decode())
-        load[where] = load.get(where, 0) + 1
-    target = min(load, key=lambda n: (load[n], n))
-    for k in range(10_000):  # 16,384 slots over a few nodes: a handful of tries
-        if node(f"{base}:{k}") == target:
-            return f"{base}:{k}"
-    return f"{base}:0"
 
 
 class ValkeyStore:
@@ -232,7 +145,7 @@ class ValkeyStore:
                     self._create()
             check_version(self.client.hget(self.keys["meta"], b"format_version"), self.path)
             self.index_id = bytes(self.client.hget(self.keys["meta"], b"index_id"))
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             self.close()
             how = " over TLS" if self.settings["ssl"] else ""
             raise StoreError(f"{url}: cannot reach Valkey{how} ({exc}); is the server up"
@@ -254,7 +167,7 @@ class ValkeyStore:
                 value = f"{fence}:{uuid.uuid4().hex}".encode()
                 asked = time.monotonic()  # the server sets it at this time or later
                 taken = self.client.set(self.keys["lease"], value, nx=True, px=self.lease_ms)
-            except _UNREACHABLE as exc:
+            except UNREACHABLE as exc:
                 if time.monotonic() >= deadline:
                     raise
                 # a stalled or restarting server: a standby waits it out (it gave up here)
@@ -344,13 +257,14 @@ class ValkeyStore:
         return ValkeyReadTxn(self)
 
     def write(self, fn: Callable[[ValkeyWriteTxn], T]) -> T:
-        """Run ``fn`` on a buffered write and commit it in one fenced script; all or nothing."""
+        """Run ``fn`` on a buffered write and commit it in one fenced transaction
+        (:meth:`transact`); all or nothing."""
         self._check_lease()
         w = ValkeyWriteTxn(self)
         try:
             try:
                 result = fn(w)
-            except _UNREACHABLE as exc:
+            except UNREACHABLE as exc:
                 self._check_lease()  # the lease ran out meanwhile: say that, not a timeout
                 raise StoreError(f"{self.path}: write failed ({exc}); nothing was "
                                  "written") from exc
@@ -462,15 +376,15 @@ class ValkeyStore:
                     refused.append(exc)
             try:
                 done = conn.read_response()
-            except valkey.exceptions.ResponseError:
-                # EXECABORT: the first refusal says why (OOM: StoreFullError)
-                raise (refused or [valkey.exceptions.ResponseError("EXEC refused")])[0] \
-                    from None
+            except valkey.exceptions.ResponseError as exc:
+                # nothing done: EXECABORT (the first refusal says why), or OOM at EXEC
+                raise (refused[0] if refused else exc) from None
             if done is None:
                 self.exec_refused += 1
                 return False
             failed = [r for r in done if isinstance(r, Exception)]
-            if failed:
+            if failed:  # (WRONGTYPE: another program's key) the others were applied
+                self.maybe_applied = True
                 raise failed[0]
             return True
         except BaseException:
@@ -513,7 +427,7 @@ class ValkeyStore:
                 raise StoreFullError(f"{self.path}: Valkey is out of memory ({exc}); the "
                                      "index is unchanged") from exc
             raise StoreError(f"{self.path}: write failed: {exc}") from exc
-        except _UNREACHABLE as exc:
+        except UNREACHABLE as exc:
             self.maybe_applied = True
             self._check_lease()  # a write that outlived the lease is a lost lease
             raise StoreError(f"{self.path}: write failed ({exc}); it may or may not have "
@@ -575,7 +489,7 @@ class ValkeyReadTxn:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, _UNREACHABLE):
+        if exc_type is not None and issubclass(exc_type, UNREACHABLE):
             raise StoreError(f"{self._store.path}: reading failed ({exc}); is Valkey up?") \
                 from exc
         if exc_type is not None and issubclass(exc_type, valkey.exceptions.ValkeyError):

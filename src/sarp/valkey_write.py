@@ -34,7 +34,7 @@ CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
 LOG_DTYPE = np.dtype([("seg", "<u4"), ("hash", "<u8")])  # LOG_VALUE's bytes, as an array
 TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in commit order
 COMMAND_ARGS = 100_000  # fields (or field/value items) per HSET or HDEL of a commit
-KNOWN_BLOCKS = 2_000_000  # blocks entries a writer keeps between writes (32-64 MB in C)
+KNOWN_BLOCKS = 1_000_000  # blocks entries a writer keeps between writes (at most 36 MB in C)
 
 
 class BlockView:
@@ -46,13 +46,15 @@ class BlockView:
 
     Cost: a dict entry per block named (the C table: 16 bytes, no Python object).
 
-    >>> view = BlockView(lambda key: None)
-    >>> view.put(np.array([7], np.uint64), 3, 0)
-    >>> [np.frombuffer(b, t).tolist() for b, t in zip(view.get(np.array([7, 8], np.uint64)),
+    >>> view = BlockView(lambda key: None)  # (a server with no entries)
+    >>> view.load(np.array([7], np.uint64), [None])  # 7 read: the server has none
+    >>> view.put(np.array([7, 8], np.uint64), 3, 0)
+    >>> [np.frombuffer(b, t).tolist() for b, t in zip(view.get(np.array([8, 9], np.uint64)),
     ...                                               ("<u4", "<u2"))]
-    [[3, 0], [0, 0]]
-    >>> view.delete(np.array([7], np.uint64)); view.changes()  # 7 was never on the server
-    (b'', b'', b'')
+    [[3, 0], [1, 0]]
+    >>> view.delete(np.array([7, 8], np.uint64))  # 8 was never read: its delete is sent
+    >>> np.frombuffer(view.changes()[2], ">u8").tolist()
+    [8]
     """
 
     def __init__(self, fetch) -> None:
