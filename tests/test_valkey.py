@@ -554,6 +554,33 @@ def test_a_valkey_writer_keeps_what_its_commits_wrote_and_forgets_it_when_one_fa
         c.close()
 
 
+def test_a_readers_match_outlives_a_valkey_restart_on_its_kept_connection(tmp_path):
+    """A reader's matches go on a connection it keeps to the namespace's node (the
+    client's layers cost more than the round trip); when that connection breaks (Valkey
+    restarted, with its data) the match asks through the client, which connects again,
+    and the answers stay those of the index."""
+    import numpy as np
+
+    folder = tmp_path / "valkey"
+    server = ValkeyServer(aof=True, folder=folder)
+    port, url = server.port, server.url("kept-conn")
+    chain = np.arange(1, 41, dtype=np.uint64)
+    try:
+        with sarp.open(url, durability="sync") as writer:
+            writer.insert(chain, holder="a")
+        with sarp.open(url, readonly=True) as reader:
+            assert reader.match(chain).by_holder == {"a": 40}
+            assert reader._store._match_conn is not None  # the kept connection is in use
+            server.stop()
+            server = ValkeyServer(aof=True, folder=folder, port=port)
+            assert reader.match(chain).by_holder == {"a": 40}
+            assert reader._store._match_conn is None  # let go; asked through the client
+            assert reader.match(chain[:10]).by_holder == {"a": 10}
+            assert reader._store._match_conn is not None  # kept again
+    finally:
+        server.stop()
+
+
 def test_commands_packed_with_numpy_are_the_client_librarys_bytes():
     import numpy as np
     import valkey as valkey_client

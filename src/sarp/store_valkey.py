@@ -74,6 +74,9 @@ TRANSACT_TRIES = 5  # EXECs refused in a row (the lease renewed meanwhile) befor
 # the errors by which the client says the server cannot be reached
 UNREACHABLE = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
 T = TypeVar("T")
+_MOVED = (valkey.exceptions.MovedError, valkey.exceptions.AskError,
+          valkey.exceptions.TryAgainError, valkey.exceptions.ClusterDownError)
+_MOVED_WORDS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")  # (as a node's plain reply)
 
 
 def connect(settings: dict):
@@ -283,21 +286,45 @@ class ValkeyStore:
         return counter_value(raw, name, self.path)
 
     def hmget(self, key: bytes, fields: list[bytes]) -> list:
-        """``HMGET`` on a connection kept for the match path (the Index's lock makes its
-        matches one at a time): the client's per-call layers cost about a third of a
-        loopback round trip.  A cluster client routes by slot, so it goes through it."""
-        pool = getattr(self.client, "connection_pool", None)
-        if pool is None:
-            return self.client.hmget(key, fields)
+        """``HMGET`` on the match path's connection (:meth:`_on_match_conn`)."""
+        return self._on_match_conn(resp.command(b"HMGET", key, *fields),
+                                   lambda: self.client.hmget(key, fields))
+
+    def read_script(self, keys: list[bytes], args: list[bytes]) -> list:
+        """The ``READ`` script (a reader's catch-up counters and the records its match
+        predicts, in one atomic read) on the match path's connection."""
+        script = self._read_script
+        data = resp.command(b"EVALSHA", script.sha.encode(), len(keys), *keys, *args)
+        try:
+            return self._on_match_conn(data, lambda: script(keys=keys, args=args))
+        except valkey.exceptions.NoScriptError:  # (a node that restarted, or a new one)
+            self._node_client().script_load(script.script)
+            return self._on_match_conn(data, lambda: script(keys=keys, args=args))
+
+    def _on_match_conn(self, data: bytes, through_client: Callable[[], T]) -> T:
+        """One packed command on a connection to the namespace's node kept for the match
+        path (the Index's lock makes its matches one at a time): the client's per-call
+        layers, a cluster client's most of all, cost more than a loopback round trip.
+        When the slot has moved (a cluster being resharded) or the node cannot be
+        reached (a failover), the connection is let go and ``through_client()`` asks
+        through the client, which follows the slot and the topology."""
         if self._match_conn is None:
-            self._match_conn = pool.make_connection()
+            self._match_conn = self._node_client().connection_pool.make_connection()
         conn = self._match_conn
         try:
-            conn.send_command("HMGET", key, *fields)
+            conn.send_packed_command([data])
             return conn.read_response()
+        except valkey.exceptions.ResponseError as exc:
+            if not isinstance(exc, _MOVED) and not str(exc).startswith(_MOVED_WORDS):
+                raise
+        except UNREACHABLE:
+            pass
         except BaseException:
-            conn.disconnect()  # the next call connects again
+            conn.disconnect()  # a reply may be left unread: the next call connects again
             raise
+        conn.disconnect()
+        self._match_conn = None
+        return through_client()
 
     def trim_log(self, upto: int) -> None:
         """Drop log entries with sequence <= ``upto`` (a snapshot covers them)."""
@@ -473,9 +500,9 @@ class ValkeyReadTxn:
         wanted = [i for i in dict.fromkeys(seg_ids.tolist()) if i not in self._fetched]
         keys = self._store.keys
         if with_counters and self._meta is None:
-            # a script: atomic, and one slot, so it runs on a cluster too (MULTI does not)
-            meta, values = self._store._read_script(
-                keys=[keys["meta"], keys["seg"]], args=[U64.pack(i) for i in wanted])
+            # a script: one atomic read in one round trip
+            meta, values = self._store.read_script(
+                [keys["meta"], keys["seg"]], [U64.pack(i) for i in wanted])
             self._meta = dict(zip(meta[::2], meta[1::2], strict=True))
             self._fetched.update(zip(wanted, values, strict=True))
         elif wanted:
