@@ -304,7 +304,8 @@ class ValkeyStore:
     def _on_match_conn(self, data: bytes, through_client: Callable[[], T]) -> T:
         """One packed command on a connection to the namespace's node kept for the match
         path (the Index's lock makes its matches one at a time): the client's per-call
-        layers, a cluster client's most of all, cost more than a loopback round trip.
+        layers, a cluster client's most of all, cost about as much as a loopback round
+        trip.
         When the slot has moved (a cluster being resharded) or the node cannot be
         reached (a failover), the connection is let go and ``through_client()`` asks
         through the client, which follows the slot and the topology."""
