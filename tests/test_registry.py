@@ -16,6 +16,17 @@ from sarp.serving.sources import STATE_FILE
 from sarp.serving.subscriber import Source, Subscriber
 
 
+def connected(sub: Subscriber, key: str, timeout_s: float = 10.0) -> None:
+    """Poll until ``key``'s SUB socket has connected, and a little more for its
+    subscription to reach the engine: a PUB socket drops what it sends before then (a
+    slow CI run saw all 20 of a's batches go that way, and nothing came after them)."""
+    deadline = time.monotonic() + timeout_s
+    while sub._connects[key] < 1 and time.monotonic() < deadline:
+        sub.poll(10)
+    for _ in range(20):
+        sub.poll(10)
+
+
 def source_of(eng) -> Source:
     return Source(eng.name, eng.publisher.endpoint, eng.publisher.replay_endpoint)
 
@@ -31,6 +42,7 @@ def test_an_engine_added_at_runtime_is_replayed_and_one_removed_is_cleared(index
     try:
         sub = Subscriber(index, [source_of(a)])
         settle(sub)
+        connected(sub, "a")
         work, other = chains(3, 40), chains(4, 20)
         for chain, its in zip(work[:20], other, strict=True):
             a.serve(chain)
