@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
 LOG_DTYPE = np.dtype([("seg", "<u4"), ("hash", "<u8")])  # LOG_VALUE's bytes, as an array
 TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in commit order
+BUFFERED = tuple(t for t in TABLES if t != "blk")  # in dicts; `blocks` is a BlockTable
 COMMAND_ARGS = 100_000  # fields (or field/value items) per HSET or HDEL of a commit
 KNOWN_BLOCKS = 1_000_000  # blocks entries a writer keeps between writes (at most 36 MB in C)
 
@@ -189,12 +190,12 @@ class ValkeyWriteTxn(WriteLogic):
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
         self._c = store.client
-        self._pending: dict[str, dict[bytes, bytes | None]] = {t: {} for t in TABLES}
+        self._pending: dict[str, dict[bytes, bytes | None]] = {t: {} for t in BUFFERED}
         # what this write has changed over what it has read, per table; the writer
         # holds the lease, so nothing else changes the tables meanwhile
-        self._view = {t: _Known(self._fetcher(t)) for t in TABLES}
+        self._view = {t: _Known(self._fetcher(t)) for t in BUFFERED}
         # keys read as absent: a delete of one of them is left out of the commit
-        self._absent: dict[str, set[bytes]] = {t: set() for t in TABLES}
+        self._absent: dict[str, set[bytes]] = {t: set() for t in BUFFERED}
         self._meta: dict[bytes, bytes] | None = None
         self._holders_read = False
         self._log: list[bytes] = []  # the log entries' values, end to end
@@ -249,10 +250,15 @@ class ValkeyWriteTxn(WriteLogic):
             self._absent[table].update(compress(missing, map(not_, values)))
         return [view[k] for k in keys]
 
-    def _hmget(self, table: str, keys: list[bytes]) -> list[bytes | None]:
-        """``HMGET`` of ``keys``: many of one width packed by :mod:`sarp.resp`."""
+    def _hmget(self, table: str, keys: list[bytes] | np.ndarray) -> list[bytes | None]:
+        """``HMGET`` of ``keys`` (bytes, or block hashes as a ``uint64`` array): many of
+        one width packed by :mod:`sarp.resp`."""
         name = self._store.keys[table]
-        packed = resp.Fixed.of(keys, width=(len(keys[0]),)) if len(keys) > 64 else None
+        if isinstance(keys, np.ndarray):
+            packed = resp.Fixed(keys.astype(">u8").view("V8")) if keys.size > 64 else None
+            keys = hash_keys(keys) if packed is None else keys
+        else:
+            packed = resp.Fixed.of(keys, width=(len(keys[0]),)) if len(keys) > 64 else None
         if packed is None:
             return self._c.hmget(name, keys)
         return self._store.execute_packed(resp.command(b"HMGET", name, packed))
@@ -287,11 +293,7 @@ class ValkeyWriteTxn(WriteLogic):
             else:  # the server is not as this writer's last commit left it (it restarted)
                 self._store.known_blocks = None
         if wanted.size:
-            name = self._store.keys["blk"]
-            values = self._c.hmget(name, hash_keys(wanted)) if wanted.size <= 64 else \
-                self._store.execute_packed(resp.command(b"HMGET", name, resp.Fixed(
-                    wanted.astype(">u8").view("V8"))))
-            self._blocks.load(wanted, values)
+            self._blocks.load(wanted, self._hmget("blk", wanted))
         return new
 
     def prefetch_segments(self, seg_ids: np.ndarray) -> None:
@@ -461,10 +463,11 @@ class ValkeyWriteTxn(WriteLogic):
         store = self._store
         commands: list[bytes] = []
         for table in TABLES:
-            items, name = self._pending[table], store.keys[table]
+            name = store.keys[table]
             if table == "blk":
                 commands += _block_commands(name, *self._blocks.changes())
                 continue
+            items = self._pending[table]
             set_keys = [k for k, v in items.items() if v is not None]
             values = [v for v in items.values() if v is not None]
             step = COMMAND_ARGS // 2
