@@ -132,6 +132,33 @@ def test_a_deferred_claim_the_table_refuses_runs_the_batch_again(tmp_path, where
     assert c_answers[1][2]  # the conflicting insert failed, as in Python
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
+@pytest.mark.parametrize("segment_blocks", [1, 3])
+def test_a_store_over_an_evicted_block_whose_child_is_held_stays_in_c(
+        tmp_path, segment_blocks, deferred):
+    """A chain stored again after a block in its middle left the index while the
+    block after it (the first of its own segment) stayed: the new blocks end at that
+    child and the walk goes on from it, in C as in Python, with no handover; the
+    holder is back on the whole chain.  Deferred, the table's refusal is seen at the
+    end and the batch runs again undeferred (the refusal that ends the new run)."""
+    chain = np.arange(100, 110, dtype=np.uint64)
+    first = [("insert", chain, None, "a", "GPU"), ("insert", chain[:7], None, "b", "GPU")]
+    evict = [("remove", chain[3:6], "a", "GPU"), ("remove", chain[3:7], "b", "GPU")]
+    again = [("insert", chain, None, "a", "GPU"), ("insert", np.array([5, 6], np.uint64),
+                                                    None, "c", "GPU")]
+    chunks = [first, evict, again]
+    c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, segment_blocks,
+                                     deferred_min=1 if deferred else None)
+    py_answers, py_state, _ = _run(tmp_path / "py", chunks, False, segment_blocks)
+    assert (c_answers, c_state) == (py_answers, py_state)
+    assert calls[-1] == (len(again), len(again), False)  # the whole batch in C
+    assert [c for c in calls if c[2]] == ([(2, 2, True), (2, 2, True), (None, 2, True)]
+                                          if deferred else [])
+    assert c_answers[-1] == (3 + 2, [0, 0], [])  # chain[3:6] new again, no refusal
+    with sarp.open(tmp_path / "c") as index:
+        assert index.match(chain).by_holder == {"a": 10, "b": 3}
+
+
 def test_deferred_batches_of_an_engine_stream_keep_every_table(tmp_path):
     """Chunks of 200 operations (deferred at the default threshold) of a long engine-like
     stream: the same tables as Python's, every batch run deferred and most kept (the

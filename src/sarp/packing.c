@@ -978,11 +978,11 @@ static int blk_delete(Batch *b, uint64_t hash) {
     return delete_key(b, be_key(hash), CB_BLOCKS_DB);
 }
 
-/* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left), -1 error.  Each
- * entry goes in with LMDB's no-overwrite put; at the first refusal the ones put are
- * deleted again. */
+/* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left; *refused: the
+ * first of `hashes` that is stored), -1 error.  Each entry goes in with LMDB's
+ * no-overwrite put; at the first refusal the ones put are deleted again. */
 static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id,
-                 Py_ssize_t first_offset) {
+                 Py_ssize_t first_offset, Py_ssize_t *refused) {
     if (b->deferred) { /* against this batch's entries; the table's are checked at the end */
         for (Py_ssize_t i = 0; i < k; i++) {
             uint64_t v;
@@ -990,6 +990,7 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
                 for (Py_ssize_t j = 0; j < i; j++) {
                     if (map_put(&b->pend, hashes[j], PEND(PEND_NONE, 0, 0)) < 0) goto oom;
                 }
+                *refused = i;
                 return 0;
             }
             if (map_put(&b->pend, hashes[i], PEND(PEND_NEW, seg_id, first_offset + i)) < 0) {
@@ -1015,6 +1016,7 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
             for (Py_ssize_t j = 0; j < i; j++) {
                 if (blk_delete(b, hashes[j]) < 0) return -1;
             }
+            *refused = i;
             return 0;
         }
     }
@@ -1155,6 +1157,60 @@ static int release_claims(Batch *b, const uint64_t *chain, const Py_ssize_t *cla
 typedef struct { Seg *seg; Py_ssize_t at, j, k; } Run;
 typedef struct { Seg *seg; uint64_t new_id; Py_ssize_t split_at, j, k; } Placement;
 
+/* Packer._place_run: claims for the new blocks chain[i:end) after the block at
+ * (prev, o) (prev NULL: the chain starts at i), as Placements.  1 placed; 0 a block
+ * is stored (*stored: its chain index), nothing of this run kept, its segment ids
+ * given back; -1 error.  *first_id: the first id an insert takes. */
+static int place_run(Batch *b, const uint64_t *chain, Py_ssize_t i, Py_ssize_t end,
+                     Seg *prev, Py_ssize_t o, Placement *places, Py_ssize_t *nplaces,
+                     Py_ssize_t *claims, Py_ssize_t *nclaims, uint64_t *first_id,
+                     Py_ssize_t *stored) {
+    Py_ssize_t places0 = *nplaces, claims0 = *nclaims, at = i, refused;
+    uint64_t run_id = 0; /* the first id this run took */
+    int got = 1;
+    if (prev != NULL) {
+        Py_ssize_t blocks = prev->n, split_at = -1;
+        if (0 < blocks - 1 - o && blocks - 1 - o <= b->split_tail) split_at = blocks = o + 1;
+        if (o == blocks - 1 && blocks < b->cap_blocks) {
+            Py_ssize_t k = b->cap_blocks - blocks < end - at ? b->cap_blocks - blocks : end - at;
+            got = claim(b, chain + at, k, prev->id, blocks, &refused);
+            if (got < 0) return -1;
+            if (got) {
+                claims[2 * *nclaims] = at;
+                claims[2 * *nclaims + 1] = k;
+                (*nclaims)++;
+                places[(*nplaces)++] = (Placement){prev, 0, split_at, at, k};
+                at += k;
+            }
+        }
+    }
+    while (got && at < end) {
+        Py_ssize_t k = b->cap_blocks < end - at ? b->cap_blocks : end - at;
+        uint64_t id;
+        if (new_segment_id(b, &id) < 0) return -1;
+        if (!run_id) run_id = id;
+        got = claim(b, chain + at, k, id, 0, &refused);
+        if (got < 0) return -1;
+        if (got) {
+            claims[2 * *nclaims] = at;
+            claims[2 * *nclaims + 1] = k;
+            (*nclaims)++;
+            places[(*nplaces)++] = (Placement){NULL, id, -1, at, k};
+            at += k;
+        }
+    }
+    if (got) {
+        if (run_id && !*first_id) *first_id = run_id;
+        return 1;
+    }
+    *stored = at + refused;
+    if (release_claims(b, chain, claims + 2 * claims0, *nclaims - claims0) < 0) return -1;
+    if (run_id && untake_seg_ids(b, run_id) < 0) return -1;
+    *nplaces = places0;
+    *nclaims = claims0;
+    return 0;
+}
+
 /* Packer._walk_insert, with _held_parent and _place. */
 static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *parent_obj,
                   PyObject *name) {
@@ -1187,18 +1243,22 @@ static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *paren
         off = o;
         start_pos = seg->start_pos + (uint64_t)o + 1;
     }
-    Seg *parent_seg = seg;
-    Py_ssize_t parent_off = off;
+    Placement *places = NULL;
+    Py_ssize_t *claims = NULL;
     Run *runs = PyMem_Malloc(sizeof(Run) * (size_t)(n + 1));
-    Placement *places = PyMem_Malloc(sizeof(Placement) * (size_t)(n / b->cap_blocks + 2));
-    Py_ssize_t nruns = 0, nplaces = 0, nclaims = 0;
-    Py_ssize_t *claims = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)(n / b->cap_blocks + 2));
+    Py_ssize_t nruns = 0, nplaces = 0, nclaims = 0, new_blocks = 0;
     int result = OP_ERROR;
+    /* at most one placement more than its segments per new run, and a run per block */
+    Py_ssize_t most = 2 * n + n / b->cap_blocks + 2;
+    places = PyMem_Malloc(sizeof(Placement) * (size_t)most);
+    claims = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)most);
     if (runs == NULL || places == NULL || claims == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    Py_ssize_t i = 0;
+    Seg *prev = seg; /* the block before chain[i]: the parent's, then each run's last */
+    Py_ssize_t prev_off = off, i = 0, stored = -1;
+    uint64_t first_id = 0; /* the first segment id taken here, given back on a refusal */
     while (i < n) {
         Py_ssize_t nxt = off + 1;
         if (seg != NULL && nxt < seg->n) {
@@ -1208,94 +1268,52 @@ static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *paren
                 runs[nruns++] = (Run){seg, nxt, i, k};
                 i += k;
                 off = nxt + k - 1;
+                prev = seg;
+                prev_off = off;
                 continue;
             }
         }
         uint64_t sid;
         int found = head_of(b, chain[i], &sid);
         if (found < 0) goto out;
-        if (!found) break;
-        seg = touched_get(b, sid);
-        if (seg == NULL) goto out;
-        if (seg->n == 0 || seg->hashes[0] != chain[i]) {
-            /* named for a head it does not start with: the walk would ask again for
-             * ever; Python's walk raises the CorruptRecordError that says so */
-            result = OP_TO_PYTHON;
-            goto out;
-        }
-        int want_root = i == 0 && !has_parent;
-        uint64_t want_parent = i ? chain[i - 1] : parent;
-        if ((want_root ? !seg->is_root : (seg->is_root || seg->parent != want_parent))
-            || seg->start_pos != start_pos + (uint64_t)i) {
-            result = OP_TO_PYTHON; /* a conflict: the general path names it */
-            goto out;
-        }
-        off = -1;
-    }
-    /* _place: where the new blocks go, each placement's blocks claimed */
-    Py_ssize_t first_new = i;
-    if (i < n) {
-        Seg *prev = NULL;
-        Py_ssize_t o = 0;
-        if (nruns) {
-            prev = runs[nruns - 1].seg;
-            o = runs[nruns - 1].at + runs[nruns - 1].k - 1;
-        } else if (parent_seg != NULL) {
-            prev = parent_seg;
-            o = parent_off;
-        }
-        int refused = 0;
-        uint64_t first_id = 0; /* the first segment id taken here, given back on refusal */
-        if (prev != NULL) {
-            Py_ssize_t blocks = prev->n, split_at = -1;
-            if (0 < blocks - 1 - o && blocks - 1 - o <= b->split_tail) split_at = blocks = o + 1;
-            if (o == blocks - 1 && blocks < b->cap_blocks) {
-                Py_ssize_t k = b->cap_blocks - blocks < n - i ? b->cap_blocks - blocks : n - i;
-                int got = claim(b, chain + i, k, prev->id, blocks);
-                if (got < 0) goto out;
-                if (!got) {
-                    refused = 1;
-                } else {
-                    claims[2 * nclaims] = i;
-                    claims[2 * nclaims + 1] = k;
-                    nclaims++;
-                    places[nplaces++] = (Placement){prev, 0, split_at, i, k};
-                    i += k;
-                }
+        if (found) {
+            seg = touched_get(b, sid);
+            if (seg == NULL) goto out;
+            if (seg->n == 0 || seg->hashes[0] != chain[i]) {
+                /* named for a head it does not start with: the walk would ask again for
+                 * ever; Python's walk raises the CorruptRecordError that says so */
+                goto to_python;
             }
+            int want_root = i == 0 && !has_parent;
+            uint64_t want_parent = i ? chain[i - 1] : parent;
+            if ((want_root ? !seg->is_root : (seg->is_root || seg->parent != want_parent))
+                || seg->start_pos != start_pos + (uint64_t)i) {
+                goto to_python; /* a conflict: the general path names it */
+            }
+            off = -1;
+            continue;
         }
-        while (!refused && i < n) {
-            Py_ssize_t k = b->cap_blocks < n - i ? b->cap_blocks : n - i;
-            uint64_t id;
-            if (new_segment_id(b, &id) < 0) goto out;
-            if (!first_id) first_id = id;
-            int got = claim(b, chain + i, k, id, 0);
+        if (i == stored) goto to_python; /* stored, but not where the walk can reach */
+        /* _place: new blocks from i on, up to the first that is stored (a block
+         * evicted under a child still held: the walk goes on from that child) */
+        Py_ssize_t end = n;
+        for (;;) {
+            int got = place_run(b, chain, i, end, prev, prev_off, places, &nplaces, claims,
+                                &nclaims, &first_id, &stored);
             if (got < 0) goto out;
-            if (!got) {
-                refused = 1;
-                break;
-            }
-            claims[2 * nclaims] = i;
-            claims[2 * nclaims + 1] = k;
-            nclaims++;
-            places[nplaces++] = (Placement){NULL, id, -1, i, k};
-            i += k;
+            if (got) break;
+            if (stored == i) goto to_python;
+            end = stored;
         }
-        if (refused) { /* a new block is stored somewhere: undo, and Python decides */
-            if (release_claims(b, chain, claims, nclaims) < 0) goto out;
-            if (first_id && untake_seg_ids(b, first_id) < 0) goto out;
-            result = OP_TO_PYTHON;
-            goto out;
-        }
+        new_blocks += end - i;
+        i = end;
+        seg = NULL;
+        off = -1;
     }
     if (!known) { /* named now, as Python names it: after the claims */
         known = new_holder(b, name, &holder);
         if (known < 0) goto out;
-        if (!known) {
-            if (release_claims(b, chain, claims, nclaims) < 0) goto out;
-            result = OP_TO_PYTHON;
-            goto out;
-        }
+        if (!known) goto to_python;
     }
     /* nothing can refuse from here on */
     for (Py_ssize_t r = 0; r < nruns; r++) {
@@ -1335,8 +1353,13 @@ static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *paren
             }
         }
     }
-    b->new_blocks += n - first_new;
+    b->new_blocks += new_blocks;
     result = OP_DONE;
+    goto out;
+to_python: /* nothing of this insert is left: Python's rerun takes the same ids */
+    if (release_claims(b, chain, claims, nclaims) < 0) goto out;
+    if (first_id && untake_seg_ids(b, first_id) < 0) goto out;
+    result = OP_TO_PYTHON;
 out:
     PyMem_Free(runs);
     PyMem_Free(places);

@@ -267,13 +267,16 @@ class Packer:
         """
         n = int(chain.size)
         if parent is None:
-            seg, off, start_pos, parent_at = None, -1, 0, None
+            seg, off, start_pos, prev = None, -1, 0, None
         else:
             parent_at = self._held_parent(w, touched, parent)
             seg, off = touched.get(parent_at[0]), parent_at[1]
             start_pos = seg.start_pos + off + 1
+            prev = (seg, off)  # the block before chain[i]: the parent's, then each run's last
         runs: list[tuple[Segment, int, int, int]] = []  # (segment, offset, chain index, k)
-        i = 0
+        placements: list[tuple] = []
+        taken: list[int] = []  # [the first segment id taken here], given back on a refusal
+        i, stored, new = 0, -1, 0
         while i < n:
             nxt = off + 1
             if seg is not None and nxt < seg.hashes.size:
@@ -282,6 +285,7 @@ class Packer:
                     runs.append((seg, nxt, i, k))
                     i += k
                     off = nxt + k - 1
+                    prev = (seg, off)
                     continue
             # chain[i] is not next where the walk stands: it can only be stored as the
             # first block of a segment whose parent is chain[i - 1].
@@ -289,27 +293,38 @@ class Packer:
             seg_id = touched.head(head)
             if seg_id is None:
                 seg_id = self.memory.directory.lookup(head)
-            if seg_id is None:
-                break
-            seg = touched.get(seg_id)
-            if not seg.hashes.size or int(seg.hashes[0]) != head:
-                # the walk would ask for the same head again, for ever
-                raise CorruptRecordError(f"segment {seg_id}: named for first hash {head}, "
-                                         f"but it starts with "
-                                         f"{int(seg.hashes[0]) if seg.hashes.size else 'nothing'}")
-            if seg.parent != (int(chain[i - 1]) if i else parent) or seg.start_pos != start_pos + i:
-                return False  # a conflict: the general path names it
-            off = -1
-        placements = self._place(w, touched, chain, i, start_pos, parent, parent_at, runs)
-        if placements is None:
-            return False
+            if seg_id is not None:
+                seg = touched.get(seg_id)
+                if not seg.hashes.size or int(seg.hashes[0]) != head:
+                    # the walk would ask for the same head again, for ever
+                    raise CorruptRecordError(
+                        f"segment {seg_id}: named for first hash {head}, but it starts with "
+                        f"{int(seg.hashes[0]) if seg.hashes.size else 'nothing'}")
+                if seg.parent != (int(chain[i - 1]) if i else parent) \
+                        or seg.start_pos != start_pos + i:
+                    return self._unplace(w, placements, taken)  # a conflict: the general path
+                off = -1
+                continue
+            if i == stored:  # stored, but not where the walk can reach
+                return self._unplace(w, placements, taken)
+            # new blocks from i on, up to the first that is stored (a block evicted
+            # under a child still held: the walk goes on from that child)
+            end = n
+            while (got := self._place_run(w, chain, i, end, start_pos, prev, taken)) is None:
+                stored = i + int(np.flatnonzero(w.locate(chain[i:end])[0])[0])
+                if stored == i:
+                    return self._unplace(w, placements, taken)
+                end = stored
+            placements += got
+            new += end - i
+            i, seg, off = end, None, -1
         holder_id = self._holder_for_insert(w, touched, plan, name)
         for seg, at, j, k in runs:
             row = seg.row_of(holder_id)
             seg.presence[row, at : at + k] = 1
             if meta is not None:
                 seg.set_meta(row, np.arange(at, at + k), meta[j : j + k])
-        for target, split_at, j, k in placements:
+        for target, split_at, j, k, _ in placements:
             if isinstance(target, Segment):
                 if split_at is not None:
                     self._split(w, touched, target, split_at)
@@ -325,50 +340,56 @@ class Packer:
                     presence=np.ones((1, k), np.uint8),
                     meta=None if meta is None else meta[j : j + k].reshape(1, k).copy(),
                 ))
-        plan.new_blocks += n - i
+        plan.new_blocks += new
         return True
 
-    def _place(self, w: WriteTxn, touched: Touched, chain: np.ndarray, i: int,
-               start_pos: int, parent: int | None, parent_at: tuple[int, int] | None,
-               runs: list) -> list[tuple] | None:
-        """Where new blocks ``chain[i:]`` go (as :meth:`_pack_run` packs them), with
-        each placement's blocks claimed in the ``blocks`` table; None, with nothing
-        claimed, if one of them is already stored."""
-        n, cap = int(chain.size), self.segment_blocks
-        placements: list[tuple] = []  # (segment or new id, split offset, chain index, k)
-        if i == n:
-            return placements
-        if runs:
-            seg, at, _, k = runs[-1]
-            prev = (seg, at + k - 1)
-        elif parent_at is not None:
-            prev = (touched.get(parent_at[0]), parent_at[1])
-        else:
-            prev = None
-        claimed: list[np.ndarray] = []
+    @staticmethod
+    def _unplace(w: WriteTxn, placements: list[tuple], taken: list[int]) -> bool:
+        """Undo an insert's placements (their claims, and the segment ids from the
+        first it took on) for the general path; False."""
+        for p in placements:
+            w.release_blocks(p[4])
+        if taken:
+            w.untake_segment_ids(taken[0])
+        return False
+
+    def _place_run(self, w: WriteTxn, chain: np.ndarray, i: int, end: int, start_pos: int,
+                   prev: tuple | None, taken: list[int]) -> list[tuple] | None:
+        """Where new blocks ``chain[i:end]`` go after the block ``prev`` (segment,
+        offset; None: the chain starts at ``i``), as :meth:`_pack_run` packs them, with
+        each placement's blocks claimed in the ``blocks`` table; None, with nothing of
+        it claimed and its segment ids given back, if one of them is already stored.
+        ``taken`` gets the first segment id an insert takes."""
+        cap = self.segment_blocks
+        placements: list[tuple] = []  # (segment or new id, split offset, chain index, k, hashes)
+        run_ids: list[int] = []
 
         def claim(hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
             if w.claim_blocks(hashes, seg_id, first_offset):
-                claimed.append(hashes)
                 return True
-            for done in claimed:
-                w.release_blocks(done)
+            for done in placements:
+                w.release_blocks(done[4])
+            if run_ids:
+                w.untake_segment_ids(run_ids[0])
             return False
 
         split_at, fill, sizes = placement(None if prev is None else prev[0].hashes.size,
-                                          None if prev is None else prev[1], n - i, cap)
+                                          None if prev is None else prev[1], end - i, cap)
         if fill:
             seg = prev[0]
             if not claim(chain[i : i + fill], seg.seg_id, prev[1] + 1):
                 return None
-            placements.append((seg, split_at, i, fill))
+            placements.append((seg, split_at, i, fill, chain[i : i + fill]))
             i += fill
         for k in sizes:
             seg_id = w.new_segment_id()
+            run_ids.append(seg_id)
             if not claim(chain[i : i + k], seg_id, 0):
                 return None
-            placements.append((seg_id, None, i, k))
+            placements.append((seg_id, None, i, k, chain[i : i + k]))
             i += k
+        if run_ids and not taken:
+            taken.append(run_ids[0])
         return placements
 
     def _held_parent(self, w: WriteTxn, touched: Touched, parent: int) -> tuple[int, int]:

@@ -472,7 +472,7 @@ class LmdbWriteTxn(WriteLogic):
         txn = self.txn
         blocks = txn.cursor(db=blocks_db)
         return (blocks.get, txn.cursor(db=segments_db).get, self.segment, self.new_segment_id,
-                lambda first: self.set_counter("next_seg_id", first - 1),
+                self.untake_segment_ids,
                 lambda name: self.holder_id(name, create=False), self.new_holder_id,
                 txn.put, txn.delete, segments_db, blocks_db, blocks.put, blocks.set_key,
                 blocks.pop)

@@ -364,7 +364,7 @@ class ValkeyWriteTxn(WriteLogic):
             raise RuntimeError("a deferred batch runs on LMDB only")
 
         return (self._blocks, self._view["seg"].__getitem__, self.segment,
-                self.new_segment_id, lambda first: self.set_counter("next_seg_id", first - 1),
+                self.new_segment_id, self.untake_segment_ids,
                 lambda name: self.holder_id(name, create=False), self.new_holder_id,
                 put, put, "seg", "blk", deferred_only, deferred_only, deferred_only)
 
