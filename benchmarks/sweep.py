@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import sarp
+import sarp.general
 import sarp.packing
 from sarp.bench import load_requests
 
@@ -57,14 +58,14 @@ def main() -> None:
     parser.add_argument("--split", type=int, default=1)
     parser.add_argument("--limit-requests", type=int)
     parser.add_argument("--segment-blocks", default="16,64,256,1024")
-    parser.add_argument("--split-tail", default=str(sarp.packing.SPLIT_TAIL_BLOCKS))
+    parser.add_argument("--split-tail", default=str(sarp.general.SPLIT_TAIL_BLOCKS))
     args = parser.parse_args()
     label, requests = load_requests(args.trace, args.split, args.limit_requests)
     print(f"{label}: {len(requests)} requests")
     print(f"{'S':>6} {'split tail':>10} {'match us':>9} {'reads':>6} {'replay s':>9} "
           f"{'entries':>8} {'disk MB':>8}")
     for tail in (int(x) for x in args.split_tail.split(",")):
-        sarp.packing.SPLIT_TAIL_BLOCKS = tail
+        sarp.general.SPLIT_TAIL_BLOCKS = tail
         for s in (int(x) for x in args.segment_blocks.split(",")):
             r = measure(requests, s)
             print(f"{s:>6} {tail:>10} {r['match_us']:>9.1f} {r['reads_per_match']:>6.2f} "

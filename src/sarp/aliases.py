@@ -120,24 +120,10 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
     tokens = [np.ascontiguousarray(op[5][: op[1].size * op[6]], np.uint32)
               for op, t in zip(eops, tokened, strict=True) if t]
     tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.uint32)
-    # the stored aliases the batch may need: parents, blocks without tokens, removals
-    need = np.repeat(~np.array(tokened, bool), sizes)
-    want_roots = np.concatenate([np.repeat(roots, sizes)[need], roots[has_parent]])
-    want_hashes = np.concatenate([hashes[need], parents[has_parent]])
-    s_roots, s_hashes, s_keys = [_EMPTY], [_EMPTY], [_EMPTY]
-    for root in _distinct(want_roots).tolist():
-        got, keys = w.aliases(root, _distinct(want_hashes[want_roots == np.uint64(root)]))
-        s_roots.append(np.full(got.size, root, np.uint64))
-        s_hashes.append(got)
-        s_keys.append(keys)
-    keys, found, made, parent_keys = native.C.resolve_aliases(
-        is_store.astype(np.uint8) ^ 1, roots, sizes, hashes, parents,
-        has_parent.astype(np.uint8), tokens, token_counts, block_sizes, seeds,
-        np.concatenate(s_roots), np.concatenate(s_hashes), np.concatenate(s_keys))
-    keys = np.frombuffer(keys, np.uint64)
-    found = np.frombuffer(found, bool)
-    made = np.frombuffer(made, bool)
-    parent_keys = np.frombuffer(parent_keys, np.uint64).tolist()
+    keys, found, made, parent_keys = _resolve(w, is_store, roots, sizes, hashes, parents,
+                                              has_parent, tokens, token_counts, block_sizes,
+                                              seeds)
+    parent_keys = parent_keys.tolist()
     ends = np.cumsum(sizes).tolist()
     failed: list[tuple[int, Exception]] = []
     resolved, positions = [], []
@@ -163,19 +149,125 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
         applied = made & is_store
         applied[[at[i] for i in refused if i in at]] = False
         blocks = np.repeat(applied, sizes)
-        r, h, k = np.repeat(roots, sizes)[blocks], hashes[blocks], keys[blocks]
-        # stable: a hash twice keeps its stores' order (one model root: one key to sort)
-        order = np.argsort(h, kind="stable") if not r.size or (r == r[0]).all() \
-            else np.lexsort((h, r))
-        r, h, k = r[order], h[order], k[order]
-        first = np.ones(h.size, bool)
-        first[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
-        r, h, k = r[first], h[first], k[first]
-        for root in _distinct(r).tolist():
-            mine = r == np.uint64(root)
-            w.alias_put(list(zip(alias_keys(root, h[mine]), _be(k[mine]), strict=True)))
+        _put(w, np.repeat(roots, sizes)[blocks], hashes[blocks], keys[blocks])
 
     return resolved, positions, failed, put
+
+
+def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, tokens,
+             token_counts, block_sizes, seeds):
+    """``resolve_aliases`` of operations given as columns, with the stored aliases they
+    may need (parents, blocks without tokens, removals) read first: ``(keys, found,
+    made, parent_keys)`` as arrays."""
+    need = np.repeat(token_counts == 0, sizes)
+    want_roots = np.concatenate([np.repeat(roots, sizes)[need], roots[has_parent]])
+    want_hashes = np.concatenate([hashes[need], parents[has_parent]])
+    s_roots, s_hashes, s_keys = [_EMPTY], [_EMPTY], [_EMPTY]
+    for root in _distinct(want_roots).tolist():
+        got, keys = w.aliases(root, _distinct(want_hashes[want_roots == np.uint64(root)]))
+        s_roots.append(np.full(got.size, root, np.uint64))
+        s_hashes.append(got)
+        s_keys.append(keys)
+    keys, found, made, parent_keys = native.C.resolve_aliases(
+        is_store.astype(np.uint8) ^ 1, roots, sizes, hashes, parents,
+        has_parent.astype(np.uint8), tokens, token_counts, block_sizes, seeds,
+        np.concatenate(s_roots), np.concatenate(s_hashes), np.concatenate(s_keys))
+    return (np.frombuffer(keys, np.uint64), np.frombuffer(found, bool),
+            np.frombuffer(made, bool), np.frombuffer(parent_keys, np.uint64))
+
+
+def _put(w: WriteTxn, r: np.ndarray, h: np.ndarray, k: np.ndarray) -> None:
+    """Write the aliases (root ``r``, engine hash ``h``) -> key ``k`` of the stores
+    applied, per root, in key order (the first store's key for a hash twice)."""
+    # stable: a hash twice keeps its stores' order (one model root: one key to sort)
+    order = np.argsort(h, kind="stable") if not r.size or (r == r[0]).all() \
+        else np.lexsort((h, r))
+    r, h, k = r[order], h[order], k[order]
+    first = np.ones(h.size, bool)
+    first[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
+    r, h, k = r[first], h[first], k[first]
+    for root in _distinct(r).tolist():
+        mine = r == np.uint64(root)
+        w.alias_put(list(zip(alias_keys(root, h[mine]), _be(k[mine]), strict=True)))
+
+
+def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Exception]]]:
+    """:func:`pack` of a commit's columns (:class:`sarp.serving.columns.Taken`): the
+    rows keyed by tokens resolved in one ``resolve_aliases`` call, the packer fed the
+    columns (``Packer.batch_columns``), the aliases of the stores applied written;
+    ``plan.removed_per_op`` per row, as an array.
+
+    Cost: as :func:`pack`, with numpy calls per commit and none per row.
+    """
+    n = cols.kind.size
+    is_store = cols.kind == 0
+    eng = cols.root != 0
+    keys, made, parent_keys = cols.hashes, np.ones(n, bool), cols.parent
+    has_parent = is_store & (cols.has_parent != 0)
+    kept_blocks = np.ones(cols.hashes.size, bool)
+    if eng.any():
+        if native.C is None:
+            native.ran_python("resolve_aliases")
+            return _columns_in_python(w, packer, cols)
+        in_eng = np.repeat(eng, cols.size)
+        k, found, m, pk = _resolve(
+            w, is_store[eng], cols.root[eng], cols.size[eng], cols.hashes[in_eng],
+            cols.parent[eng], has_parent[eng], cols.tokens, cols.token_count[eng],
+            cols.block_size[eng], cols.seed[eng])
+        keys, parent_keys = cols.hashes.copy(), cols.parent.copy()
+        keys[in_eng] = k
+        parent_keys[eng] = pk
+        made[eng] = m | ~is_store[eng]
+        kept_blocks[in_eng] = found | np.repeat(is_store[eng], cols.size[eng])
+    failed: list[tuple[int, Exception]] = [
+        (i, ParentNotFoundError(f"{cols.names[cols.name[i]].replace(chr(0), '/')}: a store "
+                                "whose parent or blocks are not in the index (an event was "
+                                "lost)"))
+        for i in np.flatnonzero(~made).tolist()]
+    rows = np.repeat(np.arange(n), cols.size)
+    kept_blocks &= np.repeat(made, cols.size)
+    sizes = np.bincount(rows[kept_blocks], minlength=n)[made]
+    positions = np.flatnonzero(made)
+    plan, refused = packer.batch_columns(
+        w, cols.kind[made], sizes.astype(np.int64), keys[kept_blocks], parent_keys[made],
+        has_parent[made].astype(np.uint8), cols.name[made], cols.names)
+    applied = eng & is_store & made
+    applied[positions[[j for j, _ in refused]]] = False
+    if applied.any():
+        blocks = np.repeat(applied, cols.size)
+        _put(w, np.repeat(cols.root, cols.size)[blocks], cols.hashes[blocks], keys[blocks])
+    if eng.any():
+        _sweep(w, packer)
+    failed += [(int(positions[j]), exc) for j, exc in refused]
+    failed.sort(key=lambda f: f[0])
+    per_op = np.zeros(n, np.int64)
+    per_op[positions] = plan.removed_per_op
+    plan.removed_per_op = per_op
+    return plan, failed
+
+
+def _columns_in_python(w: WriteTxn, packer, cols):
+    """:func:`pack_columns` without the extension: the rows as operations, through
+    :func:`pack`."""
+    ops, starts = [], cols.starts.tolist()
+    for i in range(cols.kind.size):
+        chain = cols.hashes[starts[i] : starts[i] + int(cols.size[i])]
+        name, root = cols.names[int(cols.name[i])], int(cols.root[i])
+        parent = int(cols.parent[i]) if cols.has_parent[i] else None
+        if cols.kind[i] == 1:
+            ops.append(("remove", chain, name) if not root else
+                       ("remove_engine", chain, name, root))
+        elif not root:
+            ops.append(("insert", chain, parent, name, None))
+        else:
+            t = int(cols.token_count[i])
+            at = int(cols.token_count[:i].sum())
+            ops.append(("insert_engine", chain, parent, name, root,
+                        cols.tokens[at : at + t] if t else None,
+                        int(cols.block_size[i]) or None, cols.loras.get(int(cols.seed[i]))))
+    plan, failed = pack(w, packer, ops)
+    plan.removed_per_op = np.asarray(plan.removed_per_op, np.int64)
+    return plan, failed
 
 
 class _Batch:

@@ -38,7 +38,7 @@ from .check import check
 from .errors import CorruptRecordError, IndexClosedError, LeaseLostError, ReadOnlyIndexError
 from .hashing import HashesLike, as_hashes
 from .holders import DEFAULT_MEDIUM, check_instance, held_blocks, holder_name
-from .ops import Batch, BatchResult, as_meta, chain_after, prepare_all
+from .ops import Batch, BatchResult, as_meta, batch_result, chain_after, prepare_all
 from .packing import Packer
 from .recovery import Memory
 from .store import (
@@ -79,6 +79,13 @@ class _Counters:
     reader_rebuilds: int = 0  # ... and had no usable snapshot: rebuilt in memory
     log_holes: int = 0  # a reader found entries missing from the log, and reloaded
     index_reloads: int = 0  # a reader found the index created anew, and reloaded
+
+    def batch(self, plan: Plan, ops: int) -> None:
+        """Count one batch commit of ``ops`` operations."""
+        self.batches += 1
+        self.batched_ops += ops
+        self.inserted_blocks += plan.new_blocks
+        self.removed_blocks += plan.removed_blocks
 
 
 def open(  # noqa: A001 - the public name the design asks for
@@ -383,44 +390,44 @@ class Index:
         """
         return self._apply_prepared(*prepare_all(ops), len(ops))
 
-    def apply_decoded(self, ops: Sequence[tuple]) -> BatchResult:
+    def apply_decoded(self, ops) -> BatchResult:
         """:meth:`apply_batch` of operations whose hashes an event decoder has already
         checked (``sarp.serving.events``: uint64 arrays, no hash twice, a parent not
         among them), so they are not checked again; holder names are, once per name.
-        This is how ``sarp serve`` applies engines' events.
+        ``ops`` may also be columns (:class:`sarp.serving.columns.Taken`, an operation per
+        row; ``removed_per_op`` is then an array).  How ``sarp serve`` applies events.
 
-        Cost: as :meth:`apply_batch`, less a few µs per operation.
+        Cost: as :meth:`apply_batch`, less a few µs per operation (columns: none per row).
 
         >>> import tempfile, sarp, numpy as np
         >>> with sarp.open(tempfile.mkdtemp()) as index:
-        ...     r = index.apply_decoded([("insert", np.array([1, 2], np.uint64), None, "w0",
-        ...                               "GPU")])
+        ...     r = index.apply_decoded([("insert", np.uint64([1, 2]), None, "w0", "GPU")])
         ...     r.new_blocks, index.match([1, 2]).by_holder
         (2, {'w0': 2})
         """
-        return self._apply_prepared(*prepare_all(ops, hashes_checked=True), len(ops))
+        if isinstance(ops, Sequence):
+            return self._apply_prepared(*prepare_all(ops, hashes_checked=True), len(ops))
+        n = int(ops.kind.size)
+        plan, failed = self._commit(lambda w: aliases.pack_columns(w, self._packer, ops), n)
+        return BatchResult(n, failed, plan.new_blocks, np.asarray(plan.removed_per_op, np.int64))
 
     def _apply_prepared(self, prepared: list[tuple], positions: list[int],
                         failed: list[tuple[int, Exception]], num_ops: int) -> BatchResult:
-        """Apply the packer's form of a batch (``positions``: each one's place among the
-        caller's ``num_ops``; ``failed``: those refused already)."""
+        """The packer's form of a batch (``positions``: places among ``num_ops``)."""
+        return batch_result(*self._commit(lambda w: aliases.pack(w, self._packer, prepared),
+                                          len(prepared)), positions, failed, num_ops)
+
+    def _commit(self, write, ops: int) -> tuple[Plan, list]:
+        """One batch write of ``ops`` operations (none: no write), memory, counters."""
         with self._lock:
             store = self._writable_store("batch")
-            if not prepared:
-                return BatchResult(num_ops, failed, 0, [0] * num_ops)
-            plan, refused = store.write(lambda w: aliases.pack(w, self._packer, prepared))
+            if not ops:
+                return Plan(), []
+            plan, refused = store.write(write)
             self._apply(plan)
-            failed += [(positions[j], exc) for j, exc in refused]
-            failed.sort(key=lambda f: f[0])
-            removed = [0] * num_ops
-            for j, count in enumerate(plan.removed_per_op):
-                removed[positions[j]] = count
-            self._counters.batches += 1
-            self._counters.batched_ops += len(prepared)
-            self._counters.inserted_blocks += plan.new_blocks
-            self._counters.removed_blocks += plan.removed_blocks
+            self._counters.batch(plan, ops)
             self._maybe_snapshot()
-            return BatchResult(num_ops, failed, plan.new_blocks, removed)
+            return plan, refused
 
     def _apply(self, plan: Plan) -> None:
         """Bring memory up to date with a committed write."""

@@ -10,17 +10,18 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 15
+#define ABI_VERSION 16
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
- * resolve_aliases, BlockTable): calls so far */
+ * resolve_aliases, BlockTable, decode_into): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
-                         sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE]);
+                         sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
+                         sarp_calls[CALL_DECODE_INTO]);
 }
 
 static PyMethodDef methods[] = {
@@ -34,6 +35,9 @@ static PyMethodDef methods[] = {
     {"decode_batch", (PyCFunction)(void (*)(void))sarp_decode_batch, METH_FASTCALL,
      "decode_batch(payload, with_tokens): an engine's event batch, or None for the Python "
      "decoder"},
+    {"decode_into", (PyCFunction)(void (*)(void))sarp_decode_into, METH_FASTCALL,
+     "decode_into(payload, with_tokens, root, holder, ctx): an engine's event batch "
+     "appended to a commit's columns, or None for the Python decoder"},
     {"pack_batch", (PyCFunction)(void (*)(void))sarp_pack_batch, METH_FASTCALL,
      "pack_batch(ctx, ops, segment_blocks, split_tail, deferred): Packer.batch's inserts "
      "and removes"},
@@ -43,14 +47,14 @@ static PyMethodDef methods[] = {
      "resolve_aliases(...): a batch's engine hashes resolved to token keys (sarp.aliases)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
-     "resolve_aliases, BlockTable) calls so far"},
+     "resolve_aliases, BlockTable, decode_into) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
-    "token_keys, resolve_aliases, BlockTable); each "
+    "decode_into, token_keys, resolve_aliases, BlockTable); each "
     "has a Python reference.", -1,
     methods,
 };

@@ -20,6 +20,7 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
@@ -27,7 +28,7 @@ extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table 
 /* Calls of each entry point since the module loaded (native.calls(): the tests that
  * hold C to its Python reference assert which path ran).  Counted with the GIL held. */
 enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
-       CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_KINDS };
+       CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

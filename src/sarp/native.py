@@ -30,10 +30,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 15  # native.c's ABI_VERSION
+ABI = 16  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
-         "resolve_aliases", "block_table")
+         "resolve_aliases", "block_table", "decode_into")
 _TRUE = ("1", "true", "yes", "on")
 
 

@@ -116,6 +116,19 @@ class BatchResult:
     removed_per_op: list[int]
 
 
+def batch_result(plan, refused: list[tuple[int, Exception]], positions: list[int],
+                 failed: list[tuple[int, Exception]], num_ops: int) -> BatchResult:
+    """What a batch of ``num_ops`` did, from the packer's plan and refusals of the
+    operations it was given (``positions``: their places) and those ``failed``
+    before it."""
+    failed += [(positions[j], exc) for j, exc in refused]
+    failed.sort(key=lambda f: f[0])
+    removed = [0] * num_ops
+    for j, count in enumerate(plan.removed_per_op):
+        removed[positions[j]] = count
+    return BatchResult(num_ops, failed, plan.new_blocks, removed)
+
+
 class Batch:
     """Operations collected for one transaction: ``with index.batch() as b: b.insert(...)``."""
 

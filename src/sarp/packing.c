@@ -1212,19 +1212,15 @@ static int place_run(Batch *b, const uint64_t *chain, Py_ssize_t i, Py_ssize_t e
 }
 
 /* Packer._walk_insert, with _held_parent and _place. */
-static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, PyObject *parent_obj,
-                  PyObject *name) {
+static int insert(Batch *b, const uint64_t *chain, Py_ssize_t n, int has_parent,
+                  uint64_t parent, PyObject *name) {
     uint16_t holder;
     int known = holder_of(b, name, &holder);
     if (known < 0) return OP_ERROR;
-    int has_parent = parent_obj != Py_None;
-    uint64_t parent = 0;
     Seg *seg = NULL;
     Py_ssize_t off = -1;
     uint64_t start_pos = 0;
     if (has_parent) {
-        parent = PyLong_AsUnsignedLongLong(parent_obj);
-        if (PyErr_Occurred()) return OP_ERROR;
         uint64_t sid;
         Py_ssize_t o;
         int found = locate_one(b, parent, &sid, &o);
@@ -1639,6 +1635,8 @@ static int is_kind(PyObject *op, const char *kind) {
 }
 
 /* pack_batch(ctx, ops, segment_blocks, split_tail, deferred)
+ * ops: a list of ("insert", chain, parent, name, None) and ("remove", chain, name), or
+ * the same as columns (see the loop below; Packer.batch_columns). 
  *   -> (done, new_blocks, removed_blocks, removed_per_op, no_parent, names, created, rest)
  *   or None when `deferred` and the table refused a claim: the batch has to run again
  *   undeferred, in a transaction without what this one wrote.
@@ -1651,13 +1649,15 @@ static int is_kind(PyObject *op, const char *kind) {
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_PACK_BATCH]++;
     if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
-        || !PyList_Check(args[1])) {
+        || !(PyList_Check(args[1]) || PyTuple_Check(args[1]))) {
         PyErr_SetString(PyExc_TypeError, "pack_batch(ctx: tuple, ops: list, segment_blocks, "
                                          "split_tail, deferred)");
         return NULL;
     }
     Batch b;
     memset(&b, 0, sizeof(b));
+    Py_buffer col[6]; /* the columns' buffers, when ops are columns */
+    int ncol = 0;
     for (int c = 0; c < NUM_CB; c++) b.cb[c] = PyTuple_GET_ITEM(args[0], c);
     if (!PyDict_CheckExact(b.cb[CB_RECENT]) || !PyDict_CheckExact(b.cb[CB_REMEMBERED])) {
         PyErr_SetString(PyExc_TypeError, "pack_batch: the directory's probe dicts are dicts");
@@ -1690,32 +1690,110 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t nops = PyList_GET_SIZE(ops), i;
-    for (i = 0; i < nops; i++) {
-        PyObject *op = PyList_GET_ITEM(ops, i);
-        if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 3) break;
-        int ins = is_kind(op, "insert");
-        if (!(ins ? PyTuple_GET_SIZE(op) == 5 && PyTuple_GET_ITEM(op, 4) == Py_None
-                  : is_kind(op, "remove") && PyTuple_GET_SIZE(op) == 3)) {
-            break; /* a clear, or meta: Python's */
-        }
-        Py_buffer chain;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(op, 1), &chain, PyBUF_C_CONTIGUOUS) < 0) {
+    /* ops: a list of tuples, or a commit's columns (Packer.batch_columns):
+     * (kinds u8 0 insert 1 remove, sizes i64, hashes u64, parents u64, has_parent u8,
+     * name index i32, names) */
+    int columns = PyTuple_Check(ops);
+    const uint8_t *kinds = NULL, *has_parents = NULL;
+    const int64_t *sizes = NULL;
+    const uint64_t *hashes = NULL, *parents = NULL;
+    const int32_t *name_at = NULL;
+    PyObject *col_names = NULL;
+    Py_ssize_t nops, i, at = 0, nhashes = 0;
+    if (columns) {
+        static const Py_ssize_t item[6] = {1, 8, 8, 8, 1, 4};
+        if (PyTuple_GET_SIZE(ops) != 7 || !PyList_Check(PyTuple_GET_ITEM(ops, 6))) {
+            PyErr_SetString(PyExc_TypeError, "pack_batch: columns are (kinds, sizes, hashes, "
+                                             "parents, has_parent, names_at, names)");
             goto done;
         }
-        if (chain.itemsize != 8) {
-            PyBuffer_Release(&chain);
-            break;
+        for (; ncol < 6; ncol++) {
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(ops, ncol), &col[ncol], PyBUF_C_CONTIGUOUS)
+                < 0) {
+                goto done;
+            }
+            if (col[ncol].itemsize != item[ncol]) {
+                ncol++;
+                PyErr_SetString(PyExc_TypeError, "pack_batch: a column of the wrong type");
+                goto done;
+            }
+        }
+        kinds = col[0].buf;
+        sizes = col[1].buf;
+        hashes = col[2].buf;
+        parents = col[3].buf;
+        has_parents = col[4].buf;
+        name_at = col[5].buf;
+        col_names = PyTuple_GET_ITEM(ops, 6);
+        nops = col[0].len;
+        nhashes = col[2].len / 8;
+        if (col[1].len / 8 != nops || col[3].len / 8 != nops || col[4].len != nops
+            || col[5].len / 4 != nops) {
+            PyErr_SetString(PyExc_ValueError, "pack_batch: columns of different lengths");
+            goto done;
+        }
+    } else if (PyList_Check(ops)) {
+        nops = PyList_GET_SIZE(ops);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "pack_batch: ops are a list or columns");
+        goto done;
+    }
+    for (i = 0; i < nops; i++) {
+        int ins, has_parent = 0;
+        uint64_t parent = 0;
+        PyObject *name, *parent_obj = NULL;
+        const uint64_t *chain;
+        Py_ssize_t n;
+        Py_buffer buf;
+        buf.obj = NULL;
+        if (columns) {
+            n = sizes[i];
+            if (kinds[i] > 1 || n < 0 || at + n > nhashes || name_at[i] < 0
+                || name_at[i] >= PyList_GET_SIZE(col_names)) {
+                PyErr_SetString(PyExc_ValueError, "pack_batch: columns out of range");
+                goto done;
+            }
+            ins = kinds[i] == 0;
+            chain = hashes + at;
+            at += n;
+            has_parent = ins && has_parents[i];
+            parent = parents[i];
+            name = PyList_GET_ITEM(col_names, name_at[i]);
+        } else {
+            PyObject *op = PyList_GET_ITEM(ops, i);
+            if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 3) break;
+            ins = is_kind(op, "insert");
+            if (!(ins ? PyTuple_GET_SIZE(op) == 5 && PyTuple_GET_ITEM(op, 4) == Py_None
+                      : is_kind(op, "remove") && PyTuple_GET_SIZE(op) == 3)) {
+                break; /* a clear, or meta: Python's */
+            }
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(op, 1), &buf, PyBUF_C_CONTIGUOUS) < 0) {
+                goto done;
+            }
+            if (buf.itemsize != 8) {
+                PyBuffer_Release(&buf);
+                break;
+            }
+            chain = buf.buf;
+            n = buf.len / 8;
+            parent_obj = PyTuple_GET_ITEM(op, 2);
+            name = ins ? PyTuple_GET_ITEM(op, 3) : parent_obj;
+            if (ins && parent_obj != Py_None) {
+                has_parent = 1;
+                parent = PyLong_AsUnsignedLongLong(parent_obj);
+                if (PyErr_Occurred()) {
+                    PyBuffer_Release(&buf);
+                    goto done;
+                }
+            }
         }
         Py_ssize_t before = b.removed_blocks;
-        int r = ins ? insert(&b, chain.buf, chain.len / 8, PyTuple_GET_ITEM(op, 2),
-                             PyTuple_GET_ITEM(op, 3))
-                    : remove_op(&b, chain.buf, chain.len / 8, PyTuple_GET_ITEM(op, 2));
-        PyBuffer_Release(&chain);
+        int r = ins ? insert(&b, chain, n, has_parent, parent, name) : remove_op(&b, chain, n, name);
+        if (buf.obj != NULL) PyBuffer_Release(&buf);
         if (r == OP_ERROR) goto done;
         if (r == OP_TO_PYTHON) break;
         if (r == OP_NO_PARENT) {
-            PyObject *item = Py_BuildValue("(nO)", i, PyTuple_GET_ITEM(op, 2));
+            PyObject *item = Py_BuildValue("(nK)", i, (unsigned long long)parent);
             if (item == NULL || PyList_Append(no_parent, item) < 0) {
                 Py_XDECREF(item);
                 goto done;
@@ -1745,6 +1823,7 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     out = Py_BuildValue("(nnnOOOON)", i, b.new_blocks, b.removed_blocks, per_op, no_parent,
                         b.names, b.created, rest);
 done:
+    for (int c = 0; c < ncol; c++) PyBuffer_Release(&col[c]);
     Py_XDECREF(per_op);
     Py_XDECREF(no_parent);
     Py_XDECREF(b.names);

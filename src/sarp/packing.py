@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import native
+from . import general, native
 from .errors import ChainConflictError, CorruptRecordError, ParentNotFoundError
+from .general import GeneralPath, placement
 from .holders import covers, split_name
 from .segment import Segment
 from .store import WriteTxn
@@ -38,7 +39,7 @@ from .writeset import Plan, Touched
 if TYPE_CHECKING:
     from .recovery import Memory
 
-SPLIT_TAIL_BLOCKS = 4  # measured in docs/performance.md (the split-tail sweep)
+
 # A batch of at least this many operations writes its ``blocks`` entries at its end, in
 # key order (``deferred``, :meth:`Packer._native_batch`); measured in docs/performance.md.
 DEFERRED_MIN_OPS = 64
@@ -50,7 +51,7 @@ WALKING = True
 TAKEN = {"walk_insert": 0, "general_insert": 0, "run_remove": 0, "general_remove": 0}
 
 
-class Packer:
+class Packer(GeneralPath):
     """Write transactions for one index: where blocks go, and what changed."""
 
     def __init__(self, segment_blocks: int, path: Path, memory: Memory) -> None:
@@ -102,9 +103,45 @@ class Packer:
             self._fetch_cleared(touched, {h for op in ops if op[0] == "clear"
                                           for h in self.memory.holders.ids_of(op[1], op[2])})
         if self._runs_in_c(w):
-            start = self._native_batch(w, ops, plan, touched, failed)
+            start = self._native_batch(w, ops, len(ops), plan, touched, failed)
             if start == len(ops):
                 return plan, failed  # flushed in C
+        return self._python_batch(w, ops, start, plan, touched, failed)
+
+    def batch_columns(self, w: WriteTxn, kinds: np.ndarray, sizes: np.ndarray,
+                      hashes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray,
+                      names_at: np.ndarray, names: list[str]
+                      ) -> tuple[Plan, list[tuple[int, Exception]]]:
+        """:meth:`batch` of inserts and removes given as columns (a commit's
+        :class:`sarp.serving.columns.Columns`, resolved): row ``i`` is an insert
+        (``kinds`` 0) or a remove (1) of the next ``sizes[i]`` of ``hashes`` by
+        ``names[names_at[i]]``, an insert after ``parents[i]`` when ``has_parent[i]``.
+
+        Cost: as :meth:`batch`, without a Python tuple per row while C takes the rows.
+        """
+        n = int(kinds.size)
+        plan, touched = Plan(), Touched(w)
+        failed: list[tuple[int, Exception]] = []
+        if w.capabilities.prefetch:
+            w.prefetch_blocks(np.concatenate([hashes, parents[(has_parent != 0) & (kinds == 0)]]))
+        start = 0
+        if self._runs_in_c(w):
+            start = self._native_batch(w, (kinds, sizes, hashes, parents, has_parent, names_at,
+                                           names), n, plan, touched, failed)
+            if start == n:
+                return plan, failed
+        ends = np.cumsum(sizes).tolist()
+        ops = [("insert", hashes[ends[i] - int(sizes[i]) : ends[i]],
+                int(parents[i]) if has_parent[i] else None, names[names_at[i]], None)
+               if kinds[i] == 0 else
+               ("remove", hashes[ends[i] - int(sizes[i]) : ends[i]], names[names_at[i]])
+               for i in range(n)]
+        return self._python_batch(w, ops, start, plan, touched, failed)
+
+    def _python_batch(self, w: WriteTxn, ops: list[tuple], start: int, plan: Plan,
+                      touched: Touched, failed: list[tuple[int, Exception]]
+                      ) -> tuple[Plan, list[tuple[int, Exception]]]:
+        """:meth:`batch` in Python, from operation ``start`` on."""
         native.ran_python("pack_batch")
         for i in range(start, len(ops)):
             op = ops[i]
@@ -139,8 +176,8 @@ class Packer:
             raise failed[0][1]
         return plan
 
-    def _native_batch(self, w: WriteTxn, ops: list[tuple], plan: Plan, touched: Touched,
-                      failed: list[tuple[int, Exception]]) -> int:
+    def _native_batch(self, w: WriteTxn, ops: list[tuple] | tuple, count: int, plan: Plan,
+                      touched: Touched, failed: list[tuple[int, Exception]]) -> int:
         """Run ``ops`` in C from the first on, as :meth:`batch` would, until one that
         C leaves to Python (a clear, meta, a conflict, a claim that finds a stored
         block, a new holder when every id is taken); return how many ran there.
@@ -160,11 +197,11 @@ class Packer:
         directory = self.memory.directory
         probe = (directory.lookup, *directory.probe_dicts())
         out = None
-        if len(ops) >= DEFERRED_MIN_OPS and w.capabilities.local_reads:
+        if count >= DEFERRED_MIN_OPS and w.capabilities.local_reads:
             nested = w.nested()
             try:
                 out = native.C.pack_batch((*nested.native_calls(), *probe), ops,
-                                        self.segment_blocks, SPLIT_TAIL_BLOCKS, True)
+                                        self.segment_blocks, general.SPLIT_TAIL_BLOCKS, True)
             except Exception:
                 # e.g. a damaged record: the run below meets it again and raises what
                 # it always raised
@@ -175,14 +212,14 @@ class Packer:
                 nested.commit()
         if out is None:
             out = native.C.pack_batch((*w.native_calls(), *probe), ops, self.segment_blocks,
-                                    SPLIT_TAIL_BLOCKS, False)
+                                    general.SPLIT_TAIL_BLOCKS, False)
         done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = out
         plan.holder_names.extend(created)
         plan.new_blocks += new_blocks
         plan.removed_blocks += removed_blocks
         plan.removed_per_op.extend(per_op)
         failed.extend((i, self._no_parent(parent)) for i, parent in no_parent)
-        if done == len(ops):
+        if done == count:
             segments, dropped, entries = rest
             plan.segments.extend(segments)
             plan.dropped.update(dropped)
@@ -215,23 +252,7 @@ class Packer:
             TAKEN["walk_insert"] += 1
             return
         TAKEN["general_insert"] += 1
-        start_pos, parent_at = 0, None
-        if parent is not None:
-            parent_at = self._held_parent(w, touched, parent)
-            seg = touched.get(parent_at[0])
-            start_pos = seg.start_pos + parent_at[1] + 1
-        seg_ids, offsets = w.locate(chain)
-        self._check_existing(touched, chain, parent, start_pos, seg_ids, offsets)
-        holder_id = self._holder_for_insert(w, touched, plan, name)
-        self._mark_existing(touched, seg_ids, offsets, holder_id, meta)
-        new = np.flatnonzero(seg_ids == 0)
-        if new.size:
-            breaks = np.flatnonzero(np.diff(new) != 1) + 1
-            for run in np.split(new, breaks):
-                i, j = int(run[0]), int(run[-1]) + 1
-                prev_at = (int(seg_ids[i - 1]), int(offsets[i - 1])) if i > 0 else parent_at
-                self._pack_run(w, touched, chain, i, j, start_pos, parent, prev_at, holder_id, meta)
-            plan.new_blocks += int(new.size)
+        self._general_insert(w, touched, plan, chain, parent, name, meta)
 
     def _holder_for_insert(self, w: WriteTxn, touched: Touched, plan: Plan, name: str) -> int:
         holder_id = touched.holder_id(name)
@@ -406,91 +427,6 @@ class Packer:
             "from its first block (parent=None) or from a block that is still stored"
         )
 
-    def _check_existing(
-        self,
-        touched: Touched,
-        chain: np.ndarray,
-        parent: int | None,
-        start_pos: int,
-        seg_ids: np.ndarray,
-        offsets: np.ndarray,
-    ) -> None:
-        """Refuse an insert whose already-stored blocks sit elsewhere than it claims."""
-        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
-            idx = np.flatnonzero(seg_ids == seg_id)
-            seg = touched.get(seg_id)
-            offs = offsets[idx].astype(np.int64)
-            # With chained hashes a stored block's position and parent always agree
-            # with the insert; if they do not, refuse before anything is written.
-            stored = np.where(offs > 0, seg.hashes[np.maximum(offs - 1, 0)], seg.parent or 0)
-            claimed = np.where(idx > 0, chain[np.maximum(idx - 1, 0)], parent or 0)
-            bad = np.flatnonzero((seg.start_pos + offs != start_pos + idx) | (stored != claimed))
-            if bad.size:
-                b = int(bad[0])
-                raise ChainConflictError(
-                    f"hash {int(chain[idx[b]])} is stored at position {seg.start_pos + offs[b]} "
-                    f"after {int(stored[b])}, but this insert puts it at position "
-                    f"{start_pos + idx[b]} after {int(claimed[b])}; block hashes must be "
-                    "chained (a hash names its whole prefix)"
-                )
-
-    def _mark_existing(
-        self,
-        touched: Touched,
-        seg_ids: np.ndarray,
-        offsets: np.ndarray,
-        holder_id: int,
-        meta: np.ndarray | None,
-    ) -> None:
-        """Add the holder to blocks already stored (checked by ``_check_existing``)."""
-        for seg_id in np.unique(seg_ids[seg_ids != 0]).tolist():
-            idx = np.flatnonzero(seg_ids == seg_id)
-            seg = touched.get(seg_id)
-            offs = offsets[idx].astype(np.int64)
-            row = seg.row_of(holder_id)
-            seg.presence[row, offs] = 1
-            if meta is not None:
-                seg.set_meta(row, offs, meta[idx])
-
-    def _pack_run(
-        self,
-        w: WriteTxn,
-        touched: Touched,
-        chain: np.ndarray,
-        i: int,
-        j: int,
-        start_pos: int,
-        parent: int | None,
-        prev_at: tuple[int, int] | None,
-        holder_id: int,
-        meta: np.ndarray | None,
-    ) -> None:
-        """Store new blocks ``chain[i:j]`` where :func:`placement` says: fill the parent's
-        segment, then new ones."""
-        seg = touched.get(prev_at[0]) if prev_at is not None else None
-        split_at, fill, sizes = placement(None if seg is None else seg.num_blocks,
-                                          None if seg is None else prev_at[1], j - i,
-                                          self.segment_blocks)
-        if split_at is not None:
-            self._split(w, touched, seg, split_at)
-        if fill:
-            base = seg.num_blocks
-            seg.append(chain[i : i + fill], holder_id, None if meta is None else meta[i : i + fill])
-            w.put_blocks(chain[i : i + fill], seg.seg_id, base)
-            i += fill
-        for k in sizes:
-            seg = Segment(
-                seg_id=w.new_segment_id(),
-                start_pos=start_pos + i,
-                parent=parent if i == 0 else int(chain[i - 1]),
-                hashes=chain[i : i + k].copy(),
-                holder_ids=np.array([holder_id], np.uint16),
-                presence=np.ones((1, k), np.uint8),
-                meta=None if meta is None else meta[i : i + k].reshape(1, k).copy(),
-            )
-            touched.add_new(seg)
-            w.put_blocks(seg.hashes, seg.seg_id, 0)
-            i += k
 
     def _split(self, w: WriteTxn, touched: Touched, seg: Segment, at: int) -> None:
         """Move ``seg``'s blocks from offset ``at`` on into a new segment."""
@@ -602,31 +538,6 @@ class Packer:
                     plan.removed_blocks += int(seg.presence[rows[0]].sum())
                     seg.presence[rows[0]] = 0
                     touched.cleared(seg_id)
-
-
-def placement(seg_blocks: int | None, offset: int | None, count: int,
-              cap: int) -> tuple[int | None, int, list[int]]:
-    """The placement rule: where ``count`` new blocks go after the block at ``offset``
-    of a segment of ``seg_blocks`` blocks (None, None: there is no such segment, the
-    chain starts here).  Returns ``(split_at, fill, sizes)``: split that segment at
-    offset ``split_at`` first (None: no split; a branch 1 to ``SPLIT_TAIL_BLOCKS``
-    blocks before its end moves that dead-end tail out, so the live chain stays in
-    one segment), then append ``fill`` blocks to it (it ends at the parent and has
-    room), then start new segments of these sizes (up to ``cap`` blocks each).
-    Both Python write paths call it; ``packing.c`` mirrors it.
-
-    >>> placement(10, 9, 5, 12), placement(10, 7, 5, 12), placement(None, None, 5, 2)
-    ((None, 2, [3]), (8, 4, [1]), (None, 0, [2, 2, 1]))
-    """
-    split_at, fill = None, 0
-    if seg_blocks is not None:
-        blocks = seg_blocks
-        if 0 < blocks - 1 - offset <= SPLIT_TAIL_BLOCKS:
-            split_at = blocks = offset + 1
-        if offset == blocks - 1 and blocks < cap:
-            fill = min(cap - blocks, count)
-    rest = count - fill
-    return split_at, fill, [min(cap, rest - at) for at in range(0, rest, cap)]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

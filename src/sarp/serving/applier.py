@@ -12,8 +12,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .. import native
 from ..errors import ChainConflictError, IndexClosedError, ParentNotFoundError, StoreError
-from ..holders import DEFAULT_MEDIUM
+from ..holders import DEFAULT_MEDIUM, split_name
+from .columns import Columns
 from .events import Batch, Cleared, Malformed, Removed, Stored
 
 log = logging.getLogger("sarp.events")
@@ -121,6 +125,10 @@ class Applier:
     followed, in a second batch, by a clear of its holder (never more than the
     engine).
 
+    Batches can also go in as payloads (:meth:`add_payload`): decoded in C straight
+    into the commit's columns (:mod:`sarp.serving.columns`), with no Python object per
+    event; they are committed before any batch queued the other way after them.
+
     Cost: one write transaction per flush.
     """
 
@@ -130,14 +138,48 @@ class Applier:
         self._ops: list[tuple] = []
         self._meta: list[tuple[ApplyStats, str, str]] = []  # per op: stats, holder, kind
         self._batches: list[ApplyStats] = []
+        self.columns = Columns()
+        self._col_batches: list[tuple[ApplyStats, int]] = []  # stats, first row
+        self._col_added: tuple[int, int] = (0, 0)  # the last payload's events, skipped
 
     @property
     def pending_ops(self) -> int:
-        return len(self._ops)
+        return len(self._ops) + len(self.columns)
 
     def discard(self) -> None:
         """Drop everything queued (a write failed: the batches are asked for again)."""
         self._ops, self._meta, self._batches = [], [], []
+        self.columns.take()
+        self._col_batches = []
+
+    def add_payload(self, payload: bytes, holder: str, *, root: int | None = None,
+                    tokens: bool = False) -> tuple[tuple, float, int | None] | None:
+        """Decode a batch into the commit's columns (keyed by tokens under ``root``,
+        when given): ``(mark, ts, dp_rank)``, then :meth:`keep` or :meth:`drop` it; or
+        None when the columns do not take it (decode it and :meth:`add` it instead).
+        Cost: a C call, about a microsecond per event.
+        """
+        if native.C is None or self._batches:
+            return None  # batches queued the other way go first
+        mark = self.columns.mark()
+        got = self.columns.add(payload, holder, root, tokens=tokens)
+        if got is None:
+            return None
+        if root is not None:
+            self._roots[holder] = root
+        self._col_added = got[2], got[3]
+        return mark, got[0], got[1]
+
+    def keep(self, stats: ApplyStats, mark: tuple) -> None:
+        """Count the batch :meth:`add_payload` just added under ``stats``."""
+        events, skipped = self._col_added
+        stats.events += events
+        stats.skipped_groups += skipped
+        self._col_batches.append((stats, mark[0]))
+
+    def drop(self, mark: tuple) -> None:
+        """Take back the batch :meth:`add_payload` just added."""
+        self.columns.rollback(mark)
 
     def add(self, source: str, batch: Batch, stats: ApplyStats, *,
             dp_rank: int | None = None, root: int | None = None) -> None:
@@ -201,7 +243,10 @@ class Applier:
         return sorted(known | queued | {DEFAULT_MEDIUM})
 
     def flush(self) -> None:
-        """Apply everything queued in one index batch; settle the counts."""
+        """Apply everything queued in one index batch (the columns' first, when both
+        hold some); settle the counts."""
+        if self._col_batches:
+            self._flush_columns()
         if not self._ops and not self._batches:
             return
         started = time.perf_counter()
@@ -252,6 +297,69 @@ class Applier:
                 fallback.append(("clear", holder, None))
         if fallback:
             self.index.apply_decoded(fallback)
+
+    def _flush_columns(self) -> None:
+        started = time.perf_counter()
+        cols, batches = self.columns.take(), self._col_batches
+        self._col_batches = []
+        try:
+            result = self.index.apply_decoded(cols)
+        except (StoreError, IndexClosedError):
+            raise
+        except Exception as exc:  # a bug of ours must not stop the stream either
+            log.exception("sarp: applying a commit of %d rows failed", cols.kind.size)
+            self._columns_failed(cols, batches, exc)
+        else:
+            self._settle_columns(cols, batches, result)
+        share = (time.perf_counter() - started) / max(1, len(batches))
+        for stats, _ in batches:
+            stats.seconds += share
+            stats.batches += 1
+
+    def _settle_columns(self, cols, batches: list[tuple[ApplyStats, int]], result) -> None:
+        """:meth:`_settle` for the columns: the counts per batch from sums over its
+        rows; the refused rows one by one, as there."""
+        n = cols.kind.size
+        ok = np.ones(n, bool)
+        failed = dict(result.failed)
+        ok[list(failed)] = False
+        stored = np.concatenate([[0], np.cumsum(np.where((cols.kind == 0) & ok, cols.size, 0))])
+        removed = np.concatenate([[0], np.cumsum(result.removed_per_op)])
+        firsts = [first for _, first in batches] + [n]
+        for j, (stats, first) in enumerate(batches):
+            end = firsts[j + 1]
+            stats.blocks_stored += int(stored[end] - stored[first])
+            stats.blocks_removed += int(removed[end] - removed[first])
+        if not failed:
+            return
+        fallback: list[tuple] = []
+        owner = np.searchsorted(np.array(firsts), np.arange(n), side="right") - 1
+        for i, exc in sorted(failed.items()):
+            stats = batches[int(owner[i])][0]
+            holder, medium = split_name(cols.names[int(cols.name[i])])
+            if cols.kind[i] != 0:
+                _bad(stats, holder, "rejected", str(exc))
+                fallback.append(("clear", holder, None))
+            elif isinstance(exc, ParentNotFoundError):
+                stats.skipped_orphans += 1
+                fallback.extend(self._removal(cols.chain(i), holder, m)
+                                for m in self._media_of(holder))
+            else:
+                _bad(stats, holder, "chain_conflict" if isinstance(exc, ChainConflictError)
+                     else "rejected", str(exc))
+                fallback.extend(self._removal(cols.chain(i), holder, m)
+                                for m in self._media_of(holder))
+        self.index.apply_decoded(fallback)
+
+    def _columns_failed(self, cols, batches: list[tuple[ApplyStats, int]],
+                        exc: Exception) -> None:
+        """:meth:`_after_internal_error` for the columns: every holder clears."""
+        for stats, _ in batches:
+            _bad(stats, "batch", "internal_error", repr(exc))
+        # a removal may have been among them: only forgetting its holder is safe
+        forget = {split_name(cols.names[int(i)])[0] for i in np.unique(cols.name[cols.kind == 1])}
+        if forget:
+            self.index.apply_batch([("clear", h, None) for h in sorted(forget)])
 
     def _after_internal_error(self, ops: list[tuple], meta: list, exc: Exception) -> None:
         forget = set()

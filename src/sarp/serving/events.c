@@ -532,3 +532,320 @@ fail:
     PyBuffer_Release(&buf);
     return out;
 }
+
+/* ---- decode_into: a batch's events appended to the columns of a commit ------------- */
+
+enum { COL_KIND, COL_NAME, COL_ROOT, COL_SIZE, COL_PARENT, COL_HAS_PARENT, COL_TOKEN_COUNT,
+       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_TOKENS, NUM_COLS };
+static const Py_ssize_t COL_ITEM[NUM_COLS] = {1, 4, 8, 8, 8, 1, 8, 8, 8, 8, 4};
+
+/* Append `n` items of column `c` (uninitialised); NULL with an exception. */
+static void *col_grow(PyObject **cols, int c, Py_ssize_t n) {
+    PyObject *a = cols[c];
+    Py_ssize_t at = PyByteArray_GET_SIZE(a);
+    if (PyByteArray_Resize(a, at + n * COL_ITEM[c]) < 0) return NULL;
+    return PyByteArray_AS_STRING(a) + at;
+}
+
+/* The index a (holder, medium) pair has in `names`: `learn(holder, medium)` is asked
+ * once per pair it has not seen, and says None for a medium sarp refuses.
+ * 1 with the index, 0 refused, -1 error. */
+static int name_index(PyObject *names, PyObject *learn, long holder, const uint8_t *at,
+                      const uint8_t *end, int32_t *out) {
+    PyObject *medium;
+    if (at == NULL || *at == 0xC0) {
+        medium = Py_NewRef(Py_None);
+    } else {
+        Reader f = {at, end};
+        const uint8_t *s;
+        size_t n;
+        if (read_str(&f, &s, &n) != 1) return 0;
+        medium = PyUnicode_DecodeUTF8((const char *)s, (Py_ssize_t)n, "strict");
+        if (medium == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    PyObject *key = Py_BuildValue("(lN)", holder, medium);
+    if (key == NULL) return -1;
+    PyObject *got = PyDict_GetItemWithError(names, key);
+    if (got != NULL) {
+        Py_INCREF(got);
+    } else if (!PyErr_Occurred()) {
+        got = PyObject_CallOneArg(learn, key);
+    }
+    Py_DECREF(key);
+    if (got == NULL) return -1;
+    int ok = got != Py_None;
+    if (ok) *out = (int32_t)PyLong_AsLong(got);
+    Py_DECREF(got);
+    if (ok && PyErr_Occurred()) return -1;
+    return ok;
+}
+
+/* A store's LoRA seed (tokenkeys.lora_seed), through `seeds` (name -> seed), asking
+ * `learn(name)` for a name it has not seen.  1 with it, -1 error. */
+static int lora_seed_of(PyObject *seeds, PyObject *learn, const uint8_t *at,
+                        const uint8_t *end, uint64_t *out) {
+    PyObject *name = opt_str(at, end);
+    if (name == NULL) return PyErr_Occurred() ? -1 : 0;
+    PyObject *got = PyDict_GetItemWithError(seeds, name);
+    if (got != NULL) {
+        Py_INCREF(got);
+    } else if (!PyErr_Occurred()) {
+        got = PyObject_CallOneArg(learn, name);
+    }
+    Py_DECREF(name);
+    if (got == NULL) return -1;
+    *out = PyLong_AsUnsignedLongLong(got);
+    Py_DECREF(got);
+    return PyErr_Occurred() ? -1 : 1;
+}
+
+/* One event appended to the columns: 1 appended, 2 read but not appended (a group
+ * other than the first), 0 not this shape (Python decides; columns as they were
+ * for the caller to cut back), -1 error. */
+static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
+                      PyObject **cols, PyObject *names, PyObject *learn_name,
+                      PyObject *seeds, PyObject *learn_seed) {
+    const uint8_t *where[F_SKIP] = {NULL};
+    int kind = -1;
+    size_t count;
+    const uint8_t *s;
+    size_t n;
+    int got = read_container(r, 0, &count);
+    if (got < 0) return 0;
+    if (got == 1) {
+        if (count == 0 || read_str(r, &s, &n) != 1) return 0;
+        if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
+        else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
+        else return 0; /* a clear, or anything else: Python's */
+        const int *fields = kind == 0 ? STORED_ARRAY : REMOVED_ARRAY;
+        size_t known = kind == 0 ? 9 : 3;
+        for (size_t i = 0; i + 1 < count; i++) {
+            int f = i < known ? fields[i] : F_SKIP;
+            if (f < F_SKIP) where[f] = r->p;
+            if (skip(r, !unchecked(f), 0) != 1) return 0;
+        }
+    } else {
+        if (read_container(r, 1, &count) != 1) return 0;
+        const uint8_t *type_at = NULL;
+        const uint8_t *stored[F_SKIP] = {NULL}, *removed[F_SKIP] = {NULL};
+        for (size_t i = 0; i < count; i++) {
+            int f0 = F_READ, f1 = F_READ;
+            const uint8_t *key = r->p;
+            got = read_str(r, &s, &n);
+            if (got < 0) return 0;
+            if (got == 1) {
+                if (!utf8_ok(s, n)) return 0;
+                if (n == 4 && memcmp(s, "type", 4) == 0) type_at = r->p;
+                f0 = field_of(s, n, 0);
+                f1 = field_of(s, n, 1);
+            } else {
+                r->p = key;
+                if (is_container(*key) || skip(r, 1, 0) != 1) return 0;
+            }
+            if (f0 < F_SKIP) stored[f0] = r->p;
+            if (f1 < F_SKIP) removed[f1] = r->p;
+            if (skip(r, !unchecked(f0), 0) != 1) return 0;
+        }
+        if (type_at == NULL) return 0;
+        Reader t = {type_at, r->end};
+        if (read_str(&t, &s, &n) != 1) return 0;
+        if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
+        else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
+        else return 0;
+        memcpy(where, kind == 0 ? stored : removed, sizeof(where));
+    }
+    if (where[F_HASHES] == NULL) return 0;
+    Reader h = {where[F_HASHES], r->end};
+    size_t nh;
+    if (read_container(&h, 0, &nh) != 1 || nh == 0 || !need(&h, nh)) return 0;
+    uint64_t v, parent = 0;
+    int negative, has_parent = 0;
+    int got_group = opt_int(where[F_GROUP], r->end, &v, &negative);
+    if (got_group < 0) return 0;
+    int other_group = got_group && (negative || v != 0);
+    int32_t name;
+    int named = name_index(names, learn_name, holder, where[F_MEDIUM], r->end, &name);
+    if (named <= 0) return named;
+    if (kind == 0) {
+        has_parent = opt_int(where[F_PARENT], r->end, &parent, &negative);
+        if (has_parent < 0) return 0;
+        if (where[F_LORA] != NULL && *where[F_LORA] != 0xC0) {
+            Reader l = {where[F_LORA], r->end};
+            if (read_str(&l, &s, &n) != 1 || !utf8_ok(s, n)) return 0;
+        }
+    }
+    uint64_t *hashes = col_grow(cols, COL_HASHES, (Py_ssize_t)nh);
+    if (hashes == NULL) return -1;
+    for (size_t i = 0; i < nh; i++) {
+        if (read_int(&h, &hashes[i], &negative) != 1) return 0;
+    }
+    if (kind == 0 && chain_fault(hashes, nh, has_parent, parent)) return 0;
+    if (other_group) {
+        /* another KV cache group: read (the batch stays this shape) but not applied */
+        return PyByteArray_Resize(cols[COL_HASHES], PyByteArray_GET_SIZE(cols[COL_HASHES])
+                                                        - (Py_ssize_t)nh * 8) < 0 ? -1 : 2;
+    }
+    uint64_t tokens_taken = 0, block_size = 0, seed = 0;
+    if (kind == 0 && root != 0 && with_tokens) {
+        uint64_t size = 0;
+        int got_size = opt_int(where[F_BSIZE], r->end, &size, &negative);
+        if (got_size == 1 && !negative && size > 0 && size <= 0xFFFF
+            && !has_extras(where[F_EXTRA], r->end, where[F_LORA]) && where[F_TOKENS] != NULL) {
+            Reader f = {where[F_TOKENS], r->end};
+            size_t nt;
+            if (read_container(&f, 0, &nt) == 1 && need(&f, nt) && nt >= nh * size) {
+                uint32_t *t = col_grow(cols, COL_TOKENS, (Py_ssize_t)(nh * size));
+                if (t == NULL) return -1;
+                size_t i = 0;
+                for (; i < nt; i++) { /* every id checked, as read_tokens does */
+                    if (read_int(&f, &v, &negative) != 1 || negative || v > 0xFFFFFFFFu) break;
+                    if (i < nh * size) t[i] = (uint32_t)v;
+                }
+                if (i == nt) {
+                    tokens_taken = nh * size;
+                    block_size = size;
+                    int seeded = lora_seed_of(seeds, learn_seed, where[F_LORA], r->end, &seed);
+                    if (seeded <= 0) return seeded;
+                } else if (PyByteArray_Resize(cols[COL_TOKENS],
+                                              PyByteArray_GET_SIZE(cols[COL_TOKENS])
+                                                  - (Py_ssize_t)(nh * size) * 4) < 0) {
+                    return -1;
+                }
+            }
+        }
+    }
+    uint8_t *k = col_grow(cols, COL_KIND, 1);
+    int32_t *nm = col_grow(cols, COL_NAME, 1);
+    uint64_t *rt = col_grow(cols, COL_ROOT, 1);
+    int64_t *sz = col_grow(cols, COL_SIZE, 1);
+    uint64_t *pa = col_grow(cols, COL_PARENT, 1);
+    uint8_t *hp = col_grow(cols, COL_HAS_PARENT, 1);
+    int64_t *tc = col_grow(cols, COL_TOKEN_COUNT, 1);
+    int64_t *bs = col_grow(cols, COL_BLOCK_SIZE, 1);
+    uint64_t *sd = col_grow(cols, COL_SEED, 1);
+    if (!k || !nm || !rt || !sz || !pa || !hp || !tc || !bs || !sd) return -1;
+    *k = (uint8_t)kind;
+    *nm = name;
+    *rt = root;
+    *sz = (int64_t)nh;
+    *pa = parent;
+    *hp = (uint8_t)(has_parent == 1);
+    *tc = (int64_t)tokens_taken;
+    *bs = (int64_t)block_size;
+    *sd = seed;
+    return 1;
+}
+
+/* decode_into(payload, with_tokens, root, holder, ctx) -> (ts, dp_rank | None, events,
+ * skipped) | None
+ * ctx: (cols: list of NUM_COLS bytearrays, names: dict, learn_name, seeds: dict,
+ * learn_seed).  The batch's stores and removals appended to the columns (the
+ * applier's commit; serving/columns.py is the reference), a store keyed by tokens
+ * under `root` (0: by the engine's hashes) with its tokens when it carries all of
+ * them.  events: the batch's events; skipped: those of another KV cache group, not
+ * appended.  None, with the columns as they were: a clear, or anything decode_batch
+ * would not read (Python decodes the payload itself). */
+PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_DECODE_INTO]++;
+    if (!fixed_size[0]) init_sizes();
+    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 5
+        || !PyList_Check(PyTuple_GET_ITEM(args[4], 0))
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(args[4], 0)) != NUM_COLS
+        || !PyDict_Check(PyTuple_GET_ITEM(args[4], 1))
+        || !PyDict_Check(PyTuple_GET_ITEM(args[4], 3))) {
+        PyErr_SetString(PyExc_TypeError, "decode_into(payload, with_tokens, root, holder, "
+                                         "(cols, names, learn_name, seeds, learn_seed))");
+        return NULL;
+    }
+    PyObject *cols[NUM_COLS];
+    Py_ssize_t before[NUM_COLS];
+    PyObject *col_list = PyTuple_GET_ITEM(args[4], 0);
+    for (int c = 0; c < NUM_COLS; c++) {
+        cols[c] = PyList_GET_ITEM(col_list, c);
+        if (!PyByteArray_CheckExact(cols[c])) {
+            PyErr_SetString(PyExc_TypeError, "decode_into: the columns are bytearrays");
+            return NULL;
+        }
+        before[c] = PyByteArray_GET_SIZE(cols[c]);
+    }
+    PyObject *names = PyTuple_GET_ITEM(args[4], 1), *learn_name = PyTuple_GET_ITEM(args[4], 2);
+    PyObject *seeds = PyTuple_GET_ITEM(args[4], 3), *learn_seed = PyTuple_GET_ITEM(args[4], 4);
+    int with_tokens = PyObject_IsTrue(args[1]);
+    uint64_t root = PyLong_AsUnsignedLongLong(args[2]);
+    long holder = PyLong_AsLong(args[3]);
+    if (with_tokens < 0 || PyErr_Occurred()) return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    Reader r = {buf.buf, (const uint8_t *)buf.buf + buf.len};
+    PyObject *out = NULL;
+    size_t size, count, skipped = 0;
+    double ts;
+    uint64_t v;
+    int negative, failed = 0;
+    if (read_container(&r, 0, &size) != 1 || size < 2 || size > 3 || !need(&r, 1)) goto none;
+    if (*r.p == 0xCB && need(&r, 9)) {
+        uint64_t bits = be(r.p + 1, 8);
+        memcpy(&ts, &bits, 8);
+        r.p += 9;
+    } else if (*r.p == 0xCA && need(&r, 5)) {
+        uint32_t bits = (uint32_t)be(r.p + 1, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        ts = f;
+        r.p += 5;
+    } else if (read_int(&r, &v, &negative) == 1) {
+        ts = negative ? (double)(int64_t)v : (double)v;
+    } else {
+        goto none;
+    }
+    if (!isfinite(ts) || read_container(&r, 0, &count) != 1) goto none;
+    for (size_t i = 0; i < count; i++) {
+        int e = event_into(&r, with_tokens, root, holder, cols, names, learn_name, seeds,
+                           learn_seed);
+        if (e < 0) {
+            failed = 1;
+            goto none;
+        }
+        if (e == 0) goto none;
+        skipped += e == 2;
+    }
+    int has_rank = 0;
+    if (size == 3) {
+        if (need(&r, 1) && *r.p == 0xC0) {
+            r.p++;
+        } else if (read_int(&r, &v, &negative) == 1 && !negative && v <= MAX_DP_RANK) {
+            has_rank = 1;
+        } else {
+            goto none;
+        }
+    }
+    if (r.p != r.end) goto none;
+    out = has_rank ? Py_BuildValue("(dKnn)", ts, (unsigned long long)v, (Py_ssize_t)count,
+                                   (Py_ssize_t)skipped)
+                   : Py_BuildValue("(dOnn)", ts, Py_None, (Py_ssize_t)count,
+                                   (Py_ssize_t)skipped);
+    PyBuffer_Release(&buf);
+    return out;
+none:
+    PyBuffer_Release(&buf);
+    {
+        PyObject *type = NULL, *value = NULL, *tb = NULL;
+        if (failed) PyErr_Fetch(&type, &value, &tb);
+        for (int c = 0; c < NUM_COLS; c++) {
+            if (PyByteArray_Resize(cols[c], before[c]) < 0) {
+                Py_XDECREF(type);
+                Py_XDECREF(value);
+                Py_XDECREF(tb);
+                return NULL;
+            }
+        }
+        if (failed) {
+            PyErr_Restore(type, value, tb);
+            return NULL;
+        }
+    }
+    return Py_NewRef(Py_None);
+}

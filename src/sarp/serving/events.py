@@ -142,7 +142,13 @@ _MEDIA: dict[str, str | None] = {}  # a medium as sent -> canonical, or None if 
 _MEDIA_CACHED = 1024  # engines send a handful; a stream of odd names is not cached
 
 
-def _canonical(medium: str | None) -> str | None:
+def tier_of(medium: str | None) -> str | None:
+    """The tier an engine's medium name maps to (none: ``DEFAULT_MEDIUM``), or None
+    for a name sarp refuses.  Cost: a dict lookup for a name seen before.
+
+    >>> tier_of(None), tier_of("cpu_pinned"), tier_of("GPU\\x00")
+    ('GPU', 'CPU', None)
+    """
     if medium is None:
         return DEFAULT_MEDIUM
     known = _MEDIA.get(medium, False)
@@ -162,14 +168,14 @@ def _from_native(got: tuple | None) -> Batch | None:
     events: list[Event] = []
     for e in raw:
         if e[0] == "BlockStored":
-            medium = _canonical(e[3])
+            medium = tier_of(e[3])
             if medium is None:
                 return None
             tokens = None if e[6] is None else np.frombuffer(e[6], np.uint32)
             events.append(Stored(np.frombuffer(e[1], np.uint64), e[2], medium, e[4], e[5],
                                  tokens, e[7]))
         elif e[0] == "BlockRemoved":
-            medium = _canonical(e[2])
+            medium = tier_of(e[2])
             if medium is None:
                 return None
             events.append(Removed(np.frombuffer(e[1], np.uint64), medium, e[3]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import time
 
 import zmq
@@ -32,8 +33,9 @@ REPLAY_RCVHWM = 1_000  # messages queued on our side of a replay (vLLM's ROUTER 
 
 
 class ReplayJobs:
-    """The replay half of the subscriber (see the module): replay jobs, and the
-    liveness probes that ask a silent engine's endpoint whether it is still there."""
+    """The replay half of the subscriber (see the module): replay jobs, the liveness
+    probes that ask a silent engine's endpoint whether it is still there, and what the
+    SUB sockets' monitors say of their connections."""
 
     def _check_liveness(self) -> None:
         """Ask silent engines whether they are there; clear the ones that do not answer."""
@@ -68,6 +70,33 @@ class ReplayJobs:
                 self._probes[sock] = (key, now)
                 self._poller.register(sock, zmq.POLLIN)
                 self.stats[key].probes += 1
+
+    def _drain_monitor(self, monitor: zmq.Socket, key: str) -> None:
+        while monitor.poll(0):
+            # libzmq's (u16 event, u32 value), endpoint; zmq.utils.monitor cost 30 ms a start
+            frames = monitor.recv_multipart()
+            event = {"event": struct.unpack("=hi", frames[0])[0] if len(frames[0]) == 6 else 0}
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._connects[key] += 1
+                if self._connects[key] > 1:
+                    self._verify.add(key)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                # libzmq drops a connection whose frame is over MAXMSGSIZE before it
+                # allocates it, and does not reconnect after such a protocol error (it
+                # does after the engine goes away): connect again ourselves.
+                self.stats[key].disconnects += 1
+                sock, endpoint = self._sub_of[key], self.sources[key].endpoint
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disconnect(endpoint)
+                sock.connect(endpoint)
+                fault_log.warn(key, "disconnected",
+                                f"sarp: {key}: connection dropped (the engine went away, or "
+                                f"sent a frame over {self.max_frame_bytes} bytes)")
+
+    def _bad_frame(self, key: str, frames: list[bytes], seq: int | None) -> None:
+        self.stats[key].bad_frames += 1
+        fault_log.warn(key, "bad_frame", f"sarp: {key} sent a bad frame ({len(frames)} parts"
+                        f"{'' if seq is None else f', sequence {seq}'}); dropped")
 
     def _on_probe_answer(self, sock: zmq.Socket) -> None:
         key, _ = self._probes[sock]

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import struct
 import time
 from collections import Counter
 
@@ -439,34 +438,7 @@ class Subscriber(ReplayJobs):
         self._subs.clear()
         self._monitors.clear()
 
-    # -- liveness ----------------------------------------------------------------------------
-
-    def _drain_monitor(self, monitor: zmq.Socket, key: str) -> None:
-        while monitor.poll(0):
-            # libzmq's (u16 event, u32 value), endpoint; zmq.utils.monitor cost 30 ms a start
-            frames = monitor.recv_multipart()
-            event = {"event": struct.unpack("=hi", frames[0])[0] if len(frames[0]) == 6 else 0}
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self._connects[key] += 1
-                if self._connects[key] > 1:
-                    self._verify.add(key)
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                # libzmq drops a connection whose frame is over MAXMSGSIZE before it
-                # allocates it, and does not reconnect after such a protocol error (it
-                # does after the engine goes away): connect again ourselves.
-                self.stats[key].disconnects += 1
-                sock, endpoint = self._sub_of[key], self.sources[key].endpoint
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disconnect(endpoint)
-                sock.connect(endpoint)
-                fault_log.warn(key, "disconnected",
-                                f"sarp: {key}: connection dropped (the engine went away, or "
-                                f"sent a frame over {self.max_frame_bytes} bytes)")
-
-    def _bad_frame(self, key: str, frames: list[bytes], seq: int | None) -> None:
-        self.stats[key].bad_frames += 1
-        fault_log.warn(key, "bad_frame", f"sarp: {key} sent a bad frame ({len(frames)} parts"
-                        f"{'' if seq is None else f', sequence {seq}'}); dropped")
+    # -- live messages -----------------------------------------------------------------------
 
     def _on_message(self, key: str, frames: list[bytes]) -> int:
         """One live message: applied at once when it is the next batch in line, else
@@ -481,6 +453,8 @@ class Subscriber(ReplayJobs):
         live_last = self._live_last.get(key)
         fp = self.state.get(key)
         if (live_last is None or seq > live_last) and seq == (0 if fp is None else fp.seq + 1):
+            if self._in_columns(key, seq, payload, fp):
+                return 1
             batch = self._decode(key, seq, payload)
             if batch is None or fp is None or batch.ts >= fp.ts - TS_SLACK_S:
                 self._live_last[key] = seq
@@ -547,6 +521,27 @@ class Subscriber(ReplayJobs):
             return applied + (yield from self._on_live(key, seq, payload, checked=True))
         return self._apply(key, seq, payload, digest, batch)
 
+    def _in_columns(self, key: str, seq: int, payload: bytes, fp: Fingerprint | None) -> bool:
+        """The next batch in line, decoded in C into the commit's columns
+        (:meth:`Applier.add_payload`) when it is the shape engines send and continues
+        the fingerprint's time; False leaves it to :meth:`_decode` and :meth:`_apply`
+        (which do what this does, with a Python object per event)."""
+        source = self.sources[key]
+        if source.dp_rank is None or (key in self._hash_pending and source.model is None):
+            return False  # its holder comes with each batch; its hashes are checked first
+        got = self._applier.add_payload(payload, source.key, root=source.root,
+                                        tokens=source.model is not None)
+        if got is None:
+            return False
+        mark, ts, dp_rank = got
+        if fp is not None and ts < fp.ts - TS_SLACK_S:
+            self._applier.drop(mark)
+            return False
+        self._live_last[key] = seq
+        self._drop_ahead(key, seq)
+        self._applier.keep(self.stats[key].applied, mark)
+        return self._queued(key, seq, frame_digest(payload), ts, dp_rank) == 1
+
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
         try:  # token-keyed engines' stores need their tokens
             return decode(payload, self.sources[key].model is not None)
@@ -565,17 +560,22 @@ class Subscriber(ReplayJobs):
             self._forget(key, f"batch {seq} could not be decoded")
             self._advance(key, seq, digest, 0.0)
             return 0
-        if source.dp_rank is not None and batch.dp_rank not in (None, source.dp_rank):
-            stats.rank_mismatches += 1
         # (a token-keyed engine's own hashes only link its blocks: not checked)
         if key in self._hash_pending and source.model is None \
                 and self._hash_check.check_batch(key, payload, batch, stats):
             self._hash_pending.discard(key)  # again after a clear (a restarted engine)
         self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank,
                           root=source.root)
+        return self._queued(key, seq, digest, batch.ts, batch.dp_rank)
+
+    def _queued(self, key: str, seq: int, digest: int, ts: float, dp_rank: int | None) -> int:
+        """The counts and the fingerprint of a batch queued for the next commit."""
+        source, stats = self.sources[key], self.stats[key]
+        if source.dp_rank is not None and dp_rank not in (None, source.dp_rank):
+            stats.rank_mismatches += 1
         self._clean.discard(key)
         stats.batches += 1
-        self._advance(key, seq, digest, batch.ts)
+        self._advance(key, seq, digest, ts)
         return 1
 
     def _advance(self, key: str, seq: int, digest: int, ts: float) -> None:

@@ -1,0 +1,194 @@
+"""A commit's events as columns (`sarp.serving.columns`): the C decoder against its
+Python reference, and a stream applied through the columns against the same stream
+applied as decoded events (`Applier.add`), table for table."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import numpy as np
+import pytest
+
+import sarp
+from sarp import native
+from sarp.bench import conformance as cf
+from sarp.serving.applier import Applier, ApplyStats
+from sarp.serving.columns import FIELDS, Columns
+from sarp.serving.events import decode
+from sarp.tokenkeys import model_root
+
+pytestmark = pytest.mark.skipif(
+    not native.AVAILABLE, reason=f"sarp._native {native.WHY} (SARP_REQUIRE_NATIVE=1, as "
+    "in CI, makes that a failure); without it serve decodes every batch in Python")
+
+ROOT = model_root("llama")
+
+
+def _event(rng: random.Random, tagged: bool) -> object:
+    """A store, a removal or now and then something the columns refuse."""
+    n = rng.randint(1, 4)
+    hashes = [rng.randrange(1, 50) for _ in range(n)]
+    if rng.random() < 0.04:
+        hashes[-1] = hashes[0]  # a repeated hash: malformed
+    medium = rng.choice(["GPU", "GPU", "cpu", "CPU_PINNED", None, "disk", "GPU\x00", 7])
+    group = rng.choice([None, None, None, 0, 1])
+    roll = rng.random()
+    if roll < 0.03:
+        return ["AllBlocksCleared"] if tagged else {"type": "AllBlocksCleared"}
+    if roll < 0.35:
+        if tagged:
+            return ["BlockRemoved", hashes, medium] + ([group] if group is not None else [])
+        e = {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+        return e | ({"group_idx": group} if group is not None else {})
+    parent = rng.choice([None, rng.randrange(50, 60)])
+    size = rng.choice([16, 16, 4, 0, None])
+    tokens = [rng.randrange(1 << 17) for _ in range(n * (size or 1) + rng.choice([0, 0, 3, -1]))]
+    if tokens and rng.random() < 0.05:
+        tokens[0] = -1  # not a token id: keyed through the engine's hashes
+    lora = rng.choice([None, None, "sql", ""])
+    extra = rng.choice([None, None, [None] * n, [["sql"]] * n, [["img"]] * n])
+    if tagged:
+        return ["BlockStored", hashes, parent, tokens, size, None, medium, lora, extra, group]
+    e = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+         "token_ids": tokens, "block_size": size, "medium": medium, "lora_name": lora}
+    if extra is not None:
+        e["extra_keys"] = extra
+    return e | ({"group_idx": group} if group is not None else {})
+
+
+def _payloads(seed: int, count: int) -> list[bytes]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        tagged = rng.random() < 0.5
+        events = [_event(rng, tagged) for _ in range(rng.randint(1, 4))]
+        tail = rng.choice([[], [0], [None], [3]])
+        out.append(msgpack.packb([rng.random() * 100, events, *tail]))
+    return out
+
+
+def _rows(cols: Columns) -> list[tuple]:
+    """Every row with its name spelled out, its hashes and its tokens."""
+    t = cols.take()
+    starts, tstarts = t.starts, np.cumsum(t.token_count) - t.token_count
+    return [(*(int(getattr(t, f)[i]) for f in FIELDS[:9] if f != "name"),
+             t.names[int(t.name[i])],
+             t.hashes[starts[i] : starts[i] + t.size[i]].tolist(),
+             t.tokens[tstarts[i] : tstarts[i] + t.token_count[i]].tolist())
+            for i in range(t.kind.size)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("root", [None, ROOT], ids=["engine-keyed", "token-keyed"])
+def test_c_columns_hold_what_the_python_reference_holds(seed, root):
+    """Random payloads of both encodings (media sarp maps and refuses, other KV cache
+    groups, LoRA names, extra keys, short or odd token ids, clears, repeated hashes):
+    each one C takes, the reference takes the same way; each one C leaves, the columns
+    are as they were."""
+    c_cols, py_cols = Columns(), Columns()
+    taken = left = 0
+    for payload in _payloads(seed, 300):
+        before = c_cols.mark()
+        with native.forced("c"):
+            got = c_cols.add(payload, "e#0", root, tokens=True)
+        if got is None:
+            assert c_cols.mark() == before
+            left += 1
+            continue
+        with native.forced("python"):
+            assert py_cols.add(payload, "e#0", root, tokens=True) == got
+        taken += 1
+    assert taken > 50 and left > 50
+    assert _rows(c_cols) == _rows(py_cols)
+
+
+def _stream(seed: int) -> list[tuple[int, bytes]]:
+    """Four engines' payloads (vLLM 0.33 and 0.11, token ids, GPU and CPU, LoRA on one,
+    a clear half way) serving requests with shared prefixes, in publish order."""
+    tapes: list[list[bytes]] = [[] for _ in range(4)]
+
+    class Tape:
+        def __init__(self, out: list[bytes]) -> None:
+            self.out = out
+
+        def publish(self, payload: bytes) -> None:
+            self.out.append(payload)
+
+    engines = [cf.Engine(i + 1, 0, "llama", ("vllm-0.33", "vllm-0.11")[i % 2],
+                         Tape(tapes[i]), gpu_blocks=60, cpu_blocks=90) for i in range(4)]
+    rng = random.Random(seed)
+    stems = [np.array([rng.randrange(1 << 30) for _ in range(rng.randint(1, 20))], np.uint64)
+             for _ in range(12)]
+    order: list[tuple[int, bytes]] = []
+    for k in range(400):
+        stem = stems[rng.randrange(len(stems))]
+        ids = np.concatenate([stem[: rng.randint(1, stem.size)],
+                              np.array([rng.randrange(1 << 30) for _ in range(rng.randint(0, 6))],
+                                       np.uint64)])
+        n = rng.randrange(4)
+        before = len(tapes[n])
+        if k == 200 and n == 1:
+            engines[n].clear()
+        engines[n].serve(ids, cf.LORA if n == 1 and rng.random() < 0.2 else None)
+        if k % 40 == 7:  # a store whose parent nobody holds (an event was lost): refused
+            lost = (rng.randrange(1 << 30), None)
+            tapes[n].append(cf.encode([("stored", [(int(ids[-1]) + 1, None)], lost, "GPU")],
+                                      engines[n].style, 0))
+        order += [(n, p) for p in tapes[n][before:]]
+    return order
+
+
+def _tables(index) -> dict:
+    store = index._store
+    with store.env.begin() as txn:
+        return {name: list(txn.cursor(db=getattr(store, name)))
+                for name in ("segments_db", "blocks_db", "aliases_db", "holders_db", "log_db")}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_stream_applied_through_the_columns_leaves_what_decoded_events_leave(tmp_path, seed):
+    """The same token-keyed stream, in commits of 1 to 60 batches, through the columns
+    (``add_payload``; a batch they leave, such as a clear, goes the other way) and
+    through ``Applier.add``: every table byte for byte, the counts, the answers.  A
+    batch the columns leave commits what they hold first (the columns go before it),
+    so both lanes commit there."""
+    stream = _stream(seed)
+    probe = Columns()
+    left = {i for i, (_, payload) in enumerate(stream)
+            if probe.add(payload, "probe#0", ROOT, tokens=True) is None}
+    rng = random.Random(seed)
+    cuts = []
+    while sum(cuts) < len(stream):
+        cuts.append(rng.choice([1, 5, 20, 60]))
+    outcomes = []
+    for lane in ("columns", "events"):
+        with sarp.open(tmp_path / lane, durability="nosync") as index:
+            applier, stats = Applier(index), [ApplyStats() for _ in range(4)]
+            at, took = 0, 0
+            for cut in cuts:
+                for i, (n, payload) in enumerate(stream[at : at + cut], at):
+                    if i in left:
+                        applier.flush()
+                    holder = f"{n + 1}#0"
+                    got = applier.add_payload(payload, holder, root=ROOT, tokens=True) \
+                        if lane == "columns" else None
+                    if got is not None:
+                        applier.keep(stats[n], got[0])
+                        took += 1
+                    else:
+                        applier.add(f"{n + 1}", decode(payload, True), stats[n], dp_rank=0,
+                                    root=ROOT)
+                applier.flush()
+                at += cut
+            counts = [(s.events, s.blocks_stored, s.blocks_removed, s.clears,
+                       s.skipped_orphans, s.skipped_groups, s.batches, dict(s.bad_events))
+                      for s in stats]
+            answers = [index.match(np.array([h], np.uint64)).by_holder
+                       for _, h in index.directory.entries().items()][:200]
+            outcomes.append((_tables(index), counts, answers))
+            assert index.check() == []
+        if lane == "columns":
+            assert took > len(stream) * 0.9  # all but the clears
+    assert outcomes[0] == outcomes[1]
+    assert sum(c[4] for c in outcomes[0][1]) >= 5  # the lost parents' stores were refused
