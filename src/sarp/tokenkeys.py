@@ -19,6 +19,8 @@ its reference.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from . import native
@@ -41,8 +43,10 @@ def lora_seed(lora_name: str | None) -> int:
     return (SEED + checksum(lora_name.encode())) & _U64
 
 
+@lru_cache(maxsize=4096)
 def model_root(model: str, tenant: str = DEFAULT_TENANT) -> int:
     """The key before the first block of ``model``'s (and ``tenant``'s) chains.
+    Cost: an xxh3, or a cache lookup for a pair asked before.
 
     >>> model_root("m") == model_root("m", "default") != model_root("m", "t2")
     True

@@ -117,7 +117,7 @@ class Columns:
 
     def mark(self) -> tuple[int, ...]:
         """Where the columns end now (for :meth:`rollback`)."""
-        return tuple(len(c) for c in self._cols)
+        return tuple(map(len, self._cols))
 
     def rollback(self, mark: tuple[int, ...]) -> None:
         """Drop what was added after ``mark``."""
