@@ -214,7 +214,12 @@ def save_fingerprints(index, committed: dict[str, Fingerprint], durable: bool) -
 
 
 def plain(obj) -> dict:
-    """A dataclass's fields, nested dataclasses and counters as plain dicts (JSON-ready)."""
+    """A dataclass's fields, nested dataclasses and counters as plain dicts (JSON-ready).
+
+    Not ``dataclasses.asdict``: it rebuilds a ``Counter`` from ``(key, value)`` pairs,
+    which counts the pairs, and ``json.dumps`` then refuses the tuple keys (a single
+    bad event stopped ``serve --http``; tests/test_hardening.py).
+    """
     out = {}
     for f in fields(obj):
         value = getattr(obj, f.name)

@@ -58,7 +58,7 @@ from collections import Counter
 import zmq
 
 from ..errors import StoreError
-from .applier import Applier
+from .applier import Applier, holder_name
 from .events import BadEvent, Batch, decode
 from .hashcheck import HashCheck
 from .replay import (
@@ -153,6 +153,7 @@ class Subscriber(ReplayJobs):
         self._hash_check = hash_check
         self._hash_pending = set(self.sources) if hash_check is not None else set()
         self._live_last: dict[str, int] = {}  # last sequence seen on the live stream
+        self._ranks: dict[str, int | None] = {}  # the rank the last batch named, per source
         self._ahead: dict[str, dict[int, int]] = {k: {} for k in self.sources}  # seq -> digest
         self._connects: Counter = Counter()
         self._verify: set[str] = set()  # sources whose continuity must be checked first
@@ -244,7 +245,7 @@ class Subscriber(ReplayJobs):
             self._end_probe(probe)
         for table in (self.state, self._committed, self._dirty, self._ahead, self._heard,
                       self._live_last, self._retry_at, self._backoff, self.last_applied_at,
-                      self.stats, self.sources):
+                      self._ranks, self.stats, self.sources):
             table.pop(key, None)
         for group in (self._verify, self._gone, self._unchecked, self._clean,
                       self._hash_pending):
@@ -522,25 +523,26 @@ class Subscriber(ReplayJobs):
         return self._apply(key, seq, payload, digest, batch)
 
     def _in_columns(self, key: str, seq: int, payload: bytes, fp: Fingerprint | None) -> bool:
-        """The next batch in line, decoded in C into the commit's columns
-        (:meth:`Applier.add_payload`) when it is the shape engines send and continues
-        the fingerprint's time; False leaves it to :meth:`_decode` and :meth:`_apply`
-        (which do what this does, with a Python object per event)."""
+        """The next batch in line, decoded in C into the commit's columns (a source
+        without a rank of its own: under the rank the last batch named); False leaves it
+        to :meth:`_decode` and :meth:`_apply` (another shape, rank, or a time gone back)."""
         source = self.sources[key]
-        if source.dp_rank is None or (key in self._hash_pending and source.model is None):
-            return False  # its holder comes with each batch; its hashes are checked first
-        got = self._applier.add_payload(payload, source.key, root=source.root,
-                                        tokens=source.model is not None)
+        if key in self._hash_pending and source.model is None:
+            return False  # its hashes are checked against its tokens first
+        rank = source.dp_rank if source.dp_rank is not None else self._ranks.get(key, 0)
+        got = self._applier.add_payload(payload, holder_name(source.name, rank),
+                                        root=source.root, tokens=source.model is not None)
         if got is None:
             return False
-        mark, ts, dp_rank = got
-        if fp is not None and ts < fp.ts - TS_SLACK_S:
-            self._applier.drop(mark)
+        if got[2] != rank and source.dp_rank is None or fp is not None \
+                and got[1] < fp.ts - TS_SLACK_S:
+            self._applier.drop(got[0])  # another rank than the last's, or its time went back
+            self._ranks[key] = got[2]
             return False
         self._live_last[key] = seq
         self._drop_ahead(key, seq)
-        self._applier.keep(self.stats[key].applied, mark)
-        return self._queued(key, seq, frame_digest(payload), ts, dp_rank) == 1
+        self._applier.keep(self.stats[key].applied, got[0])
+        return self._queued(key, seq, frame_digest(payload), got[1], got[2]) == 1
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
         try:  # token-keyed engines' stores need their tokens
@@ -620,11 +622,7 @@ class Subscriber(ReplayJobs):
         return any(self.index.blocks_of(inst).size for inst in self._instances(key))
 
     def summary(self) -> dict[str, dict]:
-        """Each source's counters as plain values (JSON-ready), with its last sequence.
-
-        Not ``dataclasses.asdict``: it rebuilds a ``Counter`` from ``(key, value)``
-        pairs, which counts the pairs, and ``json.dumps`` then refuses the tuple keys
-        (a single bad event stopped ``serve --http``; tests/test_hardening.py).
-        """
+        """Each source's counters as plain values (JSON-ready: :func:`plain`, not
+        ``dataclasses.asdict``), with its last sequence."""
         return {key: {**plain(s), "last_seq": self.last_seq.get(key)}
                 for key, s in self.stats.items()}
