@@ -349,30 +349,30 @@ static int opt_int(const uint8_t *at, const uint8_t *end, uint64_t *v, int *nega
     return read_int(&f, v, negative) == 1 ? 1 : -1;
 }
 
-/* One event, or NULL (no exception: Python decides; or with one). */
-static PyObject *read_event(Reader *r, int with_tokens) {
-    const uint8_t *where[F_SKIP] = {NULL};
+/* Where an event's fields are (`where`, by F_*) and its kind (0 stored, 1 removed,
+ * 2 cleared): 1, or 0 when it is not the shape engines send (Python decides). */
+static int find_fields(Reader *r, const uint8_t **where, int *kind_out) {
     int kind = -1; /* 0 stored, 1 removed, 2 cleared */
     size_t count;
     const uint8_t *s;
     size_t n;
     int got = read_container(r, 0, &count);
-    if (got < 0) return NULL;
+    if (got < 0) return 0;
     if (got == 1) {
-        if (count == 0 || read_str(r, &s, &n) != 1) return NULL;
+        if (count == 0 || read_str(r, &s, &n) != 1) return 0;
         if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
         else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
         else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) kind = 2;
-        else return NULL;
+        else return 0;
         const int *names = kind == 0 ? STORED_ARRAY : REMOVED_ARRAY;
         size_t known = kind == 0 ? 9 : kind == 1 ? 3 : 0;
         for (size_t i = 0; i + 1 < count; i++) {
             int f = i < known ? names[i] : F_SKIP;
             if (f < F_SKIP) where[f] = r->p;
-            if (skip(r, !unchecked(f), 0) != 1) return NULL;
+            if (skip(r, !unchecked(f), 0) != 1) return 0;
         }
     } else {
-        if (read_container(r, 1, &count) != 1) return NULL;
+        if (read_container(r, 1, &count) != 1) return 0;
         const uint8_t *type_at = NULL;
         /* which names count depends on the type, which may come last: note every
          * field of either kind, keyed by name, then read the ones the type wants */
@@ -381,29 +381,79 @@ static PyObject *read_event(Reader *r, int with_tokens) {
             int f0 = F_READ, f1 = F_READ;
             const uint8_t *key = r->p;
             got = read_str(r, &s, &n);
-            if (got < 0) return NULL;
+            if (got < 0) return 0;
             if (got == 1) {
-                if (!utf8_ok(s, n)) return NULL;
+                if (!utf8_ok(s, n)) return 0;
                 if (n == 4 && memcmp(s, "type", 4) == 0) type_at = r->p;
                 f0 = field_of(s, n, 0);
                 f1 = field_of(s, n, 1);
             } else {
                 r->p = key;
-                if (is_container(*key) || skip(r, 1, 0) != 1) return NULL; /* an odd key */
+                if (is_container(*key) || skip(r, 1, 0) != 1) return 0; /* an odd key */
             }
             if (f0 < F_SKIP) stored[f0] = r->p;
             if (f1 < F_SKIP) removed[f1] = r->p;
-            if (skip(r, !unchecked(f0), 0) != 1) return NULL;
+            if (skip(r, !unchecked(f0), 0) != 1) return 0;
         }
-        if (type_at == NULL) return NULL;
+        if (type_at == NULL) return 0;
         Reader t = {type_at, r->end};
-        if (read_str(&t, &s, &n) != 1) return NULL;
+        if (read_str(&t, &s, &n) != 1) return 0;
         if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
         else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
         else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) kind = 2;
-        else return NULL;
-        memcpy(where, kind == 0 ? stored : removed, sizeof(where));
+        else return 0;
+        memcpy(where, kind == 0 ? stored : removed, sizeof(stored));
     }
+    *kind_out = kind;
+    return 1;
+}
+
+/* A batch's head, `[ts, [` (with its size: 2 or 3): 1 with the event count, 0 not
+ * this shape. */
+static int read_head(Reader *r, size_t *size, double *ts, size_t *count) {
+    uint64_t v;
+    int negative;
+    if (read_container(r, 0, size) != 1 || *size < 2 || *size > 3 || !need(r, 1)) return 0;
+    if (*r->p == 0xCB && need(r, 9)) {
+        uint64_t bits = be(r->p + 1, 8);
+        memcpy(ts, &bits, 8);
+        r->p += 9;
+    } else if (*r->p == 0xCA && need(r, 5)) {
+        uint32_t bits = (uint32_t)be(r->p + 1, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        *ts = f;
+        r->p += 5;
+    } else if (read_int(r, &v, &negative) == 1) {
+        *ts = negative ? (double)(int64_t)v : (double)v;
+    } else {
+        return 0;
+    }
+    return isfinite(*ts) && read_container(r, 0, count) == 1;
+}
+
+/* A batch's tail, `(, dp_rank)]` to its end: 1 with *has_rank and *rank, 0 not this
+ * shape. */
+static int read_tail(Reader *r, size_t size, int *has_rank, uint64_t *rank) {
+    int negative;
+    *has_rank = 0;
+    if (size == 3) {
+        if (need(r, 1) && *r->p == 0xC0) {
+            r->p++;
+        } else if (read_int(r, rank, &negative) == 1 && !negative && *rank <= MAX_DP_RANK) {
+            *has_rank = 1;
+        } else {
+            return 0;
+        }
+    }
+    return r->p == r->end;
+}
+
+/* One event, or NULL (no exception: Python decides; or with one). */
+static PyObject *read_event(Reader *r, int with_tokens) {
+    const uint8_t *where[F_SKIP] = {NULL};
+    int kind;
+    if (!find_fields(r, where, &kind)) return NULL;
     if (kind == 2) return Py_BuildValue("(s)", "AllBlocksCleared");
     if (where[F_HASHES] == NULL) return NULL;
     Reader h = {where[F_HASHES], r->end};
@@ -478,27 +528,10 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t na
     Reader r = {buf.buf, (const uint8_t *)buf.buf + buf.len};
     PyObject *events = NULL, *out = NULL;
     size_t size, count;
-    if (read_container(&r, 0, &size) != 1 || size < 2 || size > 3) goto none;
     double ts;
     uint64_t v;
-    int negative;
-    if (!need(&r, 1)) goto none;
-    if (*r.p == 0xCB && need(&r, 9)) {
-        uint64_t bits = be(r.p + 1, 8);
-        memcpy(&ts, &bits, 8);
-        r.p += 9;
-    } else if (*r.p == 0xCA && need(&r, 5)) {
-        uint32_t bits = (uint32_t)be(r.p + 1, 4);
-        float f;
-        memcpy(&f, &bits, 4);
-        ts = f;
-        r.p += 5;
-    } else if (read_int(&r, &v, &negative) == 1) {
-        ts = negative ? (double)(int64_t)v : (double)v;
-    } else {
-        goto none;
-    }
-    if (!isfinite(ts) || read_container(&r, 0, &count) != 1) goto none;
+    int has_rank;
+    if (!read_head(&r, &size, &ts, &count)) goto none;
     events = PyList_New(0);
     if (events == NULL) goto fail;
     for (size_t i = 0; i < count; i++) {
@@ -511,19 +544,9 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t na
         Py_DECREF(e);
         if (bad < 0) goto fail;
     }
-    PyObject *rank = Py_None;
-    if (size == 3) {
-        if (need(&r, 1) && *r.p == 0xC0) {
-            r.p++;
-        } else if (read_int(&r, &v, &negative) == 1 && !negative && v <= MAX_DP_RANK) {
-            rank = NULL;
-        } else {
-            goto none;
-        }
-    }
-    if (r.p != r.end) goto none;
-    out = rank == NULL ? Py_BuildValue("(dKO)", ts, (unsigned long long)v, events)
-                       : Py_BuildValue("(dOO)", ts, Py_None, events);
+    if (!read_tail(&r, size, &has_rank, &v)) goto none;
+    out = has_rank ? Py_BuildValue("(dKO)", ts, (unsigned long long)v, events)
+                   : Py_BuildValue("(dOO)", ts, Py_None, events);
     goto fail; /* release and return out */
 none:
     out = Py_NewRef(Py_None);
@@ -609,54 +632,10 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
                       PyObject **cols, PyObject *names, PyObject *learn_name,
                       PyObject *seeds, PyObject *learn_seed) {
     const uint8_t *where[F_SKIP] = {NULL};
-    int kind = -1;
-    size_t count;
+    int kind;
     const uint8_t *s;
     size_t n;
-    int got = read_container(r, 0, &count);
-    if (got < 0) return 0;
-    if (got == 1) {
-        if (count == 0 || read_str(r, &s, &n) != 1) return 0;
-        if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
-        else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
-        else return 0; /* a clear, or anything else: Python's */
-        const int *fields = kind == 0 ? STORED_ARRAY : REMOVED_ARRAY;
-        size_t known = kind == 0 ? 9 : 3;
-        for (size_t i = 0; i + 1 < count; i++) {
-            int f = i < known ? fields[i] : F_SKIP;
-            if (f < F_SKIP) where[f] = r->p;
-            if (skip(r, !unchecked(f), 0) != 1) return 0;
-        }
-    } else {
-        if (read_container(r, 1, &count) != 1) return 0;
-        const uint8_t *type_at = NULL;
-        const uint8_t *stored[F_SKIP] = {NULL}, *removed[F_SKIP] = {NULL};
-        for (size_t i = 0; i < count; i++) {
-            int f0 = F_READ, f1 = F_READ;
-            const uint8_t *key = r->p;
-            got = read_str(r, &s, &n);
-            if (got < 0) return 0;
-            if (got == 1) {
-                if (!utf8_ok(s, n)) return 0;
-                if (n == 4 && memcmp(s, "type", 4) == 0) type_at = r->p;
-                f0 = field_of(s, n, 0);
-                f1 = field_of(s, n, 1);
-            } else {
-                r->p = key;
-                if (is_container(*key) || skip(r, 1, 0) != 1) return 0;
-            }
-            if (f0 < F_SKIP) stored[f0] = r->p;
-            if (f1 < F_SKIP) removed[f1] = r->p;
-            if (skip(r, !unchecked(f0), 0) != 1) return 0;
-        }
-        if (type_at == NULL) return 0;
-        Reader t = {type_at, r->end};
-        if (read_str(&t, &s, &n) != 1) return 0;
-        if (n == 11 && memcmp(s, "BlockStored", 11) == 0) kind = 0;
-        else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) kind = 1;
-        else return 0;
-        memcpy(where, kind == 0 ? stored : removed, sizeof(where));
-    }
+    if (!find_fields(r, where, &kind) || kind == 2) return 0; /* a clear: Python's */
     if (where[F_HASHES] == NULL) return 0;
     Reader h = {where[F_HASHES], r->end};
     size_t nh;
@@ -784,24 +763,8 @@ PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nar
     size_t size, count, skipped = 0;
     double ts;
     uint64_t v;
-    int negative, failed = 0;
-    if (read_container(&r, 0, &size) != 1 || size < 2 || size > 3 || !need(&r, 1)) goto none;
-    if (*r.p == 0xCB && need(&r, 9)) {
-        uint64_t bits = be(r.p + 1, 8);
-        memcpy(&ts, &bits, 8);
-        r.p += 9;
-    } else if (*r.p == 0xCA && need(&r, 5)) {
-        uint32_t bits = (uint32_t)be(r.p + 1, 4);
-        float f;
-        memcpy(&f, &bits, 4);
-        ts = f;
-        r.p += 5;
-    } else if (read_int(&r, &v, &negative) == 1) {
-        ts = negative ? (double)(int64_t)v : (double)v;
-    } else {
-        goto none;
-    }
-    if (!isfinite(ts) || read_container(&r, 0, &count) != 1) goto none;
+    int has_rank, failed = 0;
+    if (!read_head(&r, &size, &ts, &count)) goto none;
     for (size_t i = 0; i < count; i++) {
         int e = event_into(&r, with_tokens, root, holder, cols, names, learn_name, seeds,
                            learn_seed);
@@ -812,17 +775,7 @@ PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (e == 0) goto none;
         skipped += e == 2;
     }
-    int has_rank = 0;
-    if (size == 3) {
-        if (need(&r, 1) && *r.p == 0xC0) {
-            r.p++;
-        } else if (read_int(&r, &v, &negative) == 1 && !negative && v <= MAX_DP_RANK) {
-            has_rank = 1;
-        } else {
-            goto none;
-        }
-    }
-    if (r.p != r.end) goto none;
+    if (!read_tail(&r, size, &has_rank, &v)) goto none;
     out = has_rank ? Py_BuildValue("(dKnn)", ts, (unsigned long long)v, (Py_ssize_t)count,
                                    (Py_ssize_t)skipped)
                    : Py_BuildValue("(dOnn)", ts, Py_None, (Py_ssize_t)count,
