@@ -192,3 +192,21 @@ def test_a_stream_applied_through_the_columns_leaves_what_decoded_events_leave(t
             assert took > len(stream) * 0.9  # all but the clears
     assert outcomes[0] == outcomes[1]
     assert sum(c[4] for c in outcomes[0][1]) >= 5  # the lost parents' stores were refused
+
+
+def test_the_names_learned_start_again_past_the_bound():
+    """Engines named anew for ever (or media) do not grow the columns' tables: past
+    ``LEARNED`` they start again at a commit, and the rows still name what they
+    named."""
+    from sarp.serving import columns as columns_module
+
+    cols, started_again = Columns(), 0
+    raw = msgpack.packb([1.5, [["BlockStored", [7, 8], None, [], 16, None, "GPU"]]])
+    for k in range(columns_module.LEARNED + 10):
+        assert cols.add(raw, f"e{k}#0", None, tokens=False) is not None
+        if k % 1000 == 999 or k == columns_module.LEARNED + 9:
+            t = cols.take()
+            assert [t.names[i] for i in t.name][-1] == f"e{k}#0\x00GPU"
+            assert len(cols.names) + len(cols._holder_list) <= columns_module.LEARNED
+            started_again += not cols.names
+    assert started_again == 1

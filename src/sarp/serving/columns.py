@@ -180,8 +180,17 @@ class Columns:
         arrays = [np.frombuffer(bytes(c), d) for c, d in zip(self._cols, DTYPES, strict=True)]
         for c in self._cols:
             c.clear()
-        return Taken(*arrays, names=list(self.names),
-                     loras={seed: name for name, seed in self._seeds.items()})
+        taken = Taken(*arrays, names=list(self.names),
+                      loras={seed: name for name, seed in self._seeds.items()})
+        if len(self.names) + len(self._holder_list) > LEARNED:
+            # a stream of new names (engines coming and going, odd media) must not grow
+            # them for ever: no row names them now, so they start again
+            self.names.clear()
+            self._names.clear()
+            self._pairs.clear()
+            self._holders.clear()
+            self._holder_list.clear()
+        return taken
 
     def parts(self, index: int) -> tuple[str, str]:
         """The holder and medium of stored name ``index``."""
