@@ -210,3 +210,26 @@ def test_the_names_learned_start_again_past_the_bound():
             assert len(cols.names) + len(cols._holder_list) <= columns_module.LEARNED
             started_again += not cols.names
     assert started_again == 1
+
+
+def test_columns_applied_without_the_extension_leave_what_they_leave_with_it(tmp_path):
+    """``apply_decoded`` of the same columns on the Python path (operations rebuilt
+    from the rows, ``aliases.pack``) and in C: every table the same."""
+    stream = _stream(5)
+    chunks: list[Columns] = []
+    for i, (n, payload) in enumerate(stream):
+        if i % 40 == 0:
+            chunks.append(Columns())
+        chunks[-1].add(payload, f"{n + 1}#0", ROOT, tokens=True)  # a clear: left out
+    taken = [c.take() for c in chunks]
+    tables = []
+    for path in ("c", "python"):
+        with sarp.open(tmp_path / path, durability="nosync") as index, native.forced(path), \
+                native.Tally() as ran:
+            results = [index.apply_decoded(t) for t in taken]
+            tables.append((_tables(index), [(r.new_blocks, r.removed_per_op.tolist(),
+                                             [(i, type(e).__name__) for i, e in r.failed])
+                                            for r in results]))
+        assert (ran.c("resolve_aliases") > 0) == (path == "c")
+        assert (ran.python("resolve_aliases") > 0) == (path == "python")
+    assert tables[0] == tables[1]
