@@ -250,6 +250,7 @@ def _columns_in_python(w: WriteTxn, packer, cols):
     """:func:`pack_columns` without the extension: the rows as operations, through
     :func:`pack`."""
     ops, starts = [], cols.starts.tolist()
+    token_starts = (np.cumsum(cols.token_count) - cols.token_count).tolist()
     for i in range(cols.kind.size):
         chain = cols.hashes[starts[i] : starts[i] + int(cols.size[i])]
         name, root = cols.names[int(cols.name[i])], int(cols.root[i])
@@ -260,8 +261,7 @@ def _columns_in_python(w: WriteTxn, packer, cols):
         elif not root:
             ops.append(("insert", chain, parent, name, None))
         else:
-            t = int(cols.token_count[i])
-            at = int(cols.token_count[:i].sum())
+            t, at = int(cols.token_count[i]), token_starts[i]
             ops.append(("insert_engine", chain, parent, name, root,
                         cols.tokens[at : at + t] if t else None,
                         int(cols.block_size[i]) or None, cols.loras.get(int(cols.seed[i]))))

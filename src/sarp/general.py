@@ -118,18 +118,26 @@ class GeneralPath:
             w.put_blocks(chain[i : i + fill], seg.seg_id, base)
             i += fill
         for k in sizes:
-            seg = Segment(
-                seg_id=w.new_segment_id(),
-                start_pos=start_pos + i,
-                parent=parent if i == 0 else int(chain[i - 1]),
-                hashes=chain[i : i + k].copy(),
-                holder_ids=np.array([holder_id], np.uint16),
-                presence=np.ones((1, k), np.uint8),
-                meta=None if meta is None else meta[i : i + k].reshape(1, k).copy(),
-            )
+            seg = new_run_segment(w.new_segment_id(), chain, i, k, start_pos, parent,
+                                  holder_id, meta)
             touched.add_new(seg)
             w.put_blocks(seg.hashes, seg.seg_id, 0)
             i += k
+
+
+def new_run_segment(seg_id: int, chain: np.ndarray, i: int, k: int, start_pos: int,
+                    parent: int | None, holder_id: int, meta: np.ndarray | None) -> Segment:
+    """A new segment of the ``k`` new blocks ``chain[i:i+k]`` of an insert whose chain
+    starts at position ``start_pos`` after ``parent``, held by ``holder_id``."""
+    return Segment(
+        seg_id=seg_id,
+        start_pos=start_pos + i,
+        parent=parent if i == 0 else int(chain[i - 1]),
+        hashes=chain[i : i + k].copy(),
+        holder_ids=np.array([holder_id], np.uint16),
+        presence=np.ones((1, k), np.uint8),
+        meta=None if meta is None else meta[i : i + k].reshape(1, k).copy(),
+    )
 
 
 def placement(seg_blocks: int | None, offset: int | None, count: int,

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import general, native
 from .errors import ChainConflictError, CorruptRecordError, ParentNotFoundError
-from .general import GeneralPath, placement
+from .general import GeneralPath, new_run_segment, placement
 from .holders import covers, split_name
 from .segment import Segment
 from .store import WriteTxn
@@ -352,15 +352,8 @@ class Packer(GeneralPath):
                 target.append(chain[j : j + k], holder_id,
                               None if meta is None else meta[j : j + k])
             else:
-                touched.add_new(Segment(
-                    seg_id=target,
-                    start_pos=start_pos + j,
-                    parent=parent if j == 0 else int(chain[j - 1]),
-                    hashes=chain[j : j + k].copy(),
-                    holder_ids=np.array([holder_id], np.uint16),
-                    presence=np.ones((1, k), np.uint8),
-                    meta=None if meta is None else meta[j : j + k].reshape(1, k).copy(),
-                ))
+                touched.add_new(new_run_segment(target, chain, j, k, start_pos, parent,
+                                                holder_id, meta))
         plan.new_blocks += new
         return True
 

@@ -570,6 +570,14 @@ static void *col_grow(PyObject **cols, int c, Py_ssize_t n) {
     return PyByteArray_AS_STRING(a) + at;
 }
 
+/* `table[key]`, or `learn(key)` for a key it does not hold (Python adds what it
+ * learns to the table); a new reference, NULL with an exception. */
+static PyObject *learned(PyObject *table, PyObject *learn, PyObject *key) {
+    PyObject *got = PyDict_GetItemWithError(table, key);
+    if (got != NULL) return Py_NewRef(got);
+    return PyErr_Occurred() ? NULL : PyObject_CallOneArg(learn, key);
+}
+
 /* The index a (holder, medium) pair has in `names`: `learn(holder, medium)` is asked
  * once per pair it has not seen, and says None for a medium sarp refuses.
  * 1 with the index, 0 refused, -1 error. */
@@ -591,12 +599,7 @@ static int name_index(PyObject *names, PyObject *learn, long holder, const uint8
     }
     PyObject *key = Py_BuildValue("(lN)", holder, medium);
     if (key == NULL) return -1;
-    PyObject *got = PyDict_GetItemWithError(names, key);
-    if (got != NULL) {
-        Py_INCREF(got);
-    } else if (!PyErr_Occurred()) {
-        got = PyObject_CallOneArg(learn, key);
-    }
+    PyObject *got = learned(names, learn, key);
     Py_DECREF(key);
     if (got == NULL) return -1;
     int ok = got != Py_None;
@@ -612,12 +615,7 @@ static int lora_seed_of(PyObject *seeds, PyObject *learn, const uint8_t *at,
                         const uint8_t *end, uint64_t *out) {
     PyObject *name = opt_str(at, end);
     if (name == NULL) return PyErr_Occurred() ? -1 : 0;
-    PyObject *got = PyDict_GetItemWithError(seeds, name);
-    if (got != NULL) {
-        Py_INCREF(got);
-    } else if (!PyErr_Occurred()) {
-        got = PyObject_CallOneArg(learn, name);
-    }
+    PyObject *got = learned(seeds, learn, name);
     Py_DECREF(name);
     if (got == NULL) return -1;
     *out = PyLong_AsUnsignedLongLong(got);
