@@ -313,3 +313,53 @@ def test_two_shard_serves_each_follow_their_engine_and_answer_from_both(tmp_path
                 p.wait()
         for e in engines:
             e.publisher.close()
+
+
+def test_a_read_sent_ahead_is_taken_by_its_match_and_read_past_by_any_other(tmp_path):
+    """``read_ahead`` sends a reader's next read; its match takes the reply (answering
+    as of the read), any other read on the connection reads past it first, and when
+    the connection breaks with a reply unread the match asks again: every answer is the
+    index's at some moment from the call on, never another read's."""
+    from sarp.bench.valkey_server import ValkeyServer
+
+    folder = tmp_path / "valkey"
+    server = ValkeyServer(aof=True, folder=folder)
+    port, url = server.port, server.url("ahead")
+    chain, other = np.arange(1, 41, dtype=np.uint64), np.arange(100, 130, dtype=np.uint64)
+    try:
+        with sarp.open(url, durability="sync") as writer, \
+                sarp.open(url, readonly=True) as reader:
+            writer.insert(chain, holder="a")
+            writer.insert(other, holder="b")
+            reader.read_ahead(chain)
+            assert reader.match(other).by_holder == {"b": 30}  # read past chain's reply
+            assert reader.match(chain).by_holder == {"a": 40}
+            reader.read_ahead(chain)
+            writer.remove(chain[20:][::-1], holder="a")
+            assert reader.match(chain).by_holder == {"a": 40}  # as of the read it sent
+            assert reader.match(chain).by_holder == {"a": 20}  # and now
+            reader.read_ahead(other)
+            assert reader.match_many([other, chain]) == [reader.match(other),
+                                                          reader.match(chain)]
+            reader.read_ahead(chain)
+            writer.close()
+            server.stop()  # the reply to the read sent ahead never comes
+            server = ValkeyServer(aof=True, folder=folder, port=port)
+            assert reader.match(chain).by_holder == {"a": 20}
+    finally:
+        server.stop()
+
+
+def test_a_writer_reads_nothing_ahead(tmp_path):
+    """Only a reader of a remote store sends anything ahead: on a writer (of LMDB or
+    of Valkey) ``read_ahead`` does nothing and the matches are as before."""
+    chain = np.arange(1, 9, dtype=np.uint64)
+    with sarp.open(tmp_path / "i") as writer:
+        writer.insert(chain, holder="a")
+        writer.read_ahead(chain)
+        assert writer.match(chain).by_holder == {"a": 8}
+    with sarp.open(valkey_server().url(f"w-{uuid.uuid4().hex[:8]}")) as writer:
+        writer.insert(chain, holder="a")
+        writer.read_ahead(chain)
+        assert writer._store._ahead is None
+        assert writer.match(chain).by_holder == {"a": 8}

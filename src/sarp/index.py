@@ -300,11 +300,10 @@ class Index:
             return plan.new_blocks
 
     def remove(self, hashes: HashesLike, *, holder: str, medium: str = DEFAULT_MEDIUM) -> int:
-        """Record that ``holder`` evicted these blocks from ``medium``.
+        """Record that ``holder`` evicted these blocks from ``medium``; return how many.
 
-        Blocks the holder does not hold are skipped (counted as ``remove_missing``
-        in :meth:`stats`).  A segment none of whose blocks is held any more is
-        deleted.  Returns the number of blocks removed.
+        Blocks the holder does not hold are skipped (counted as ``remove_missing`` in
+        :meth:`stats`); a segment none of whose blocks is held any more is deleted.
 
         Cost: one write transaction: one lookup per run of consecutive blocks (engines
         evict a chain's blocks together, last first), one record write (or delete,
@@ -329,12 +328,11 @@ class Index:
             return plan.removed_blocks
 
     def clear(self, holder: str, medium: str | None = None) -> int:
-        """Forget everything ``holder`` holds (in ``medium``, or in every medium).
+        """Forget everything ``holder`` holds (in ``medium``, or in every medium), as for
+        an engine that reset its cache; return the number of blocks cleared.
 
-        For an engine that reset its cache.  Returns the number of blocks cleared.
-
-        Cost: one write transaction touching only the holder's segments (found
-        through its roaring filter, not a scan).
+        Cost: one write transaction touching only the holder's segments (found through
+        its roaring filter, not a scan).
 
         >>> import tempfile, sarp
         >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -361,10 +359,8 @@ class Index:
         longer held, a chain conflict) is skipped and reported in ``result.failed``;
         nothing of it is written, and the others are applied in order.  Bad
         arguments raise at the call that adds them, which adds nothing.  On an
-        exception inside the ``with`` block nothing is applied.
-
-        Cost: the operations' lookups, one record write per touched segment, one
-        commit.
+        exception inside the ``with`` block nothing is applied.  Cost: the operations'
+        lookups, one record write per touched segment, one commit.
 
         >>> import tempfile, sarp
         >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -384,9 +380,7 @@ class Index:
         ``ops`` are ``("insert", hashes, parent, holder, medium)``, ``("remove",
         hashes, holder, medium)`` and ``("clear", holder, medium_or_None)``.  An
         operation with bad arguments is reported in ``failed`` like one that
-        refuses, and the rest are applied.
-
-        Cost: as :meth:`batch`.
+        refuses, and the rest are applied.  Cost: as :meth:`batch`.
         """
         return self._apply_prepared(*prepare_all(ops), len(ops))
 
@@ -471,6 +465,22 @@ class Index:
             self._counters.storage_reads += m.storage_reads
             return m
 
+    def read_ahead(self, hashes: HashesLike) -> None:
+        """A reader of a remote store: send the read ``match(hashes)`` makes and return;
+        that match takes the reply and answers as of it (:mod:`sarp.shards` waits on all
+        nodes at once).  Otherwise nothing.  Cost: one send.
+
+        >>> import sarp; from sarp.bench.valkey_server import ValkeyServer
+        >>> with ValkeyServer() as s, sarp.open(s.url("ra")) as w:
+        ...     _ = w.insert([1, 2], holder="a")
+        ...     with sarp.open(s.url("ra"), readonly=True) as r:
+        ...         r.read_ahead([1, 2]); r.match([1, 2, 3]).by_holder
+        {'a': 2}
+        """
+        if self.readonly and self._live_store().capabilities.prefetch:
+            with self._lock:
+                recovery.read_ahead(self._live_store(), self._memory, as_hashes(hashes))
+
     def match_many(self, chains: Sequence[HashesLike], *, with_meta: bool = False,
                    with_presence: bool = False) -> list[Match]:
         """:meth:`match` for many chains at once (a scheduler step): one answer per chain.
@@ -514,10 +524,8 @@ class Index:
     # -- snapshots, stats, checks ------------------------------------------------------------
 
     def snapshot(self) -> int:
-        """Write the directory snapshot now; return its size in bytes.
-
-        Then drop the log entries it covers.  Cost: O(directory entries).
-        """
+        """Write the directory snapshot now, then drop the log entries it covers; return
+        its size in bytes.  Cost: O(directory entries)."""
         with self._lock:
             store = self._writable_store("snapshot")
             watermark = store.counter("next_seq")
@@ -557,10 +565,8 @@ class Index:
             self._writable_store("write_state").save_state(name, data, durable)
 
     def stats(self) -> dict[str, object]:
-        """Sizes and counters, for dashboards and the benchmark.
-
-        ``memory_bytes`` counts the directory arrays and the holder bitmaps exactly.
-        """
+        """Sizes and counters, for dashboards and the benchmark (``memory_bytes`` counts
+        the directory arrays and the holder bitmaps exactly)."""
         with self._lock, self._read() as r:
             store, memory = self._live_store(), self._memory
             out: dict[str, object] = {
@@ -576,11 +582,9 @@ class Index:
             return out
 
     def check(self) -> list[str]:
-        """Check every invariant against the segments; return the problems found.
-
-        An empty list means the store, directory and holder filters agree.
-
-        Cost: one scan of the segments and the blocks table.
+        """Check every invariant against the segments; return the problems found (none:
+        the store, directory and holder filters agree).  Cost: one scan of the segments
+        and the blocks table.
 
         >>> import tempfile, sarp
         >>> with sarp.open(tempfile.mkdtemp()) as index:
@@ -595,7 +599,6 @@ class Index:
 
     def blocks_of(self, holder: str, medium: str | None = None) -> np.ndarray:
         """Every block ``holder`` holds (in ``medium``, or in any), as sorted uint64.
-
         Cost: reads the holder's segments only (found through its roaring filter).
 
         >>> import tempfile, sarp
@@ -609,11 +612,8 @@ class Index:
                                                                                     medium))
 
     def observe_matches(self, callback: Callable[[np.ndarray], None]) -> None:
-        """Call ``callback(hashes)`` with every matched query (as a uint64 array).
-
-        For online analysis, e.g. :meth:`sarp.workingset.WorkingSet.observe`.
-        Cost: the callback's, inside ``match``.
-        """
+        """Call ``callback(hashes)`` with every matched query (a uint64 array), for online
+        analysis (:meth:`sarp.workingset.WorkingSet.observe`).  Cost: the callback's."""
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         with self._lock:

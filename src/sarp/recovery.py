@@ -46,6 +46,7 @@ class Memory:
     holders: Holders
     watermark: int = 0  # the log sequence this memory reflects
     holders_seen: tuple[int, int] = (0, 0)  # names_version as of the names' last load
+    ahead: tuple | None = None  # (query, segment ids) of the last read_ahead, not yet read
 
     @classmethod
     def empty(cls) -> Memory:
@@ -327,6 +328,14 @@ def reload(store: Store, r: ReadTxn, memory: Memory, seq: int, counters) -> bool
     return True
 
 
+def read_ahead(store: Store, memory: Memory, query: np.ndarray) -> None:
+    """Send the read :func:`current_read` makes first for ``query`` (a remote store's
+    ``read_ahead``); its reply waits for that read."""
+    ids = memory.directory.lookup_many(query)
+    memory.ahead = (query, ids[ids >= 0])
+    store.read_ahead(memory.ahead[1])
+
+
 @contextlib.contextmanager
 def current_read(store: Store, memory: Memory, counters,
                  query: np.ndarray | None) -> Iterator[ReadTxn]:
@@ -337,11 +346,16 @@ def current_read(store: Store, memory: Memory, counters,
     catch-up, in one round trip.
     """
     prefetch = store.capabilities.prefetch
+    ahead, memory.ahead = memory.ahead, None
     for attempt in range(READ_ATTEMPTS):
         with store.read() as r:
             if query is not None and prefetch:
-                ids = memory.directory.lookup_many(query)
-                r.prefetch(ids[ids >= 0], with_counters=True)
+                if ahead is not None and ahead[0] is query and not attempt:
+                    wanted = ahead[1]  # what read_ahead predicted and sent
+                else:
+                    ids = memory.directory.lookup_many(query)
+                    wanted = ids[ids >= 0]
+                r.prefetch(wanted, with_counters=True)
             seen = (memory.watermark, memory.holders_seen, counters.index_reloads)
             if catch_up(store, r, memory, counters):
                 now = (memory.watermark, memory.holders_seen, counters.index_reloads)

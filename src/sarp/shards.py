@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .errors import IndexClosedError, NotAnIndexError
-from .hashing import HashesLike
+from .hashing import HashesLike, as_hashes
 from .index import Index
 from .index import open as open_index
 from .store import shard_registry
@@ -128,22 +128,33 @@ class ShardedIndex:
               with_presence: bool = False) -> Match:
         """:meth:`sarp.Index.match` on every shard, merged (:func:`merge`).
 
-        Cost: each shard's match (on Valkey about one round trip to its node), and a
-        registry read every ``refresh_s``.
+        Cost: each shard's match, their round trips to the nodes at once (every
+        shard's read is sent before the first reply is read: :meth:`Index.read_ahead`),
+        and a registry read every ``refresh_s``.
         """
+        query = as_hashes(hashes)
         with self._lock:
-            return merge([s.match(hashes, with_meta=with_meta, with_presence=with_presence)
-                          for s in self._current()])
+            shards = self._current()
+            for s in shards:
+                s.read_ahead(query)
+            return merge([s.match(query, with_meta=with_meta, with_presence=with_presence)
+                          for s in shards])
 
     def match_many(self, chains: Sequence[HashesLike], *, with_meta: bool = False,
                    with_presence: bool = False) -> list[Match]:
-        """:meth:`sarp.Index.match_many` on every shard, merged chain by chain."""
+        """:meth:`sarp.Index.match_many` on every shard, merged chain by chain (their
+        reads sent at once, as :meth:`match`'s)."""
+        queries = [as_hashes(c) for c in chains]
         with self._lock:
-            per_shard = [s.match_many(chains, with_meta=with_meta,
-                                      with_presence=with_presence)
-                         for s in self._current()]
+            shards = self._current()
+            if queries:
+                everything = np.concatenate(queries)
+                for s in shards:
+                    s.read_ahead(everything)
+            per_shard = [s.match_many(queries, with_meta=with_meta,
+                                      with_presence=with_presence) for s in shards]
             return [merge(answers) for answers in zip(*per_shard, strict=True)] \
-                if per_shard else [Match(0) for _ in chains]
+                if per_shard else [Match(0) for _ in queries]
 
     def holders_list(self) -> list[tuple[str, str]]:
         """Every (instance, medium) any shard has seen."""

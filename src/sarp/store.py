@@ -158,10 +158,12 @@ class Capabilities:
     """What a backend can do, named (the index and the packer read these).
 
     ``local_reads``: a record read or a block lookup costs about a microsecond (a page
-    in this process's map): walks step one read at a time, and the C walk and batch
-    may run on the transaction (``ReadTxn.native_get``, ``WriteTxn.native_calls``).
+    in this process's map): walks step one read at a time, and the C batch may run
+    on the transaction (``WriteTxn.native_calls``).
     ``prefetch``: reads are round trips: a match fetches the records its directory
     predicts in one (``ReadTxn.prefetch``), and a write batches its lookups.
+    The C walk runs on either, through ``ReadTxn.native_get`` (local records, or the
+    prefetched ones).
     """
 
     local_reads: bool
@@ -187,7 +189,7 @@ class ReadTxn(Protocol):
     def blocks(self) -> Iterator[tuple[int, int, int]]: ...
     def holder_names(self) -> dict[int, str | None]: ...
     def stat(self, table: str) -> dict: ...
-    # with capabilities.local_reads: the transaction's get (key: u64 BE segment id)
+    # the transaction's get for the walk in C (key: u64 BE segment id), or None
     native_get: Callable[[bytes], bytes | None] | None
     # with capabilities.prefetch: fetch records (and the counters) in one round trip
     def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None: ...
@@ -252,7 +254,19 @@ class Store(Protocol):
     def save_state(self, name: str, data: bytes, durable: bool) -> None: ...
     def disk_bytes(self) -> int: ...
     def release_dead_readers(self) -> int: ...
+    # with capabilities.prefetch: send a reader's next read (counters and these
+    # records) now, its reply taken by that read's prefetch
+    def read_ahead(self, seg_ids: np.ndarray) -> None: ...
     def close(self) -> None: ...
+
+
+def segment_keys(seg_ids: np.ndarray) -> list[bytes]:
+    """The segments' keys (u64 BE), each once, in order.
+
+    >>> segment_keys(np.array([2, 1, 2]))
+    [b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x02', b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x01']
+    """
+    return list(map(U64.pack, dict.fromkeys(seg_ids.tolist())))
 
 
 def alias_keys(root: int, hashes: np.ndarray) -> list[bytes]:

@@ -34,6 +34,7 @@ imports the valkey client.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -63,6 +64,7 @@ from .store import (
     counter_value,
     holder_names,
     parse_url,
+    segment_keys,
 )
 from .valkey_scripts import READ, RENEW, SET
 from .valkey_write import CAPABILITIES, ValkeyWriteTxn
@@ -126,6 +128,8 @@ class ValkeyStore:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._match_conn = None
+        self._ahead: bytes | None = None  # a command sent on it, its reply not yet read
+        self._ahead_ids: list[bytes] = []  # the records that command (a READ) asks for
         self.exec_refused = 0  # commits the server turned away (the lease key changed)
         # what the server has of `blocks`, as this writer's commits left it, and the
         # next_seq they left (valkey_write.ValkeyWriteTxn.remember)
@@ -237,10 +241,7 @@ class ValkeyStore:
             with contextlib.suppress(valkey.exceptions.ValkeyError):
                 if self._lease_value is not None and not self._lost.is_set():
                     self._renew(keys=[self.keys["lease"]], args=[self._lease_value, 0])
-            with contextlib.suppress(valkey.exceptions.ValkeyError):
-                if self._match_conn is not None:
-                    self._match_conn.disconnect()
-            self._match_conn = None
+            self._drop_match_conn()
             with contextlib.suppress(valkey.exceptions.ValkeyError):
                 client.close()
             self.client = None
@@ -290,30 +291,64 @@ class ValkeyStore:
         return self._on_match_conn(resp.command(b"HMGET", key, *fields),
                                    lambda: self.client.hmget(key, fields))
 
-    def read_script(self, keys: list[bytes], args: list[bytes]) -> list:
-        """The ``READ`` script (a reader's catch-up counters and the records its match
-        predicts, in one atomic read) on the match path's connection."""
-        script = self._read_script
-        data = resp.command(b"EVALSHA", script.sha.encode(), len(keys), *keys, *args)
+    def read_records(self, fields: list[bytes]) -> list:
+        """``[meta, values]``: the ``READ`` script (a reader's catch-up counters and these
+        records, in one atomic read) on the match path's connection, or the reply to the
+        one :meth:`read_ahead` sent for these records."""
+        script, keys = self._read_script, [self.keys["meta"], self.keys["seg"]]
+        through_client = functools.partial(script, keys=keys, args=fields)
+        data = self._ahead if self._ahead is not None and self._ahead_ids == fields else \
+            resp.command(b"EVALSHA", script.sha.encode(), 2, *keys, *fields)
         try:
-            return self._on_match_conn(data, lambda: script(keys=keys, args=args))
+            return self._on_match_conn(data, through_client)
         except valkey.exceptions.NoScriptError:  # (a node that restarted, or a new one)
             self._node_client().script_load(script.script)
-            return self._on_match_conn(data, lambda: script(keys=keys, args=args))
+            return self._on_match_conn(data, through_client)
+
+    def read_ahead(self, seg_ids: np.ndarray) -> None:
+        """Send the ``READ`` a reader's match is about to make (:meth:`read_records`),
+        not waiting for its reply: a reader of several namespaces (:mod:`sarp.shards`)
+        waits for their nodes at once.  A send that fails is forgotten (the match asks
+        again).  Cost: one send."""
+        if self._ahead is not None:
+            return
+        wanted = segment_keys(seg_ids)  # as ValkeyReadTxn.prefetch asks (none fetched yet)
+        data = resp.command(b"EVALSHA", self._read_script.sha.encode(), 2,
+                            self.keys["meta"], self.keys["seg"], *wanted)
+        try:
+            self._match_connection().send_packed_command([data])
+        except (valkey.exceptions.ValkeyError, OSError):
+            self._drop_match_conn()
+            return
+        self._ahead, self._ahead_ids = data, wanted
+
+    def _match_connection(self):
+        if self._match_conn is None:
+            self._match_conn = self._node_client().connection_pool.make_connection()
+        return self._match_conn
+
+    def _drop_match_conn(self) -> None:
+        if self._match_conn is not None:
+            with contextlib.suppress(valkey.exceptions.ValkeyError, OSError):
+                self._match_conn.disconnect()
+        self._match_conn, self._ahead = None, None
 
     def _on_match_conn(self, data: bytes, through_client: Callable[[], T]) -> T:
         """One packed command on a connection to the namespace's node kept for the match
         path (the Index's lock makes its matches one at a time): the client's per-call
         layers, a cluster client's most of all, cost about as much as a loopback round
-        trip.
+        trip.  A command :meth:`read_ahead` sent is not sent again, or is read past.
         When the slot has moved (a cluster being resharded) or the node cannot be
         reached (a failover), the connection is let go and ``through_client()`` asks
         through the client, which follows the slot and the topology."""
-        if self._match_conn is None:
-            self._match_conn = self._node_client().connection_pool.make_connection()
-        conn = self._match_conn
+        ahead, self._ahead = self._ahead, None
+        conn = self._match_connection()
         try:
-            conn.send_packed_command([data])
+            if ahead is not None and ahead != data:
+                with contextlib.suppress(valkey.exceptions.ResponseError):
+                    conn.read_response()  # another read's reply: not this one's
+            if ahead != data:
+                conn.send_packed_command([data])
             return conn.read_response()
         except valkey.exceptions.ResponseError as exc:
             if not isinstance(exc, _MOVED) and not str(exc).startswith(_MOVED_WORDS):
@@ -321,10 +356,9 @@ class ValkeyStore:
         except UNREACHABLE:
             pass
         except BaseException:
-            conn.disconnect()  # a reply may be left unread: the next call connects again
+            self._drop_match_conn()  # a reply may be left unread: the next call connects
             raise
-        conn.disconnect()
-        self._match_conn = None
+        self._drop_match_conn()
         return through_client()
 
     def trim_log(self, upto: int) -> None:
@@ -463,6 +497,9 @@ class ValkeyStore:
                              "its next write") from exc
 
 
+_UNREAD = object()
+
+
 def _refused(where, doing: str, exc: Exception) -> StoreError:
     """A command Valkey answered with an error: a key of the namespace holds another
     type (``WRONGTYPE``), a command the server refuses, ..."""
@@ -484,31 +521,37 @@ class ValkeyReadTxn:
 
     __slots__ = ("_store", "_c", "_meta", "_fetched", "reads")
     capabilities = ValkeyStore.capabilities
-    native_get = None  # records come over the network (capabilities.local_reads is False)
-
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
         self._c = store.client
         self._meta: dict[bytes, bytes] | None = None
-        self._fetched: dict[int, bytes | None] = {}
+        self._fetched: dict[bytes, bytes | None] = {}  # by segment key (u64 BE)
         self.reads = 0
+
+    @property
+    def native_get(self) -> Callable[[bytes], bytes | None]:
+        """A record by its key, for the walk in C: the prefetched one, or an ``HGET``."""
+        return self._get
+
+    def _get(self, key: bytes) -> bytes | None:
+        value = self._fetched.get(key, _UNREAD)
+        return self._c.hget(self._store.keys["seg"], key) if value is _UNREAD else value
 
     def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None:
         """Fetch these records in one ``HMGET`` (one round trip, one atomic read), so the
         match's steps read them from memory; ``with_counters``: the ``meta`` counters
         too, in the same transaction (a reader's catch-up then costs no round trip when
         nothing changed)."""
-        wanted = [i for i in dict.fromkeys(seg_ids.tolist()) if i not in self._fetched]
-        keys = self._store.keys
+        fetched = self._fetched
+        wanted = [k for k in segment_keys(seg_ids) if k not in fetched]
         if with_counters and self._meta is None:
             # a script: one atomic read in one round trip
-            meta, values = self._store.read_script(
-                [keys["meta"], keys["seg"]], [U64.pack(i) for i in wanted])
+            meta, values = self._store.read_records(wanted)
             self._meta = dict(zip(meta[::2], meta[1::2], strict=True))
-            self._fetched.update(zip(wanted, values, strict=True))
+            fetched.update(zip(wanted, values, strict=True))
         elif wanted:
-            values = self._store.hmget(keys["seg"], [U64.pack(i) for i in wanted])
-            self._fetched.update(zip(wanted, values, strict=True))
+            fetched.update(zip(wanted, self._store.hmget(self._store.keys["seg"], wanted),
+                               strict=True))
 
     def forget_prefetched(self) -> None:
         self._fetched.clear()
@@ -525,9 +568,7 @@ class ValkeyReadTxn:
 
     def record(self, seg_id: int) -> bytes | None:
         self.reads += 1
-        if seg_id in self._fetched:
-            return self._fetched[seg_id]
-        return self._c.hget(self._store.keys["seg"], U64.pack(seg_id))
+        return self._get(U64.pack(seg_id))
 
     def segment(self, seg_id: int) -> Segment | None:
         record = self._c.hget(self._store.keys["seg"], U64.pack(seg_id))

@@ -424,8 +424,9 @@ def match_chains(r, directory, holders, queries: list[np.ndarray], on_damage, *,
 
 def walks_in_c(r, walk: PrefixWalk) -> bool:
     """Can ``walk`` be done by the C walk (``verify.c``) on ``r``: the extension is
-    loaded, the store's records are local, and no meta is wanted."""
-    return native.C is not None and walk.by_rows and r.capabilities.local_reads
+    loaded, the transaction hands C its records (``native_get``: local ones, or a
+    remote store's prefetched ones), and no meta is wanted."""
+    return native.C is not None and walk.by_rows and r.native_get is not None
 
 
 def walk_one(r, directory, walk: PrefixWalk, query: np.ndarray, query_bytes: bytes,
@@ -438,12 +439,12 @@ def walk_one(r, directory, walk: PrefixWalk, query: np.ndarray, query_bytes: byt
 
     Cost: about matched/S + 1 record reads; numpy work per segment, none per block.
     """
-    if in_c and walks_in_c(r, walk) and walk_in_c(r, directory, walk, query_bytes, on_damage):
-        return
-    native.ran_python("walk")
     if r.capabilities.prefetch and not prefetched:  # remote: one round trip for them all
         ids = directory.lookup_many(query)
         r.prefetch(ids[ids >= 0])
+    if in_c and walks_in_c(r, walk) and walk_in_c(r, directory, walk, query_bytes, on_damage):
+        return
+    native.ran_python("walk")
     lookup, unpack = directory.lookup, _U64_LE.unpack_from
     pos, parent, size = 0, None, query.size
     while pos < size:
