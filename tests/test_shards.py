@@ -361,5 +361,5 @@ def test_a_writer_reads_nothing_ahead(tmp_path):
     with sarp.open(valkey_server().url(f"w-{uuid.uuid4().hex[:8]}")) as writer:
         writer.insert(chain, holder="a")
         writer.read_ahead(chain)
-        assert writer._store._ahead is None
+        assert writer._store._ahead.pending is None
         assert writer.match(chain).by_holder == {"a": 8}

@@ -66,7 +66,7 @@ from .store import (
     parse_url,
     segment_keys,
 )
-from .valkey_scripts import READ, RENEW, SET
+from .valkey_scripts import READ, RENEW, SET, ReadAhead
 from .valkey_write import CAPABILITIES, ValkeyWriteTxn
 
 log = logging.getLogger("sarp.valkey")
@@ -128,8 +128,7 @@ class ValkeyStore:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._match_conn = None
-        self._ahead: bytes | None = None  # a command sent on it, its reply not yet read
-        self._ahead_ids: list[bytes] = []  # the records that command (a READ) asks for
+        self._ahead = ReadAhead(self.keys["meta"], self.keys["seg"])  # one sent on it
         self.exec_refused = 0  # commits the server turned away (the lease key changed)
         # what the server has of `blocks`, as this writer's commits left it, and the
         # next_seq they left (valkey_write.ValkeyWriteTxn.remember)
@@ -297,8 +296,7 @@ class ValkeyStore:
         one :meth:`read_ahead` sent for these records."""
         script, keys = self._read_script, [self.keys["meta"], self.keys["seg"]]
         through_client = functools.partial(script, keys=keys, args=fields)
-        data = self._ahead if self._ahead is not None and self._ahead_ids == fields else \
-            resp.command(b"EVALSHA", script.sha.encode(), 2, *keys, *fields)
+        data = self._ahead.command_for(fields)
         try:
             return self._on_match_conn(data, through_client)
         except valkey.exceptions.NoScriptError:  # (a node that restarted, or a new one)
@@ -310,17 +308,17 @@ class ValkeyStore:
         not waiting for its reply: a reader of several namespaces (:mod:`sarp.shards`)
         waits for their nodes at once.  A send that fails is forgotten (the match asks
         again).  Cost: one send."""
-        if self._ahead is not None:
+        ahead = self._ahead
+        if ahead.pending is not None:
             return
-        wanted = segment_keys(seg_ids)  # as ValkeyReadTxn.prefetch asks (none fetched yet)
-        data = resp.command(b"EVALSHA", self._read_script.sha.encode(), 2,
-                            self.keys["meta"], self.keys["seg"], *wanted)
+        fields = segment_keys(seg_ids)  # as ValkeyReadTxn.prefetch asks (none fetched yet)
+        data = ahead.command(fields)
         try:
             self._match_connection().send_packed_command([data])
         except (valkey.exceptions.ValkeyError, OSError):
             self._drop_match_conn()
             return
-        self._ahead, self._ahead_ids = data, wanted
+        ahead.pending, ahead.fields, ahead.of = data, fields, seg_ids
 
     def _match_connection(self):
         if self._match_conn is None:
@@ -331,7 +329,7 @@ class ValkeyStore:
         if self._match_conn is not None:
             with contextlib.suppress(valkey.exceptions.ValkeyError, OSError):
                 self._match_conn.disconnect()
-        self._match_conn, self._ahead = None, None
+        self._match_conn, self._ahead.pending = None, None
 
     def _on_match_conn(self, data: bytes, through_client: Callable[[], T]) -> T:
         """One packed command on a connection to the namespace's node kept for the match
@@ -341,7 +339,7 @@ class ValkeyStore:
         When the slot has moved (a cluster being resharded) or the node cannot be
         reached (a failover), the connection is let go and ``through_client()`` asks
         through the client, which follows the slot and the topology."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead.pending = self._ahead.pending, None
         conn = self._match_connection()
         try:
             if ahead is not None and ahead != data:
@@ -543,7 +541,7 @@ class ValkeyReadTxn:
         too, in the same transaction (a reader's catch-up then costs no round trip when
         nothing changed)."""
         fetched = self._fetched
-        wanted = [k for k in segment_keys(seg_ids) if k not in fetched]
+        wanted = [k for k in self._store._ahead.fields_of(seg_ids) if k not in fetched]
         if with_counters and self._meta is None:
             # a script: one atomic read in one round trip
             meta, values = self._store.read_records(wanted)

@@ -6,6 +6,13 @@ holds this writer's value, so that a writer paused past its lease can never writ
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
+
+from . import resp
+from .store import segment_keys
+
 # A batch's commit is not a script: its table changes go as plain HSET/HDEL commands in
 # one MULTI/EXEC, fenced by a WATCH of the lease (sarp.store_valkey.ValkeyStore.transact),
 # because a script's arguments each become a Lua string and back (measured: 0.6 us per
@@ -52,3 +59,38 @@ if tonumber(ARGV[2]) == 0 then redis.call('DEL', KEYS[1]) else
   redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 1
 """
+
+
+class ReadAhead:
+    """A reader's ``READ`` commands, packed (its fixed arguments once, the segment keys
+    with one ``join``), and the one sent ahead of its match whose reply is not read
+    yet (:meth:`sarp.store_valkey.ValkeyStore.read_ahead`).
+
+    >>> r = ReadAhead(b"m", b"s")
+    >>> r.command([b"12345678"]).endswith(b"$1\\r\\nm\\r\\n$1\\r\\ns\\r\\n$8\\r\\n12345678\\r\\n")
+    True
+    """
+
+    __slots__ = ("head", "pending", "fields", "of")
+
+    def __init__(self, meta_key: bytes, seg_key: bytes) -> None:
+        sha = hashlib.sha1(READ.encode()).hexdigest().encode()  # as EVALSHA names it
+        head = resp.command(b"EVALSHA", sha, 2, meta_key, seg_key)
+        self.head = head[head.index(b"\r\n") + 2:]  # the arguments, without their count
+        self.pending: bytes | None = None  # sent, its reply not read
+        self.fields: list[bytes] = []  # the segment keys it asks for
+        self.of: np.ndarray | None = None  # the segment ids it was sent for
+
+    def command(self, fields: list[bytes]) -> bytes:
+        body = b"$8\r\n" + b"\r\n$8\r\n".join(fields) + b"\r\n" if fields else b""
+        return b"*%d\r\n" % (5 + len(fields)) + self.head + body
+
+    def fields_of(self, seg_ids: np.ndarray) -> list[bytes]:
+        """:func:`sarp.store.segment_keys`, or the pending read's when sent for these."""
+        return self.fields if self.pending is not None and seg_ids is self.of else \
+            segment_keys(seg_ids)
+
+    def command_for(self, fields: list[bytes]) -> bytes:
+        """The command of these keys: the pending one's very bytes when it asks for them."""
+        return self.pending if self.pending is not None and fields == self.fields else \
+            self.command(fields)
