@@ -81,6 +81,8 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--match-only", action="store_true",
+                    help="skip the ingest passes: feed both indexes, time the matches")
     args = ap.parse_args()
     label, requests = load_requests(args.trace, 1, None, mix_ids=True)
     stream, _ = ingest.record(requests, ENGINES, 10_000)
@@ -92,8 +94,8 @@ def main() -> int:
     out: dict = {"trace": label, "events": events, "engines": ENGINES,
                  "chunk_events": args.chunk_events, "ingest": {}, "match": {}}
     with ValkeyCluster() as cluster:
-        rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
-        for k in range(args.repeat):  # interleaved: 1, 2, 3 writers, 1, 2, 3, ...
+        rates: dict[int, list[float]] = {} if args.match_only else {1: [], 2: [], 3: []}
+        for k in range(args.repeat if rates else 0):  # interleaved: 1, 2, 3 writers, 1, 2, 3, ...
             for shards in rates:
                 url = cluster.url(f"w{shards}-{k}-{uuid.uuid4().hex[:6]}")
                 rates[shards].append(ingest_run(url, chunks, shards))
@@ -119,7 +121,7 @@ def main() -> int:
             for name, r in runs.items():
                 out["match"][name] = {"matches_per_s": statistics.median(r), "runs": r}
         out["match"]["answers_differing"] = int(differ)
-    base = out["ingest"][1]["events_per_s"]
+    base = out["ingest"][1]["events_per_s"] if out["ingest"] else 0
     for shards, r in out["ingest"].items():
         print(f"ingest, {shards} shard writer(s): {r['events_per_s']:,.0f} events/s "
               f"({min(r['runs']):,.0f}-{max(r['runs']):,.0f}), {r['events_per_s'] / base:.2f}x "
