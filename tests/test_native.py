@@ -148,3 +148,48 @@ def test_the_python_path_alone_passes_the_model_test():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "SARP_PURE_PYTHON": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_directory_lookup_answers_what_numpy_answers(seed):
+    """``Directory.lookup_many`` in C (``directory.c``) against its numpy passes and
+    against one ``lookup`` per hash, on directories with changes since their arrays
+    were merged (added, removed, removed and added again) and on merged ones; the
+    query as it comes (a strided view, hashes twice, ones that were never there)."""
+    from sarp.directory import Directory
+
+    rng = np.random.default_rng(seed)
+    small = seed % 2 == 0  # hashes from a small range: many collide with the changes
+    for _ in range(60):
+        draw = (lambda n: rng.integers(1, 80, n, dtype=np.uint64)) if small else (
+            lambda n: rng.integers(1, 1 << 64, n, dtype=np.uint64))
+        keys = np.unique(draw(int(rng.integers(0, 300))))
+        d = Directory.from_entries(keys, rng.integers(0, 1 << 32, keys.size, dtype=np.uint64))
+        for _ in range(int(rng.integers(0, 40))):
+            key = int(draw(1)[0])
+            if rng.random() < 0.5:
+                d.add(key, int(rng.integers(0, 1 << 32)))
+            elif (seg := d.lookup(key)) is not None:
+                d.remove(key, seg)
+        if rng.random() < 0.2:
+            d.compact()
+        query = np.concatenate([keys[: int(rng.integers(0, 10))], draw(int(rng.integers(40, 90)))])
+        query = np.repeat(query, 2)[::-2]  # a strided view, each hash once, reversed
+        with native.forced("c"), native.Tally() as t:
+            got_c = d.lookup_many(query)
+        with native.forced("python"), native.Tally() as p:
+            got_py = d.lookup_many(query)
+        assert t.c("find") == 1 and p.python("find") == 1
+        want = [-1 if (s := d.lookup(int(k))) is None else s for k in query.tolist()]
+        assert got_c.tolist() == got_py.tolist() == want
+
+
+def test_the_c_directory_lookup_refuses_arrays_of_another_shape():
+    with pytest.raises(ValueError, match="one length"):
+        native.C.find(np.empty(2, np.int64), np.zeros(3, np.uint64), np.zeros(1, np.uint64),
+                      np.zeros(1, np.uint32))
+    with pytest.raises(ValueError, match="8-byte items"):
+        native.C.find(np.empty(2, np.int64), np.zeros(3, np.uint8), np.zeros(1, np.uint64),
+                      np.zeros(1, np.uint32))
+    with pytest.raises(TypeError):
+        native.C.find(np.empty(2, np.int64))

@@ -22,6 +22,8 @@ import sys
 
 import numpy as np
 
+from . import native
+
 _INT_BYTES = sys.getsizeof(2**62)  # a hash or segment id held as a Python int
 HOT_ENTRIES = 1 << 16  # at most this many remembered lookups (about 6 MB at most)
 
@@ -82,8 +84,9 @@ class Directory:
     def lookup_many(self, first_hashes: np.ndarray) -> np.ndarray:
         """:meth:`lookup` for many hashes at once: segment ids as int64, -1 where none.
 
-        Cost: one vectorised binary search in the arrays, and one in sorted copies of
-        the changes since the last :meth:`compact` (rebuilt once after each change).
+        Cost: one binary search per hash in the arrays, and in sorted copies of the
+        changes since the last :meth:`compact` (rebuilt once after each change); in
+        one C call (``sarp._native.find``), or a few numpy ones.
 
         >>> d = Directory.from_entries(np.array([5, 9], np.uint64), np.array([1, 2], np.uint32))
         >>> d.add(7, 3)
@@ -91,27 +94,37 @@ class Directory:
         >>> d.lookup_many(np.array([9, 7, 8, 5], np.uint64)).tolist()
         [-1, 3, -1, 1]
         """
-        keys = np.asarray(first_hashes, np.uint64)
+        keys = np.ascontiguousarray(first_hashes, np.uint64)
+        changed = bool(self._added or self._removed)
+        if changed and self._pending is None and keys.size < len(self._added) + len(
+                self._removed):
+            # fewer keys than changes: probing the dicts beats sorting the changes
+            out = np.full(keys.size, -1, np.int64)
+            _find(self.keys, self.segs, keys, out)
+            added, removed = self._added, self._removed
+            for j, key in enumerate(keys.tolist()):
+                seg = added.get(key)
+                if seg is not None:
+                    out[j] = seg
+                elif key in removed:
+                    out[j] = -1
+            return out
+        if changed and self._pending is None:
+            gone = np.fromiter(self._removed - self._added.keys(), np.uint64)
+            gone.sort()
+            added = np.fromiter(self._added.keys(), np.uint64, len(self._added))
+            segs = np.fromiter(self._added.values(), np.int64, len(self._added))
+            order = np.argsort(added)
+            self._pending = (added[order], segs[order], gone)
+        c = native.C
+        if c is not None and self.keys.dtype == np.uint64 and self.segs.dtype == np.uint32:
+            out = np.empty(keys.size, np.int64)
+            c.find(out, keys, self.keys, self.segs, *(self._pending if changed else ()))
+            return out
+        native.ran_python("find")
         out = np.full(keys.size, -1, np.int64)
         _find(self.keys, self.segs, keys, out)
-        if self._added or self._removed:
-            if self._pending is None and keys.size < len(self._added) + len(self._removed):
-                # fewer keys than changes: probing the dicts beats sorting the changes
-                added, removed = self._added, self._removed
-                for j, key in enumerate(keys.tolist()):
-                    seg = added.get(key)
-                    if seg is not None:
-                        out[j] = seg
-                    elif key in removed:
-                        out[j] = -1
-                return out
-            if self._pending is None:
-                gone = np.fromiter(self._removed - self._added.keys(), np.uint64)
-                gone.sort()
-                added = np.fromiter(self._added.keys(), np.uint64, len(self._added))
-                segs = np.fromiter(self._added.values(), np.int64, len(self._added))
-                order = np.argsort(added)
-                self._pending = (added[order], segs[order], gone)
+        if changed:
             added, segs, gone = self._pending
             _find(gone, np.full(gone.size, -1, np.int64), keys, out)
             _find(added, segs, keys, out)

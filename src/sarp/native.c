@@ -10,18 +10,18 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 16
+#define ABI_VERSION 17
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
- * resolve_aliases, BlockTable, decode_into): calls so far */
+ * resolve_aliases, BlockTable, decode_into, find): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
-                         sarp_calls[CALL_DECODE_INTO]);
+                         sarp_calls[CALL_DECODE_INTO], sarp_calls[CALL_FIND]);
 }
 
 static PyMethodDef methods[] = {
@@ -45,16 +45,18 @@ static PyMethodDef methods[] = {
      "token_keys(data, width, block_size, seed, parent): see sarp.tokenkeys"},
     {"resolve_aliases", (PyCFunction)(void (*)(void))sarp_resolve_aliases, METH_FASTCALL,
      "resolve_aliases(...): a batch's engine hashes resolved to token keys (sarp.aliases)"},
+    {"find", (PyCFunction)(void (*)(void))sarp_find, METH_FASTCALL,
+     "find(out, query, keys, segs[, added, added_segs, gone]): Directory.lookup_many"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
-     "resolve_aliases, BlockTable, decode_into) calls so far"},
+     "resolve_aliases, BlockTable, decode_into, find) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
-    "decode_into, token_keys, resolve_aliases, BlockTable); each "
+    "decode_into, token_keys, resolve_aliases, BlockTable, find); each "
     "has a Python reference.", -1,
     methods,
 };

@@ -1,6 +1,7 @@
 /* What sarp._native's translation units share.  Each C file sits beside the Python it
  * mirrors and is named after it: verify.c (examine, walk), packing.c (pack_batch),
- * serving/events.c (decode_batch), serving/http.c (u64_array), tokenkeys.c (token_keys);
+ * serving/events.c (decode_batch), serving/http.c (u64_array), tokenkeys.c (token_keys),
+ * directory.c (find);
  * native.c is the module
  * (native.py is its only loader).  The segment record's layout is read in one place,
  * here (segment.py is the reference). */
@@ -23,12 +24,13 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t na
 PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 
 /* Calls of each entry point since the module loaded (native.calls(): the tests that
  * hold C to its Python reference assert which path ran).  Counted with the GIL held. */
 enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
-       CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_KINDS };
+       CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -2,7 +2,8 @@
 ``SARP_PURE_PYTHON``, and lets tests choose a path and see which one ran.
 
 Every C call has a Python reference beside the C file that mirrors it (``verify.c``
-beside ``verify.py``, ``packing.c``, ``serving/events.c``, ``serving/http.c``).  A
+beside ``verify.py``, ``packing.c``, ``serving/events.c``, ``serving/http.c``,
+``directory.c``).  A
 caller reads :data:`C` at call time, never at import, so that :func:`forced` reaches
 it::
 
@@ -30,10 +31,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 16  # native.c's ABI_VERSION
+ABI = 17  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
-         "resolve_aliases", "block_table", "decode_into")
+         "resolve_aliases", "block_table", "decode_into", "find")
 _TRUE = ("1", "true", "yes", "on")
 
 
