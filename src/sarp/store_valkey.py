@@ -519,6 +519,7 @@ class ValkeyReadTxn:
 
     __slots__ = ("_store", "_c", "_meta", "_fetched", "reads")
     capabilities = ValkeyStore.capabilities
+
     def __init__(self, store: ValkeyStore) -> None:
         self._store = store
         self._c = store.client
