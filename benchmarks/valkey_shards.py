@@ -26,6 +26,7 @@ import sarp
 from sarp.bench import ingest
 from sarp.bench.run import load_requests
 from sarp.bench.valkey_server import ValkeyCluster
+from sarp.valkey_shards import drop_namespace
 
 ENGINES = 8
 
@@ -99,6 +100,8 @@ def main() -> int:
             for shards in rates:
                 url = cluster.url(f"w{shards}-{k}-{uuid.uuid4().hex[:6]}")
                 rates[shards].append(ingest_run(url, chunks, shards))
+                for location in [*sarp.store.shard_locations(url).values(), url]:
+                    drop_namespace(location)  # each pass on a server as the first found it
                 print(f"pass {k + 1}, {shards} shard writer(s): {rates[shards][-1]:,.0f} "
                       "events/s", flush=True)
         for shards, r in rates.items():

@@ -363,3 +363,21 @@ def test_a_writer_reads_nothing_ahead(tmp_path):
         writer.read_ahead(chain)
         assert writer._store._ahead.pending is None
         assert writer.match(chain).by_holder == {"a": 8}
+
+
+def test_a_dropped_namespace_is_gone_on_its_node_and_the_others_are_not():
+    """``drop_namespace`` (benchmarks' passes) deletes the keys of one index on the
+    cluster node that holds its slot, and nothing of another namespace."""
+    from sarp.valkey_shards import drop_namespace
+
+    cluster = valkey_cluster()
+    gone, kept = (cluster.url(f"{w}-{uuid.uuid4().hex[:8]}") for w in ("gone", "kept"))
+    for url in (gone, kept):
+        with sarp.open(url, durability="nosync") as index:
+            index.insert(np.arange(1, 5, dtype=np.uint64), holder="a")
+    assert drop_namespace(gone) >= 3  # meta, seg, blk, ... all of them
+    with pytest.raises(sarp.NotAnIndexError):
+        sarp.open(gone, readonly=True)
+    with sarp.open(kept, readonly=True) as index:
+        assert index.match(np.arange(1, 5, dtype=np.uint64)).by_holder == {"a": 4}
+    assert drop_namespace(gone) == 0

@@ -94,3 +94,37 @@ def _placed(client, base: str, registered: list[bytes]) -> str:
         if node(f"{base}:{k}") == target:
             return f"{base}:{k}"
     return f"{base}:0"
+
+
+def drop_namespace(url: str) -> int:
+    """Delete every key of the index at ``url`` (``sarp:{NS}:*``, its shard registry
+    too; not the shards' own namespaces): how many.  For benchmarks, so that each pass
+    starts on a server as the first pass found it (as each LMDB pass starts in a new
+    folder); there is no undo.  Cost: a ``SCAN`` of the namespace's node, a ``DEL``
+    per 1,000 keys.
+
+    >>> import sarp
+    >>> from sarp.bench.valkey_server import ValkeyServer
+    >>> with ValkeyServer() as server:
+    ...     with sarp.open(server.url("gone")) as index:
+    ...         _ = index.insert([1, 2], holder="w0")
+    ...     drop_namespace(server.url("gone")) > 0, drop_namespace(server.url("gone"))
+    (True, 0)
+    """
+    settings = parse_url(url)
+    try:
+        client = connect(settings)
+    except UNREACHABLE as exc:
+        raise StoreError(f"{url}: cannot reach Valkey ({exc}); is the server up?") from exc
+    try:
+        prefix = f"sarp:{{{settings['namespace']}}}:"
+        node = client
+        if hasattr(client, "get_node_from_key"):  # a cluster: the namespace is one slot
+            node = client.get_valkey_connection(client.get_node_from_key(prefix + "meta"))
+        keys = list(node.scan_iter(match=prefix.replace("{", "\\{").replace("}", "\\}") + "*",
+                                   count=1000))
+        for i in range(0, len(keys), 1000):
+            node.delete(*keys[i:i + 1000])
+        return len(keys)
+    finally:
+        client.close()
