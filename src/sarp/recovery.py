@@ -350,7 +350,8 @@ def current_read(store: Store, memory: Memory, counters,
     for attempt in range(READ_ATTEMPTS):
         with store.read() as r:
             if query is not None and prefetch:
-                if ahead is not None and ahead[0] is query and not attempt:
+                if ahead is not None and not attempt and (ahead[0] is query or np.array_equal(
+                        ahead[0], query)):  # (match_many's chains, joined again)
                     wanted = ahead[1]  # what read_ahead predicted and sent
                 else:
                     ids = memory.directory.lookup_many(query)

@@ -56,15 +56,37 @@ class Fixed:
         return cls(*arrays)
 
 
-def command(*args: bytes | int | Fixed) -> bytes:
-    """One RESP command: bytes and ints one by one, :class:`Fixed` runs as they are.
+class Keys8:
+    """Arguments of 8 bytes each (segment keys), packed with one ``join``: for the few
+    of a reader's read, where :class:`Fixed`'s numpy costs more than it saves.
+
+    >>> command(b"HMGET", Keys8([b"12345678"]))
+    b'*2\\r\\n$5\\r\\nHMGET\\r\\n$8\\r\\n12345678\\r\\n'
+    >>> Keys8([b"12345678", b"short"])
+    Traceback (most recent call last):
+      ...
+    ValueError: Keys8: every argument must be 8 bytes long
+    """
+
+    __slots__ = ("count", "data")
+
+    def __init__(self, args: list[bytes]) -> None:
+        self.count = len(args)
+        self.data = b"$8\r\n" + b"\r\n$8\r\n".join(args) + b"\r\n" if args else b""
+        if len(self.data) != 14 * self.count:
+            raise ValueError("Keys8: every argument must be 8 bytes long")
+
+
+def command(*args: bytes | int | Fixed | Keys8) -> bytes:
+    """One RESP command: bytes and ints one by one, :class:`Fixed` and :class:`Keys8`
+    runs as they are.
 
     Cost: Python per plain argument; numpy (already done) for a Fixed run.
     """
     count = 0
     parts = []
     for arg in args:
-        if isinstance(arg, Fixed):
+        if isinstance(arg, Fixed | Keys8):
             count += arg.count
             parts.append(arg.data)
             continue

@@ -62,9 +62,9 @@ return 1
 
 
 class ReadAhead:
-    """A reader's ``READ`` commands, packed (its fixed arguments once, the segment keys
-    with one ``join``), and the one sent ahead of its match whose reply is not read
-    yet (:meth:`sarp.store_valkey.ValkeyStore.read_ahead`).
+    """A reader's ``READ`` commands (the segment keys packed with one ``join``:
+    :class:`sarp.resp.Keys8`), and the one sent ahead of its match whose reply is not
+    read yet (:meth:`sarp.store_valkey.ValkeyStore.read_ahead`).
 
     >>> r = ReadAhead(b"m", b"s")
     >>> r.command([b"12345678"]).endswith(b"$1\\r\\nm\\r\\n$1\\r\\ns\\r\\n$8\\r\\n12345678\\r\\n")
@@ -75,15 +75,13 @@ class ReadAhead:
 
     def __init__(self, meta_key: bytes, seg_key: bytes) -> None:
         sha = hashlib.sha1(READ.encode()).hexdigest().encode()  # as EVALSHA names it
-        head = resp.command(b"EVALSHA", sha, 2, meta_key, seg_key)
-        self.head = head[head.index(b"\r\n") + 2:]  # the arguments, without their count
+        self.head = (b"EVALSHA", sha, 2, meta_key, seg_key)
         self.pending: bytes | None = None  # sent, its reply not read
         self.fields: list[bytes] = []  # the segment keys it asks for
         self.of: np.ndarray | None = None  # the segment ids it was sent for
 
     def command(self, fields: list[bytes]) -> bytes:
-        body = b"$8\r\n" + b"\r\n$8\r\n".join(fields) + b"\r\n" if fields else b""
-        return b"*%d\r\n" % (5 + len(fields)) + self.head + body
+        return resp.command(*self.head, resp.Keys8(fields))
 
     def fields_of(self, seg_ids: np.ndarray) -> list[bytes]:
         """:func:`sarp.store.segment_keys`, or the pending read's when sent for these."""

@@ -121,8 +121,8 @@ def drop_namespace(url: str) -> int:
         node = client
         if hasattr(client, "get_node_from_key"):  # a cluster: the namespace is one slot
             node = client.get_valkey_connection(client.get_node_from_key(prefix + "meta"))
-        keys = list(node.scan_iter(match=prefix.replace("{", "\\{").replace("}", "\\}") + "*",
-                                   count=1000))
+        # (a namespace holds no glob character: store.NAMESPACE)
+        keys = list(node.scan_iter(match=prefix + "*", count=1000))
         for i in range(0, len(keys), 1000):
             node.delete(*keys[i:i + 1000])
         return len(keys)
