@@ -75,6 +75,34 @@ def match_rate(index, queries) -> float:
     return len(queries) / (time.perf_counter() - started)
 
 
+def round_trip_floor(cluster, repeat: int, count: int = 3000) -> dict:
+    """Bare ``PING`` round trips, one node's against three nodes' sent at once (the
+    sharded match's pattern with no work around it), interleaved: the best ratio a
+    client on this machine can reach, whatever its code."""
+    import valkey
+
+    conns = [valkey.Connection(port=s.port) for s in cluster.servers]
+    ping = b"*1\r\n$4\r\nPING\r\n"
+
+    def rate(nodes) -> float:
+        started = time.perf_counter()
+        for _ in range(count):
+            for c in nodes:
+                c.send_packed_command([ping])
+            for c in nodes:
+                c.read_response()
+        return count / (time.perf_counter() - started)
+
+    runs: dict[str, list[float]] = {"one node": [], "3 nodes": []}
+    for _ in range(repeat):
+        runs["one node"].append(rate(conns[:1]))
+        runs["3 nodes"].append(rate(conns))
+    for c in conns:
+        c.disconnect()
+    one, three = (statistics.median(r) for r in runs.values())
+    return {"round_trips_per_s": runs, "three_to_one": three / one}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=None, help="mooncake-format trace (default: built-in)")
@@ -124,6 +152,7 @@ def main() -> int:
             for name, r in runs.items():
                 out["match"][name] = {"matches_per_s": statistics.median(r), "runs": r}
         out["match"]["answers_differing"] = int(differ)
+        out["match"]["floor"] = round_trip_floor(cluster, args.repeat)
     base = out["ingest"][1]["events_per_s"] if out["ingest"] else 0
     for shards, r in out["ingest"].items():
         print(f"ingest, {shards} shard writer(s): {r['events_per_s']:,.0f} events/s "
@@ -133,6 +162,8 @@ def main() -> int:
     out["match"]["sharded_to_one"] = m3 / m1
     print(f"match: one namespace {m1:,.0f}/s, 3 shards {m3:,.0f}/s = {m3 / m1:.2f}x; "
           f"answers differing per engine: {out['match']['answers_differing']}")
+    print(f"floor: bare round trips to 3 nodes at once / to one node: "
+          f"{out['match']['floor']['three_to_one']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

@@ -381,3 +381,20 @@ def test_a_dropped_namespace_is_gone_on_its_node_and_the_others_are_not():
     with sarp.open(kept, readonly=True) as index:
         assert index.match(np.arange(1, 5, dtype=np.uint64)).by_holder == {"a": 4}
     assert drop_namespace(gone) == 0
+
+
+def test_merge_takes_the_one_shard_that_holds_a_prefix_and_combines_several():
+    from sarp.shards import merge
+    from sarp.verify import Match
+
+    held = Match(3, {"a": 3}, {"a": {"GPU": 3}}, storage_reads=2,
+                 presence={("a", "GPU"): np.ones(3, bool)})
+    one = merge([Match(0, storage_reads=1), held, Match(0, multi_medium=True)])
+    assert (one.num_blocks, one.by_holder, one.storage_reads, one.multi_medium) == \
+        (3, {"a": 3}, 3, True)
+    assert one.presence[("a", "GPU")].tolist() == [True] * 3
+    assert merge([Match(0), Match(0, storage_reads=4)]) == Match(0, storage_reads=4)
+    both = merge([held, Match(2, {"b": 2}, {"b": {"CPU": 2}}, storage_reads=1,
+                              presence={("b", "CPU"): np.ones(2, bool)})])
+    assert (both.num_blocks, both.by_holder, both.storage_reads) == (3, {"a": 3, "b": 2}, 3)
+    assert both.presence[("b", "CPU")].tolist() == [True, True, False]

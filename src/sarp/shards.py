@@ -19,6 +19,7 @@ ValueError: '/tmp/not-a-url': shards are namespaces of a Valkey server or cluste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -47,9 +48,14 @@ def merge(answers: Sequence[Match]) -> Match:
     >>> m.num_blocks, m.by_holder, m.by_medium
     (3, {'a': 3, 'b': 2}, {'a': {'GPU': 3}, 'b': {'CPU': 2}})
     """
-    total = max((m.num_blocks for m in answers), default=0)
+    held = [m for m in answers if m.num_blocks]
+    if len(held) < 2:  # (most chains: one shard's engines, or none, hold a prefix)
+        return dataclasses.replace(held[0] if held else Match(0),
+                                   storage_reads=sum(m.storage_reads for m in answers),
+                                   multi_medium=any(m.multi_medium for m in answers))
+    total = max(m.num_blocks for m in held)
     out = Match(total)
-    for m in answers:
+    for m in held:
         out.storage_reads += m.storage_reads
         out.multi_medium |= m.multi_medium
         for instance, k in m.by_holder.items():

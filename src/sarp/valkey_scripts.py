@@ -75,13 +75,15 @@ class ReadAhead:
 
     def __init__(self, meta_key: bytes, seg_key: bytes) -> None:
         sha = hashlib.sha1(READ.encode()).hexdigest().encode()  # as EVALSHA names it
-        self.head = (b"EVALSHA", sha, 2, meta_key, seg_key)
+        self.head = resp.command(b"EVALSHA", sha, 2, meta_key, seg_key).split(b"\r\n", 1)[1]
         self.pending: bytes | None = None  # sent, its reply not read
         self.fields: list[bytes] = []  # the segment keys it asks for
         self.of: np.ndarray | None = None  # the segment ids it was sent for
 
     def command(self, fields: list[bytes]) -> bytes:
-        return resp.command(*self.head, resp.Keys8(fields))
+        """``READ`` of these segment keys: the fixed arguments packed once."""
+        keys = resp.Keys8(fields)
+        return b"*%d\r\n%s%s" % (5 + keys.count, self.head, keys.data)
 
     def fields_of(self, seg_ids: np.ndarray) -> list[bytes]:
         """:func:`sarp.store.segment_keys`, or the pending read's when sent for these."""
