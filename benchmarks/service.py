@@ -14,6 +14,8 @@ fresh service:
    ``--http-s`` seconds (requests drawn from the trace), requests/s and latency
    p50/p99; then the same with wrk (a C load generator, 2 threads, 8 connections),
    where it is installed (Debian's ``wrk``);
+   The CPU the service's process tree used in the drain and under wrk is read too:
+   the cores it kept busy, and CPU µs per event and per request;
 3. **RSS, PSS and anonymous RSS**: of the service's process tree, after the drain;
 4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
    keeps no registrations: they are sent again; sarp keeps them with its index), each
@@ -143,6 +145,18 @@ class Service:
                     anon += int(line.split()[1]) << 10
         return (sum(i.rss for i in infos) / (1 << 20), sum(i.pss for i in infos) / (1 << 20),
                 anon / (1 << 20))
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user and system) the service's process tree has used so far:
+        read before and after a phase, the difference over its wall time is the cores
+        it kept busy (the processes of the tree at the second reading)."""
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for p in (root, *root.children(recursive=True)):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
 
     def kill(self) -> None:
         """SIGKILL (sarp's HTTP workers see their socket pair close and leave too)."""
@@ -354,17 +368,23 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
              args) -> dict:
     with engines_and(kind, engines, len(stream)) as (service, pubs, bodies_reg, work):
         markers = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
-        started = time.perf_counter()
+        cpu, started = service.cpu_s(), time.perf_counter()
         for n, payload in stream:
             pubs[n].publish(payload)
         cf.wait_for_markers([service.url], markers, timeout_s=600)
         drain_s = time.perf_counter() - started
+        drain_cpu_s = service.cpu_s() - cpu
         events = sum(len(decode(p).events) for _, p in stream)
         rss, pss, anon = service.memory_mib()
         http = asyncio.run(_load(service.url, bodies, args.http_s))
         if shutil.which("wrk"):
+            cpu, started = service.cpu_s(), time.perf_counter()
             http |= {f"wrk_{k}": v for k, v in
                      _wrk(service.url, bodies, args.http_s, work).items()}
+            wrk_cpu_s, wrk_s = service.cpu_s() - cpu, time.perf_counter() - started
+            http |= {"wrk_cores": wrk_cpu_s / wrk_s,
+                     "wrk_cpu_us_per_request": 1e6 * wrk_cpu_s / (http["wrk_requests_per_s"]
+                                                                  * wrk_s)}
         sample = bodies[:50]
         before = [cf.post(service.url, "/query", json.loads(b)) for b in sample]
         service.kill()
@@ -386,6 +406,8 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             time.sleep(0.02)
         restart_s = time.perf_counter() - killed
         return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
+                "drain_cores": drain_cpu_s / drain_s,
+                "drain_cpu_us_per_event": 1e6 * drain_cpu_s / events,
                 "rss_mib": rss, "pss_mib": pss, "anon_rss_mib": anon,
                 **{f"http_{k}": v for k, v in http.items()},
                 "kill9_to_correct_s": restart_s}
