@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from . import argcheck as ac
+from .errors import TraceError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +32,6 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             return ac.refuse(f"sarp {args.command}", f"--plot {args.plot} needs matplotlib, "
                              "which is not installed: pip install 'sarp[bench]'")
-    from .bench.traces import TraceError
-
     try:
         return COMMANDS[args.command](args)
     except TraceError as exc:  # the file named by --trace is not a trace

@@ -64,3 +64,9 @@ class ParentNotFoundError(SarpError, ValueError):
 
 class ChainConflictError(SarpError, ValueError):
     """A hash is already in the index at another position or after another parent."""
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read as one: the message names the file, the line and
+    what is wrong (:mod:`sarp.bench.traces`; here so that the command line can catch
+    it without importing the benchmarks)."""

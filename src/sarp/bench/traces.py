@@ -16,10 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-class TraceError(ValueError):
-    """A trace that cannot be read as one: the message names the file, the line and
-    what is wrong."""
+from ..errors import TraceError
 
 
 @dataclass(frozen=True, slots=True)
