@@ -1,7 +1,9 @@
 """The sharded index on a real 3-node Valkey cluster on loopback (issue 28): ingest
 with 1, 2 and 3 shard writers (one process each, the engines split between them), and
 match throughput per request of the sharded index (3 shards, one per node) against
-one namespace fed the same stream, passes interleaved, medians (min-max).
+one namespace fed the same stream, passes interleaved, medians (min-max); and the
+floor of that ratio on this machine, bare round trips to the three nodes at once
+against one node's (:func:`round_trip_floor`).
 
     .venv/bin/python benchmarks/valkey_shards.py --repeat 3 \\
         --json bench-results/valkey-shards-builtin.json
