@@ -168,3 +168,22 @@ def test_a_data_file_without_lmdb_meta_pages_is_refused(tmp_path):
         f.write(b"\0" * 16384)  # both meta pages gone
     with pytest.raises(sarp.DamagedIndexError, match="no valid LMDB meta page"):
         sarp.open(path)
+
+
+def test_a_serve_that_rebuilt_its_directory_snapshots_it_at_its_first_idle_poll(tmp_path):
+    """No usable snapshot at start (here: deleted) and no engine sending anything: serve
+    writes one at its first idle poll, so that the next start, and each HTTP worker's
+    open, loads it instead of reading every segment again."""
+    import numpy as np
+    from servekit import Serve
+
+    path = tmp_path / "ix"
+    rng = np.random.default_rng(7)
+    with sarp.open(path, durability="nosync") as index:
+        for _ in range(1200):  # a chain each: a segment each, past IDLE_SNAPSHOT_CHANGES
+            index.insert(rng.integers(1, 1 << 63, 3, dtype=np.uint64), holder="e0#0")
+    (path / "directory.snap").unlink()
+    with Serve(path, [], workers=1, log=tmp_path / "serve.log") as serve:
+        serve.wait_for(lambda: (path / "directory.snap").exists(), 30,
+                       "a snapshot of the rebuilt directory")
+        assert "rebuilding the directory" in serve.log.read_text()  # as it started

@@ -188,7 +188,9 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
     # or hostile delays only itself, and SIGTERM is seen within one poll.
     subscriber.start_catch_up()
     last_snapshot = last_report = last_status = last_trim = time.monotonic()
-    busy_since_trim = busy_since_snapshot = 0
+    busy_since_trim = 0
+    # a directory rebuilt at open is snapshotted at the first idle poll, engines or not
+    busy_since_snapshot = int(index.recovered_from == "rebuild")
     registered = set() if registered is None else registered  # the keys /register added
     watch = _SourcesFile(args, subscriber, index, registered) if args.sources_file else None
     try:
