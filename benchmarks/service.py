@@ -383,8 +383,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
                      _wrk(service.url, bodies, args.http_s, work).items()}
             wrk_cpu_s, wrk_s = service.cpu_s() - cpu, time.perf_counter() - started
             http |= {"wrk_cores": wrk_cpu_s / wrk_s,
-                     "wrk_cpu_us_per_request": 1e6 * wrk_cpu_s / (http["wrk_requests_per_s"]
-                                                                  * wrk_s)}
+                     "wrk_cpu_us_per_request": 1e6 * wrk_cpu_s / max(http["wrk_requests"], 1)}
         sample = bodies[:50]
         before = [cf.post(service.url, "/query", json.loads(b)) for b in sample]
         service.kill()
