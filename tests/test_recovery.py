@@ -13,7 +13,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from servekit import Serve
 
 import sarp
 
@@ -174,9 +176,6 @@ def test_a_serve_that_rebuilt_its_directory_snapshots_it_at_its_first_idle_poll(
     """No usable snapshot at start (here: deleted) and no engine sending anything: serve
     writes one at its first idle poll, so that the next start, and each HTTP worker's
     open, loads it instead of reading every segment again."""
-    import numpy as np
-    from servekit import Serve
-
     path = tmp_path / "ix"
     rng = np.random.default_rng(7)
     with sarp.open(path, durability="nosync") as index:
