@@ -203,3 +203,29 @@ def test_random_streams_never_make_the_index_know_more_than_the_engines(where, s
                     if medium == "GPU":
                         assert held == set(eng[medium].values()), (name, stats)
         assert resolved_in["c"] >= 30 and resolved_in["python"] >= 30, resolved_in
+
+
+def _aliases(index) -> int:
+    return len(index._store.write(lambda w: w.alias_scan(None, 1 << 20)[0]))
+
+
+def test_the_sweep_scales_with_the_batch_and_still_goes_round(where):
+    """A cleared engine leaves 600 aliases behind; one-block commits each check only a
+    few (SWEEP_MIN), not 512, and a run of them still finds every dead one."""
+    from sarp.aliases import SWEEP_MIN
+
+    tokens, other = list(range(7, 7 + 16 * 600)), list(range(10**6, 10**6 + 16 * 600))
+    with sarp.open(where("ix"), durability="nosync") as index:
+        _feed(index, "e0", [("stored", list(range(1000, 1600)), None, "GPU")], [tokens])
+        _feed(index, "e0", [("cleared",)], [None])
+        left = _aliases(index)  # the store's batch swept 512 live ones, the clear's 32
+        assert left == 600
+        _feed(index, "e1", [("stored", [5000], None, "GPU")], [other[:16]])
+        # one block: about SWEEP_MIN checked (Valkey's HSCAN count is a hint), not 512
+        assert _aliases(index) >= left + 1 - 2 * SWEEP_MIN
+        n = 3 * 600 // SWEEP_MIN  # a little over two rounds of the table
+        for k in range(1, n):
+            _feed(index, "e1", [("stored", [5000 + k], 5000 + k - 1, "GPU")],
+                  [other[16 * k : 16 * k + 16]])
+        assert _aliases(index) == n  # e1's own, all alive
+        assert index.match(_keys(other[: 16 * n])).by_holder == {"e1#0": n}

@@ -36,7 +36,9 @@ from .tokenkeys import lora_seed, token_keys
 from .writeset import Plan
 
 ENGINE_KINDS = ("insert_engine", "remove_engine")
-SWEEP_PER_BATCH = 512  # stored aliases checked for a dead block per batch
+SWEEP_PER_BATCH = 512  # stored aliases checked for a dead block per batch, at most,
+SWEEP_PER_BLOCK = 2  # ... two per block the batch names (so it outruns the puts),
+SWEEP_MIN = 32  # ... and never fewer
 _EMPTY = np.zeros(0, np.uint64)
 _sweep_from: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packer -> cursor
 
@@ -48,7 +50,8 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     Cost: one batched ``aliases`` lookup per model root; two xxh3 per block of a store
     with tokens (in C); a few numpy calls per store and per batch, no Python per
     block; one ``aliases`` write per stored block, in key order; a sweep of
-    ``SWEEP_PER_BATCH`` stored aliases.
+    stored aliases, two per block of the batch (at least ``SWEEP_MIN``, at most
+    ``SWEEP_PER_BATCH``: a one-event commit does not pay for 512).
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
         return packer.batch(w, ops)
@@ -59,7 +62,7 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
         resolved, positions, failed, put = _in_python(w, ops)
     plan, refused = packer.batch(w, resolved)
     put({positions[j] for j, _ in refused})
-    _sweep(w, packer)
+    _sweep(w, packer, sum(len(op[1]) for op in ops))
     failed += [(positions[j], exc) for j, exc in refused]
     failed.sort(key=lambda f: f[0])
     per_op = [0] * len(ops)
@@ -237,7 +240,7 @@ def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Excep
         blocks = np.repeat(applied, cols.size)
         _put(w, np.repeat(cols.root, cols.size)[blocks], cols.hashes[blocks], keys[blocks])
     if eng.any():
-        _sweep(w, packer)
+        _sweep(w, packer, int(cols.hashes.size))
     failed += [(int(positions[j]), exc) for j, exc in refused]
     failed.sort(key=lambda f: f[0])
     per_op = np.zeros(n, np.int64)
@@ -428,9 +431,11 @@ def _search(table_hashes: np.ndarray, table_keys: np.ndarray, hashes: np.ndarray
     return np.where(found, table_keys[at], np.uint64(0)), found
 
 
-def _sweep(w: WriteTxn, packer) -> None:
-    """Delete a few stored aliases whose block has left the index, going round."""
-    items, after = w.alias_scan(_sweep_from.get(packer), SWEEP_PER_BATCH)
+def _sweep(w: WriteTxn, packer, blocks: int) -> None:
+    """Delete a few stored aliases whose block has left the index, going round: two
+    per block of the batch, within ``[SWEEP_MIN, SWEEP_PER_BATCH]``."""
+    count = min(SWEEP_PER_BATCH, max(SWEEP_MIN, SWEEP_PER_BLOCK * blocks))
+    items, after = w.alias_scan(_sweep_from.get(packer), count)
     _sweep_from[packer] = after
     if items:
         keys = np.frombuffer(b"".join(v for _, v in items), ">u8").astype(np.uint64)

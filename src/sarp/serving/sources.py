@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from .applier import ApplyStats, holder_name
 log = logging.getLogger("sarp.subscriber")
 STATE_FILE = "subscriber.json"
 STATE_VERSION = 2
+STATE_EVERY_S = 0.1  # subscriber.json rewritten at most this often while batches commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,54 @@ def save_fingerprints(index, committed: dict[str, Fingerprint], durable: bool) -
     data = json.dumps({"version": STATE_VERSION,
                        "sources": {k: asdict(fp) for k, fp in committed.items()}})
     index.write_state(STATE_FILE, data.encode(), durable=durable)
+
+
+class FingerprintFile:
+    """``subscriber.json`` kept up with the commits, rewritten at most every
+    ``STATE_EVERY_S`` while they keep coming (the last one is written at the next
+    :meth:`due` after that).
+
+    A file that trails the index is what a kill between a commit and its write always
+    left: at a restart the batches after it are replayed from the engine and applied
+    again on top (tests/test_subscriber.py kills serve mid-backlog and compares).
+    Rewriting it at every commit cost a one-event commit 0.4 ms of its 1.3 ms (a temp
+    file and a rename).
+
+    Cost: one temp file and rename per write (one ``SET`` on Valkey).
+
+    >>> import tempfile, sarp
+    >>> with sarp.open(tempfile.mkdtemp()) as index:
+    ...     state = FingerprintFile(index)
+    ...     state.save({"e#0": Fingerprint(7, None, 0.0)})
+    ...     state.save({"e#0": Fingerprint(8, None, 0.0)})  # within 0.1 s: held back
+    ...     held = load_fingerprints(index)["e#0"].seq
+    ...     state.save({"e#0": Fingerprint(8, None, 0.0)}, now=True)
+    ...     held, load_fingerprints(index)["e#0"].seq
+    (7, 8)
+    """
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self._held: dict[str, Fingerprint] | None = None
+        self._written_at = -STATE_EVERY_S
+
+    def save(self, committed: dict[str, Fingerprint], *, now: bool = False,
+             durable: bool = False) -> None:
+        """Write ``committed`` (read again at the write, if held back); at once when
+        ``now`` or ``durable``, else when the last write is ``STATE_EVERY_S`` old."""
+        self._held = committed
+        if now or durable or time.monotonic() - self._written_at >= STATE_EVERY_S:
+            self._write(durable)
+
+    def due(self) -> None:
+        """Write a held-back state whose time has come."""
+        if self._held is not None and time.monotonic() - self._written_at >= STATE_EVERY_S:
+            self._write(False)
+
+    def _write(self, durable: bool) -> None:
+        committed, self._held = self._held, None
+        save_fingerprints(self.index, committed, durable)
+        self._written_at = time.monotonic()
 
 
 def plain(obj) -> dict:

@@ -61,22 +61,15 @@ from ..errors import StoreError
 from .applier import Applier, holder_name
 from .events import BadEvent, Batch, decode
 from .hashcheck import HashCheck
-from .replay import (
-    Job,
-    ReplayJobs,
-    fault_log,
-    frame_digest,
-    parse_frames,
-    recv_message,
-)
+from .replay import Job, ReplayJobs, fault_log, frame_digest, parse_frames, recv_message
 from .sources import (
     Fingerprint,
+    FingerprintFile,
     ReplayBudget,
     Source,
     SourceStats,
     load_fingerprints,
     plain,
-    save_fingerprints,
 )
 
 log = logging.getLogger("sarp.subscriber")
@@ -143,6 +136,7 @@ class Subscriber(ReplayJobs):
         self.state: dict[str, Fingerprint] = load_fingerprints(index)  # applied or queued
         self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
+        self._state_file = FingerprintFile(index)
         self._applier = Applier(index)
         self._queued_since: float | None = None
         self._batch_ms = MAX_BATCH_MS  # the wait now allowed (longer while catching up)
@@ -260,8 +254,8 @@ class Subscriber(ReplayJobs):
     # -- state -------------------------------------------------------------------------------
 
     def save_state(self, durable: bool = False) -> None:
-        """Write the fingerprints (atomically; fsync when ``durable``)."""
-        save_fingerprints(self.index, self._committed, durable)
+        """Write the fingerprints now (atomically; fsync when ``durable``)."""
+        self._state_file.save(self._committed, now=True, durable=durable)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -348,6 +342,7 @@ class Subscriber(ReplayJobs):
             self._on_probe_answer(sock)
         self._check_liveness()
         self.flush()
+        self._state_file.due()
         return applied
 
     @property
@@ -363,7 +358,8 @@ class Subscriber(ReplayJobs):
     def flush(self) -> bool:
         """Commit every queued batch in one index transaction; True if anything was.
 
-        Only then do the fingerprints of those batches go to ``subscriber.json``.
+        Only then do the fingerprints of those batches go to ``subscriber.json``
+        (:class:`~sarp.serving.sources.FingerprintFile`: within ``STATE_EVERY_S``).
         """
         if not self._dirty and not self._applier.pending_ops:
             return False
@@ -377,7 +373,7 @@ class Subscriber(ReplayJobs):
         if self._on_commit is not None:
             fps, self._queued_fps = self._queued_fps, []
             self._on_commit(fps)
-        self.save_state()
+        self._state_file.save(self._committed)
         return True
 
     def _maybe_flush(self) -> None:
