@@ -258,8 +258,8 @@ class FingerprintFile:
             self._write(False)
 
     def _write(self, durable: bool) -> None:
-        committed, self._held = self._held, None
-        save_fingerprints(self.index, committed, durable)
+        save_fingerprints(self.index, self._held, durable)  # a StoreError keeps it held
+        self._held = None
         self._written_at = time.monotonic()
 
 
