@@ -374,6 +374,49 @@ def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
     assert tally.c("u64_array") >= fast_taken and tally.python("u64_array") >= len(bodies)
 
 
+def _digits(rng, count: int) -> str:
+    """A number of ``count`` digits (no leading zero)."""
+    return str(rng.randrange(10 ** (count - 1) if count > 1 else 0, 10 ** count))
+
+
+def test_short_token_ids_read_a_word_at_a_time_are_the_general_parse_s_or_refused():
+    """Ids of up to 7 digits are read 8 bytes at a time (``leading_digits`` in http.c):
+    every length from 1 to 9 digits, leading zeros, signs and the array's end at each
+    distance from the body's end give the general parse's ids, or None."""
+    import random
+
+    import orjson
+
+    import sarp.serving.http as http_mod
+    from sarp import native
+
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}: only the general parse runs")
+    rng = random.Random(5)
+    odd = ["0", "00", "01", "-1", "-0", "1.5", "1e3", "true", "+1", "0x1", "9" * 8, "1" * 9]
+    taken = refused = 0
+    for _ in range(4000):
+        items = [rng.choice(odd) if rng.random() < 0.05 else _digits(rng, rng.randint(1, 9))
+                 for _ in range(rng.randint(0, 30))]
+        sep = rng.choice([",", ", ", " , ", ",\n\t"])
+        tail = rng.choice(["]}", '], "model_name": "m"}', "] }", "]" + " " * rng.randint(0, 9)
+                           + "}"])
+        body = ('{"token_ids": [' + rng.choice(["", " "]) + sep.join(items) + tail).encode()
+        obj = http_mod._with_fast_block_hashes(body, b"token_ids")
+        try:
+            general = orjson.loads(body)["token_ids"]
+        except orjson.JSONDecodeError:
+            general = None
+        if obj is None:
+            refused += 1
+            assert general is None or not all(
+                type(v) is int and 0 <= v < 1 << 32 for v in general), body
+            continue
+        taken += 1
+        assert obj["token_ids"].tolist() == general, body
+    assert taken > 2000 and refused > 200
+
+
 def test_token_ids_parsed_in_c_are_the_general_parse_s_or_refused():
     """/query's token ids: parsed in C straight into uint32 when every one is in range;
     any other body (negative, over 2**32 - 1, a float, a bool) goes to the general
