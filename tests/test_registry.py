@@ -298,3 +298,30 @@ def test_source_engines_of_a_model_answer_rfc_queries(tmp_path):
             assert call(serve.port, "POST", "/query", other.encode())[0] == 404
     finally:
         eng.publisher.close()
+
+
+def test_the_model_table_is_read_again_at_most_every_interval_and_at_once_for_a_new_model(
+        tmp_path):
+    """/query's model table (rfc.Models): the status file is looked at again only after
+    ``check_every_s``; a model it does not hold is looked for in the file at once, so
+    an engine registered a moment ago is never answered 404."""
+    from sarp.serving import rfc
+    from sarp.serving.status import STATUS_FILE, read_status
+
+    def write(*models: str) -> None:
+        engines = [{"name": str(i), "model": m, "block_size": 16} for i, m in enumerate(models)]
+        tmp = tmp_path / "status.tmp"
+        tmp.write_text(json.dumps({"engines": engines}))
+        tmp.replace(tmp_path / STATUS_FILE)  # as the writer replaces it
+
+    write("llama")
+    table = rfc.Models(read_status, tmp_path, STATUS_FILE, check_every_s=3600)
+    assert [m for m, _ in table.get()] == ["llama"]
+    write("llama", "qwen")
+    assert [m for m, _ in table.get()] == ["llama"]  # within the interval: not looked at
+    assert sorted(m for m, _ in table.get(fresh=True)) == ["llama", "qwen"]
+    write("qwen")
+    always = rfc.Models(read_status, tmp_path, STATUS_FILE, check_every_s=0)
+    assert [m for m, _ in always.get()] == ["qwen"]
+    write("llama")
+    assert [m for m, _ in always.get()] == ["llama"]

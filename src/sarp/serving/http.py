@@ -400,8 +400,13 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         field = b"block_hashes" if by_hash else b"token_ids"
         try:
             obj = _with_fast_block_hashes(body, field)  # the ids parsed in C, when it can
-            model, keys = rfc.parse_query(orjson.loads(body) if obj is None else obj,
-                                          by_hash, models.get())
+            obj = orjson.loads(body) if obj is None else obj
+            try:
+                model, keys = rfc.parse_query(obj, by_hash, models.get())
+            except rfc.QueryError as exc:  # no such model, maybe as of a table a moment old
+                if exc.status != 404:
+                    raise
+                model, keys = rfc.parse_query(obj, by_hash, models.get(fresh=True))
         except orjson.JSONDecodeError as exc:
             return refuse("body", f"the body is not JSON ({exc})")
         except rfc.QueryError as exc:

@@ -24,7 +24,9 @@ answers; :mod:`sarp.serving.http` serves it.
 from __future__ import annotations
 
 import array
+import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,15 +84,29 @@ def models_of(engines: list[dict]) -> dict[tuple[str, str], Model]:
 class Models:
     """:func:`models_of` the status file's engines, read again only when it changed.
 
-    Cost: one ``stat`` per call; a parse when the writer rewrote the file.
+    The file is looked at (a ``stat``) at most every ``check_every_s``, and at once
+    when ``fresh``: a query for a model not in the table asks again before its 404,
+    so a model registered a moment ago is never refused.  A table up to
+    ``check_every_s`` old answers the rest, as a query that came that much earlier
+    would have been answered (the stat was 3.5 us of a Mooncake query's 40 us).
+
+    Cost: a clock read per call; a ``stat`` every ``check_every_s``; a parse when the
+    writer rewrote the file.
     """
 
-    def __init__(self, read_status, status_dir, file_name: str) -> None:
+    def __init__(self, read_status, status_dir, file_name: str,
+                 check_every_s: float = 0.001) -> None:
         self._read, self._dir, self._path = read_status, status_dir, status_dir / file_name
         self._seen: tuple | None = None
         self._models: dict[tuple[str, str], Model] = {}
+        self._check_every_s = check_every_s
+        self._checked = -math.inf
 
-    def get(self) -> dict[tuple[str, str], Model]:
+    def get(self, fresh: bool = False) -> dict[tuple[str, str], Model]:
+        now = time.monotonic()
+        if not fresh and now - self._checked < self._check_every_s:
+            return self._models
+        self._checked = now
         try:
             st = os.stat(self._path)
             seen = (st.st_mtime_ns, st.st_size, st.st_ino)
