@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         # listen before the index opens: a port in use stops serve with nothing changed
         dealer = ConnectionDealer(host, port, args.http_workers)
         # forked now, while serve is its imports and nothing else (no thread, no index)
-        zygote = Zygote(dealer.sockets(), dealer.heartbeats)
+        zygote = Zygote(dealer.sockets(), dealer.heartbeats,
+                        metrics_dir=tempfile.mkdtemp(prefix="sarp-metrics-"))
     stop = {"now": False, "looping": False}
 
     def on_signal(signum, _frame) -> None:
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             dealer.close()
         if zygote is not None:
             zygote.close()
+            shutil.rmtree(zygote.metrics_dir, ignore_errors=True)
 
 
 def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: bool,
@@ -166,7 +168,6 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
             subscriber.close()
             if service is not None:
                 service.close()
-                shutil.rmtree(service.config.metrics_dir, ignore_errors=True)
             if on_valkey:
                 shutil.rmtree(status_dir, ignore_errors=True)
         log.info("stopped; writing the snapshot")
@@ -433,8 +434,7 @@ def _start_http(args, dealer, zygote, status_dir: str):
     from .workers import HttpService
 
     host, port = dealer.listener.getsockname()[:2]
-    metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
-    config = HttpConfig(str(args.index), metrics_dir, scheme=args.hash_scheme,
+    config = HttpConfig(str(args.index), zygote.metrics_dir, scheme=args.hash_scheme,
                         seed=args.hash_seed, block_size=args.block_size, status_dir=status_dir,
                         token=args.http_token, request_timeout_s=args.http_request_timeout_s,
                         idle_timeout_s=args.http_idle_timeout_s,

@@ -150,6 +150,11 @@ class Zygote:
     the pid back.  It exits when serve closes its end, or dies; workers are reaped by
     the kernel (``SIGCHLD`` ignored), so a dead one's pid is gone at once.
 
+    Given ``metrics_dir``, it also imports what only a worker uses (prometheus_client
+    in its multiprocess mode, which is chosen at import from the environment, and
+    uvloop) before it forks any: about 25 ms less for each worker's start after a
+    restart, where serve opens the index meanwhile, and their pages shared.
+
     >>> z = Zygote([], heartbeats=None)
     >>> z.alive()
     True
@@ -157,8 +162,10 @@ class Zygote:
     False
     """
 
-    def __init__(self, close_in_child: list[socket.socket], heartbeats) -> None:
+    def __init__(self, close_in_child: list[socket.socket], heartbeats,
+                 metrics_dir: str | None = None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.metrics_dir = metrics_dir
         pid = os.fork()
         if pid == 0:  # the zygote
             code = 1
@@ -166,6 +173,8 @@ class Zygote:
                 ours.close()
                 for sock in close_in_child:
                     sock.close()
+                if metrics_dir is not None:
+                    _import_for_workers(metrics_dir)
                 _zygote_loop(theirs, heartbeats)
                 code = 0
             finally:
@@ -195,6 +204,14 @@ class Zygote:
         self._control.close()
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
+
+
+def _import_for_workers(metrics_dir: str) -> None:
+    """Import in the zygote what serve does not import and every worker does."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the import
+    import prometheus_client  # noqa: F401
+    import prometheus_client.multiprocess  # noqa: F401
+    import uvloop  # noqa: F401
 
 
 def _zygote_loop(control: socket.socket, heartbeats) -> None:
