@@ -306,6 +306,17 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
         index.close()
 
 
+def import_for_workers(metrics_dir: str) -> None:
+    """Import what every worker uses and serve does not (prometheus_client, whose
+    multiprocess mode is chosen at its import from the environment, and the event
+    loop): the HTTP zygote's, before it forks them.  Cost: about 25 ms, once."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    import prometheus_client  # noqa: F401
+    import prometheus_client.multiprocess  # noqa: F401
+
+    wire.import_loop()
+
+
 async def _heartbeat(heartbeats, slot: int) -> None:
     while True:
         heartbeats[slot] = time.monotonic()

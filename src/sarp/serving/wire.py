@@ -359,6 +359,11 @@ class Connection(asyncio.Protocol):
         return "idle" if now - self.last_activity > server.idle_timeout_s else None
 
 
+def import_loop() -> None:
+    """Import uvloop now (the HTTP zygote's, before it forks the workers)."""
+    import uvloop  # noqa: F401
+
+
 def run(server: Server, channel: socket.socket, chores: list[Callable[[], Awaitable]]) -> None:
     """Serve the connections that serve's dealer passes over ``channel`` (file
     descriptors, ``SCM_RIGHTS``) on uvloop, with ``chores`` (coroutine functions)

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from .http import HttpConfig, mark_worker_dead, worker_main
+from .http import HttpConfig, import_for_workers, mark_worker_dead, worker_main
 
 log = logging.getLogger("sarp.http")
 
@@ -174,7 +174,7 @@ class Zygote:
                 for sock in close_in_child:
                     sock.close()
                 if metrics_dir is not None:
-                    _import_for_workers(metrics_dir)
+                    import_for_workers(metrics_dir)
                 _zygote_loop(theirs, heartbeats)
                 code = 0
             finally:
@@ -204,14 +204,6 @@ class Zygote:
         self._control.close()
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
-
-
-def _import_for_workers(metrics_dir: str) -> None:
-    """Import in the zygote what serve does not import and every worker does."""
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the import
-    import prometheus_client  # noqa: F401
-    import prometheus_client.multiprocess  # noqa: F401
-    import uvloop  # noqa: F401
 
 
 def _zygote_loop(control: socket.socket, heartbeats) -> None:
