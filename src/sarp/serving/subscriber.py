@@ -359,7 +359,7 @@ class Subscriber(ReplayJobs):
         """Commit every queued batch in one index transaction; True if anything was.
 
         Only then do the fingerprints of those batches go to ``subscriber.json``
-        (:class:`~sarp.serving.sources.FingerprintFile`: within ``STATE_EVERY_S``).
+        (:class:`~sarp.serving.sources.FingerprintFile`).
         """
         if not self._dirty and not self._applier.pending_ops:
             return False
