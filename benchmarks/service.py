@@ -223,7 +223,7 @@ function setup(thread)
   thread:set("id", counter)
   counter = counter + 1
 end
-local folder, n, formatted = nil, 0, {}
+local folder, n, loaded = nil, 0, {}
 function init(args)
   folder, n = args[1], tonumber(args[2])
 end
@@ -231,12 +231,12 @@ local i = -1
 function request()
   i = (i + 1) % (n / 2)
   local k = 2 * i + id
-  local r = formatted[k]
+  local r = loaded[k]
   if not r then
     local f = assert(io.open(folder .. "/" .. k, "rb"))
     r = f:read("*a")
     f:close()
-    formatted[k] = r
+    loaded[k] = r
   end
   return r
 end
@@ -251,7 +251,10 @@ end
 
 def _wrk(url: str, bodies: list[bytes], seconds: float, work: Path, clients: int = 8) -> dict:
     """wrk (a C load generator: 2 threads, ``clients`` keep-alive connections), with
-    the requests cycled from a file; latency from wrk's own histogram."""
+    the requests cycled, each from a file of its own; latency from wrk's own
+    histogram."""
+    if len(bodies) < 2:
+        raise ValueError(f"{len(bodies)} bodies: wrk's 2 threads need 2 or more")
     script, folder = work / "query.lua", work / "bodies"
     script.write_text(_WRK_LUA)
     folder.mkdir(exist_ok=True)
@@ -407,7 +410,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             cpu = service.cpu_s()
             http |= {f"wrk_{k}": v for k, v in
                      _wrk(service.url, bodies, args.http_s, work).items()}
-            # over wrk's own load time: its start (each request formatted once) loads nothing
+            # over wrk's own load time (its start loads nothing)
             wrk_cpu_s, wrk_s = service.cpu_s() - cpu, http["wrk_seconds"]
             http |= {"wrk_cores": wrk_cpu_s / wrk_s,
                      "wrk_cpu_us_per_request": 1e6 * wrk_cpu_s / max(http["wrk_requests"], 1)}

@@ -49,9 +49,9 @@ static inline int leading_digits(const uint8_t *p, uint64_t *value) {
 
 /* The array's integers when `*stop` is the array's ']': that byte ends every digit and
  * whitespace run by itself, so the loops need no bounds check (the common case, a
- * third of the time of the checked loop below).  Numbers of up to 7 digits whose 8
- * bytes from the first digit lie before `end` (the buffer's end) are read a word at
- * a time (leading_digits).  1 when all parsed, 0 on any doubt. */
+ * third of the time of the checked loop below).  Numbers of up to 15 digits whose
+ * bytes (8 or 16 from the first digit) lie before `end`, the buffer's end, are read a
+ * word at a time (leading_digits).  1 when all parsed, 0 on any doubt. */
 static int parse_to_bracket(const uint8_t *p, const uint8_t *stop, const uint8_t *end,
                             uint64_t *vals, Py_ssize_t cap, Py_ssize_t *count) {
     Py_ssize_t n = 0;
