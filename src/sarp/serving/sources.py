@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -19,12 +17,6 @@ from .applier import ApplyStats, holder_name
 log = logging.getLogger("sarp.subscriber")
 STATE_FILE = "subscriber.json"
 STATE_VERSION = 2
-# subscriber.json rewritten after every commit (0: no batching of the writes).  At 0.1 s
-# the file trailed the index by that much, and a restart applied those batches again on
-# top of a later state, where a store whose parent a later batch had removed is refused:
-# the index lost blocks the engine held (tests/test_cluster.py's kill -9, 2 runs of 8
-# under load; 1 of 22 at 0, from a kill between a commit and its write).
-STATE_EVERY_S = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,53 +214,44 @@ def save_fingerprints(index, committed: dict[str, Fingerprint], durable: bool) -
 
 
 class FingerprintFile:
-    """``subscriber.json`` kept up with the commits: rewritten at most every
-    ``every_s`` while they keep coming (the last one at the next :meth:`due` after
-    that), and a state whose write failed is held and written at the next one.
+    """``subscriber.json`` written after every commit; a state whose write failed is
+    held, and written at the next :meth:`save` or :meth:`due`.
 
-    serve writes after every commit (``STATE_EVERY_S`` is 0): a file that trails the
-    index has a restart apply the batches after it again on top of a later state, and
-    a store whose parent a later batch removed is then refused, so the shorter the
-    trail the better.  A kill between a commit and its write still leaves one commit's
-    batches to apply again (tests/test_subscriber.py kills serve mid-backlog and
-    compares).  A write costs a one-event commit 0.4 ms of its 1.3 ms.
+    After every commit, not less often: a file that trails the index has a restart
+    apply the batches after it again on top of a later state, where a store whose
+    parent a later batch removed is refused.  Written at most every 0.1 s instead, the
+    index lost blocks the engines held (tests/test_cluster.py's kill -9: 2 runs of 8
+    failed under load; 1 of 22 written every time, from a kill between a commit and
+    its write).  A write costs a one-event commit 0.4 ms of its 1.3 ms.
 
     Cost: one temp file and rename per write (one ``SET`` on Valkey).
 
     >>> import tempfile, sarp
     >>> with sarp.open(tempfile.mkdtemp()) as index:
-    ...     state = FingerprintFile(index, every_s=0.1)
+    ...     state = FingerprintFile(index)
     ...     state.save({"e#0": Fingerprint(7, None, 0.0)})
-    ...     state.save({"e#0": Fingerprint(8, None, 0.0)})  # within 0.1 s: held back
-    ...     held = load_fingerprints(index)["e#0"].seq
-    ...     state.save({"e#0": Fingerprint(8, None, 0.0)}, now=True)
-    ...     held, load_fingerprints(index)["e#0"].seq
-    (7, 8)
+    ...     state.due()  # nothing held
+    ...     load_fingerprints(index)["e#0"].seq
+    7
     """
 
-    def __init__(self, index, every_s: float = STATE_EVERY_S) -> None:
+    def __init__(self, index) -> None:
         self.index = index
-        self.every_s = every_s
         self._held: dict[str, Fingerprint] | None = None
-        self._written_at = -math.inf
 
-    def save(self, committed: dict[str, Fingerprint], *, now: bool = False,
-             durable: bool = False) -> None:
-        """Write ``committed`` (read again at the write, if held back); at once when
-        ``now`` or ``durable``, else when the last write is ``every_s`` old."""
+    def save(self, committed: dict[str, Fingerprint], *, durable: bool = False) -> None:
+        """Write ``committed`` (fsync'ed when ``durable``)."""
         self._held = committed
-        if now or durable or time.monotonic() - self._written_at >= self.every_s:
-            self._write(durable)
+        self._write(durable)
 
     def due(self) -> None:
-        """Write a held-back state whose time has come (or whose write failed)."""
-        if self._held is not None and time.monotonic() - self._written_at >= self.every_s:
+        """Write a state whose write failed, if any."""
+        if self._held is not None:
             self._write(False)
 
     def _write(self, durable: bool) -> None:
         save_fingerprints(self.index, self._held, durable)  # a StoreError keeps it held
         self._held = None
-        self._written_at = time.monotonic()
 
 
 def plain(obj) -> dict:

@@ -255,7 +255,7 @@ class Subscriber(ReplayJobs):
 
     def save_state(self, durable: bool = False) -> None:
         """Write the fingerprints now (atomically; fsync when ``durable``)."""
-        self._state_file.save(self._committed, now=True, durable=durable)
+        self._state_file.save(self._committed, durable=durable)
 
     # -- the loop ----------------------------------------------------------------------------
 
