@@ -21,6 +21,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def applied(index_path) -> dict[str, int] | None:
+    """Per source, the sequence of the last batch a serve of the index at ``index_path``
+    committed (its ``subscriber.json``, read from another process as a reader reads the
+    index); None until it has written one (when it has caught up at its start)."""
+    from sarp.errors import SarpError
+    from sarp.serving.sources import STATE_FILE
+    from sarp.store_lmdb import LmdbStore
+
+    try:
+        store = LmdbStore(Path(index_path), readonly=True)
+    except SarpError:
+        return None
+    try:
+        raw = store.load_state(STATE_FILE)
+    finally:
+        store.close()
+    if raw is None:
+        return None
+    return {k: v["seq"] for k, v in json.loads(raw)["sources"].items()}
+
+
 def call(port: int, method: str, path: str, body: bytes | None = None,
          timeout_s: float = 10.0, headers: dict | None = None) -> tuple[int, object]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)

@@ -4,7 +4,6 @@ replays the gaps, follows engine restarts, and survives its own SIGKILL."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import servekit
 
 import sarp
 from sarp.bench.cluster import Cluster
@@ -130,12 +130,8 @@ def serve(tmp_path, cluster) -> subprocess.Popen:
 
 
 def served_up_to(tmp_path, cluster) -> bool:
-    try:
-        state = json.loads((tmp_path / "ix" / "subscriber.json").read_text())["sources"]
-    except (FileNotFoundError, ValueError):
-        return False
-    return all(state.get(e.name, {"seq": -1})["seq"] >= e.publisher.next_seq - 1
-               for e in cluster.engines)
+    state = servekit.applied(tmp_path / "ix") or {}
+    return all(state.get(e.name, -1) >= e.publisher.next_seq - 1 for e in cluster.engines)
 
 
 def test_kill_9_of_the_subscriber_process_and_restart(tmp_path, cluster):
@@ -143,7 +139,8 @@ def test_kill_9_of_the_subscriber_process_and_restart(tmp_path, cluster):
     third = len(requests) // 3
     proc = serve(tmp_path, cluster)
     try:
-        wait_for(lambda: (tmp_path / "ix" / "subscriber.json").exists(), 20, "serve to start")
+        wait_for(lambda: servekit.applied(tmp_path / "ix") is not None, 20,
+                 "serve to start")
         time.sleep(0.3)
         cluster.run(requests[:third], "random", seed=4)
         wait_for(lambda: served_up_to(tmp_path, cluster), 30, "the first third applied")

@@ -12,12 +12,15 @@ import random
 import socket
 import time
 
+import numpy as np
 import pytest
+import servekit
 import zmq
 
 import sarp
 from sarp.bench.cluster import EnginePublisher, SimEngine
-from sarp.serving.events import encode_batch
+from sarp.serving.applier import Applier, ApplyStats
+from sarp.serving.events import decode, encode_batch
 from sarp.serving.subscriber import Source, Subscriber
 
 
@@ -249,7 +252,6 @@ def test_source_expand_refuses_what_engines_cannot_bind():
 
 def test_sarp_serve_with_dp_ranks_outlives_every_bad_input(tmp_path):
     """The process end to end: `sarp serve --dp-ranks 2`, fed what stopped it before."""
-    import json
     import signal
     import subprocess
     import sys
@@ -264,17 +266,13 @@ def test_sarp_serve_with_dp_ranks_outlives_every_bad_input(tmp_path):
            "--durability", "nosync", "--dp-ranks", "2", "--source",
            f"eng=tcp://127.0.0.1:{pub_base},tcp://127.0.0.1:{replay_base}"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    state = tmp_path / "ix" / "subscriber.json"
 
-    def seqs() -> dict:
-        try:
-            return {k: v["seq"] for k, v in json.loads(state.read_text())["sources"].items()}
-        except (FileNotFoundError, ValueError, KeyError):
-            return {}
+    def seqs() -> dict | None:
+        return servekit.applied(tmp_path / "ix")
 
     try:
         deadline = time.monotonic() + 30
-        while not state.exists() and time.monotonic() < deadline:
+        while seqs() is None and time.monotonic() < deadline:  # caught up: state written
             time.sleep(0.05)
         time.sleep(0.5)
         for r, pub in enumerate(pubs):
@@ -313,19 +311,14 @@ def test_sarp_serve_with_dp_ranks_outlives_every_bad_input(tmp_path):
 
 def test_sigkill_of_serve_in_the_middle_of_batched_commits_then_catch_up(tmp_path):
     """serve is applying a backlog many batches per commit; SIGKILL; restart; equal."""
-    import json
     import signal
     import subprocess
     import sys
 
     eng = engine(capacity=2000)
-    state = tmp_path / "ix" / "subscriber.json"
 
     def applied() -> int:
-        try:
-            return json.loads(state.read_text())["sources"]["e"]["seq"]
-        except (FileNotFoundError, ValueError, KeyError):
-            return -1
+        return (servekit.applied(tmp_path / "ix") or {}).get("e", -1)
 
     def serve() -> subprocess.Popen:
         pub = eng.publisher
@@ -349,6 +342,15 @@ def test_sigkill_of_serve_in_the_middle_of_batched_commits_then_catch_up(tmp_pat
         proc.wait(timeout=10)
         killed_at = applied()
         assert 0 <= killed_at < last, (killed_at, last)
+        # The state names exactly what the index holds: it was written in the same
+        # transaction as the commit of the batches it names, never a commit apart.
+        oracle = Applier(sarp.open(tmp_path / "oracle"))
+        for _, payload in list(eng.publisher.buffer)[: killed_at + 1]:
+            oracle.add("e", decode(payload), ApplyStats())
+        oracle.flush()
+        with sarp.open(tmp_path / "ix", readonly=True) as index:
+            assert np.array_equal(index.blocks_of(eng.holder), oracle.index.blocks_of(eng.holder))
+        oracle.index.close()
         for _ in range(200):  # the engine goes on meanwhile
             eng.serve(rng.choice(roots) + [rng.getrandbits(63) for _ in range(6)])
         proc = serve()
@@ -642,3 +644,23 @@ def test_a_backlog_of_old_batches_is_committed_in_big_batches_from_the_first(
     backlog, caught_up = drain_backlog(index, monkeypatch, skew_s=2.0)
     assert [round(s, -1) for s in backlog[:3]] == [80, 80, 80], backlog
     assert round(caught_up[0], -1) == 20, caught_up
+
+
+def test_a_commit_carries_its_state_unless_an_operation_fails(where):
+    """The subscriber's fingerprints join the commit of the batches they name, so a
+    restart never finds them a commit apart from the index; a refused store leaves the
+    state to the follow-up commit that lets its hashes go."""
+    with sarp.open(where("ix"), durability="nosync") as index:
+        r = index.apply_decoded([("insert", np.uint64([1, 2]), None, "e", "GPU")],
+                                state={"s": b"1"})
+        assert r.failed == [] and index.read_state("s") == b"1"
+        r = index.apply_decoded([("insert", np.uint64([9]), 777, "e", "GPU")],
+                                state={"s": b"2"})  # its parent is not held
+        assert len(r.failed) == 1 and index.read_state("s") == b"1"
+        applier = Applier(index)
+        applier.add("e", decode(encode_batch([("stored", [9], 777, "GPU")])), ApplyStats())
+        assert applier.flush({"s": b"3"}) and index.read_state("s") == b"3"
+        assert not applier.flush({"s": b"4"})  # nothing queued: no commit took it
+        assert index.read_state("s") == b"3"
+        index.write_state("s", b"5")
+        assert index.read_state("s") == b"5" and index.match([1, 2]).by_holder == {"e": 2}

@@ -4,7 +4,7 @@ these read the folder and the file as bytes (:mod:`sarp.store_lmdb` is the one m
 that imports lmdb).
 
 Files: ``data.mdb`` and ``lock.mdb`` (LMDB's), ``sarp.lock`` (the writer's pid, locked),
-``directory.snap`` (:mod:`sarp.snapshot`), and small state files (``subscriber.json``).
+and ``directory.snap`` (:mod:`sarp.snapshot`).
 """
 
 from __future__ import annotations
@@ -193,22 +193,3 @@ def take_lock(lock_path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
-
-
-def read_state(folder: Path, name: str) -> bytes | None:
-    """A small state file kept beside the index, or None."""
-    try:
-        return (folder / name).read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def write_state(folder: Path, name: str, data: bytes, durable: bool) -> None:
-    """Replace the state file ``name`` atomically (fsync'ed when ``durable``)."""
-    tmp = folder / (name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, folder / name)

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +51,7 @@ from .store import (
     shard_location,
 )
 from .verify import Match, match_chains, match_one
-from .writeset import Plan
+from .writeset import Plan, with_state
 
 log = logging.getLogger("sarp")
 
@@ -384,12 +384,13 @@ class Index:
         """
         return self._apply_prepared(*prepare_all(ops), len(ops))
 
-    def apply_decoded(self, ops) -> BatchResult:
+    def apply_decoded(self, ops, *, state: Mapping[str, bytes] | None = None) -> BatchResult:
         """:meth:`apply_batch` of operations whose hashes an event decoder has already
         checked (``sarp.serving.events``: uint64 arrays, no hash twice, a parent not
         among them), so they are not checked again; holder names are, once per name.
         ``ops`` may also be columns (:class:`sarp.serving.columns.Taken`, an operation per
         row; ``removed_per_op`` is then an array).  How ``sarp serve`` applies events.
+        ``state``: named values (:meth:`read_state`), put in its transaction if none fails.
 
         Cost: as :meth:`apply_batch`, less a few µs per operation (columns: none per row).
 
@@ -400,24 +401,25 @@ class Index:
         (2, {'w0': 2})
         """
         if isinstance(ops, Sequence):
-            return self._apply_prepared(*prepare_all(ops, hashes_checked=True), len(ops))
+            return self._apply_prepared(*prepare_all(ops, hashes_checked=True), len(ops), state)
         n = int(ops.kind.size)
-        plan, failed = self._commit(lambda w: aliases.pack_columns(w, self._packer, ops), n)
+        plan, failed = self._commit(lambda w: aliases.pack_columns(w, self._packer, ops), n, state)
         return BatchResult(n, failed, plan.new_blocks, np.asarray(plan.removed_per_op, np.int64))
 
-    def _apply_prepared(self, prepared: list[tuple], positions: list[int],
-                        failed: list[tuple[int, Exception]], num_ops: int) -> BatchResult:
+    def _apply_prepared(self, prepared: list[tuple], positions: list[int], failed: list,
+                        num_ops: int, state: Mapping[str, bytes] | None = None) -> BatchResult:
         """The packer's form of a batch (``positions``: places among ``num_ops``)."""
-        return batch_result(*self._commit(lambda w: aliases.pack(w, self._packer, prepared),
-                                          len(prepared)), positions, failed, num_ops)
+        done = self._commit(lambda w: aliases.pack(w, self._packer, prepared), len(prepared),
+                            None if failed else state)  # a failure's follow-up carries it
+        return batch_result(*done, positions, failed, num_ops)
 
-    def _commit(self, write, ops: int) -> tuple[Plan, list]:
-        """One batch write of ``ops`` operations (none: no write), memory, counters."""
+    def _commit(self, write, ops: int, state=None) -> tuple[Plan, list]:
+        """One batch write of ``ops`` operations and ``state``, memory, counters."""
         with self._lock:
             store = self._writable_store("batch")
-            if not ops:
+            if not ops and not state:
                 return Plan(), []
-            plan, refused = store.write(write)
+            plan, refused = store.write(with_state(write if ops else None, state))
             self._apply(plan)
             self._counters.batch(plan, ops)
             self._maybe_snapshot()
@@ -545,15 +547,13 @@ class Index:
             return self._live_store().release_dead_readers()
 
     def read_state(self, name: str) -> bytes | None:
-        """A small named value kept with the index, or None: the file ``name`` in the
-        index folder, or a key of the namespace on Valkey.  ``sarp serve`` keeps its
-        resume point (``subscriber.json``) here, so a writer that takes over an index on
-        Valkey from another machine resumes from it.  Cost: one file read or GET."""
+        """A small named value kept with the index, or None (``sarp serve``'s resume
+        point, written in each commit by :meth:`apply_decoded`).  Cost: one read."""
         with self._lock:
             return self._live_store().load_state(name)
 
     def write_state(self, name: str, data: bytes, *, durable: bool = False) -> None:
-        """Replace the named value atomically (fsync'ed when ``durable``); a writer's call.
+        """Replace the named value in a write of its own (fsync'ed when ``durable``).
 
         >>> import tempfile, sarp
         >>> with sarp.open(tempfile.mkdtemp()) as index:

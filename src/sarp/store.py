@@ -51,7 +51,7 @@ ID_STRIDE = 8
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
 COUNTERS = ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id")
-TABLES = ("meta", "segments", "blocks", "holders", "log", "aliases")  # aliases: last
+TABLES = ("meta", "segments", "blocks", "holders", "log", "state", "aliases")  # aliases: last
 
 U64 = struct.Struct(">Q")  # meta counters, segment and log keys, block keys
 BLOCK_VALUE = struct.Struct("<IH")  # blocks: segment id, offset
@@ -230,6 +230,8 @@ class WriteTxn(Protocol):
     def alias_delete(self, keys: list[bytes]) -> None: ...
     # up to ``count`` entries from ``cursor`` (None: the start), and the next cursor
     def alias_scan(self, cursor, count: int) -> tuple[list[tuple[bytes, bytes]], object]: ...
+    # a small named value (Store.load_state) replaced with this write, all or nothing
+    def put_state(self, name: str, data: bytes) -> None: ...
 
 
 class Store(Protocol):
@@ -298,6 +300,13 @@ class WriteLogic:
         keys = np.frombuffer(b"".join(found.values()), ">u8").astype(np.uint64)
         order = np.argsort(got, kind="stable")
         return got[order], keys[order]
+
+    def prefetch_blocks(self, hashes: np.ndarray) -> None:
+        """Nothing to do where lookups are page reads (``capabilities.prefetch`` off; a
+        store with it overrides this and :meth:`prefetch_segments`)."""
+
+    def prefetch_segments(self, seg_ids: np.ndarray) -> None:
+        """Nothing to do, as :meth:`prefetch_blocks`."""
 
     def create_meta(self) -> None:
         """A new index's meta: format version, a new index id, zero counters, and the

@@ -36,11 +36,9 @@ from .folder import (
     check_data_file,
     check_readable,
     no_room,
-    read_state,
     readers_full,
     take_data_lock,
     take_folder,
-    write_state,
 )
 from .segment import Segment, decode, writable
 from .store import (
@@ -204,12 +202,16 @@ class LmdbStore:
         return snapshots.write(self.path, self.index_id, watermark, directory, holders)
 
     def load_state(self, name: str) -> bytes | None:
-        """A small state file kept beside the index (the subscriber's resume point)."""
-        return read_state(self.path, name)
+        """A named value of the ``state`` table (``sarp serve``'s resume point), or None."""
+        with self._begin() as txn:
+            value = txn.get(name.encode(), db=self.state_db)
+        return None if value is None else bytes(value)
 
     def save_state(self, name: str, data: bytes, durable: bool) -> None:
-        """Replace the state file ``name`` atomically (fsync'ed when ``durable``)."""
-        write_state(self.path, name, data, durable)
+        """Replace the named value in a write of its own (fsync'ed when ``durable``)."""
+        self.write(lambda w: w.put_state(name, data))
+        if durable and self.durability != "sync":
+            self.env.sync(True)
 
     def files(self) -> list[Path]:
         """The LMDB files of this index (for size accounting and cache eviction)."""
@@ -392,6 +394,9 @@ class LmdbWriteTxn(WriteLogic):
     def put_meta(self, key: bytes, value: bytes) -> None:
         self.txn.put(key, value, db=self._store.meta_db)
 
+    def put_state(self, name: str, data: bytes) -> None:
+        self.txn.put(name.encode(), data, db=self._store.state_db)
+
     def segment(self, seg_id: int) -> Segment:
         """Segment ``seg_id``, decoded into arrays the write may modify in place."""
         record = self.txn.get(U64.pack(seg_id), db=self._store.segments_db)
@@ -424,12 +429,6 @@ class LmdbWriteTxn(WriteLogic):
             seg_ids[where] = values["seg"]
             offsets[where] = values["off"]
         return seg_ids, offsets
-
-    def prefetch_blocks(self, hashes: np.ndarray) -> None:
-        """Nothing to do: lookups are page reads (``capabilities.prefetch`` is off)."""
-
-    def prefetch_segments(self, seg_ids: np.ndarray) -> None:
-        """Nothing to do, as :meth:`prefetch_blocks`."""
 
     def locate_one(self, block_hash: int) -> tuple[int, int]:
         """:meth:`locate` for one hash: ``(segment id, offset)``, ``(0, 0)`` if absent

@@ -383,14 +383,14 @@ class ValkeyStore:
     def load_state(self, name: str) -> bytes | None:
         """A small state value kept with the index (the subscriber's resume point), so
         that a writer taking over on another machine resumes from it."""
-        return self.client.get(self._state_key(name))
+        return self.client.get(self.state_key(name))
 
     def save_state(self, name: str, data: bytes, durable: bool) -> None:
         self._check_lease()
-        self._run(self._set, [self.keys["lease"], self._state_key(name)],
+        self._run(self._set, [self.keys["lease"], self.state_key(name)],
                   [self._lease_value, data])
 
-    def _state_key(self, name: str) -> bytes:
+    def state_key(self, name: str) -> bytes:
         return self.keys["meta"][: -len(b"meta")] + b"state:" + name.encode()
 
     def _run(self, script, keys: list, args: list):

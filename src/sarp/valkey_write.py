@@ -202,6 +202,7 @@ class ValkeyWriteTxn(WriteLogic):
         self._log_first = 0  # the sequence of the first (they are consecutive)
         self._log_next = 0
         self.trim_below: int | None = None
+        self._states: dict[str, bytes] = {}  # put_state's, SET in the commit
         c, name = self._c, store.keys["blk"]  # (the table must not hold the write: a cycle)
         self._blocks = block_table(lambda key: c.hget(name, key))
 
@@ -324,6 +325,9 @@ class ValkeyWriteTxn(WriteLogic):
 
     def put_meta(self, key: bytes, value: bytes) -> None:
         self._put("meta", key, value)
+
+    def put_state(self, name: str, data: bytes) -> None:
+        self._states[name] = data
 
     def segment(self, seg_id: int) -> Segment:
         record = self._get("seg", U64.pack(seg_id))
@@ -459,7 +463,8 @@ class ValkeyWriteTxn(WriteLogic):
     def commit(self) -> None:
         """Every change in one ``MULTI``/``EXEC`` fenced by the lease
         (:meth:`ValkeyStore.transact`): per table an ``HSET`` and an ``HDEL`` (in runs
-        of :data:`COMMAND_ARGS`), and the log entries through :data:`LOG`."""
+        of :data:`COMMAND_ARGS`), the log entries through :data:`LOG`, and a ``SET`` per
+        :meth:`put_state`."""
         store = self._store
         commands: list[bytes] = []
         for table in TABLES:
@@ -483,6 +488,8 @@ class ValkeyWriteTxn(WriteLogic):
                 b"EVAL", LOG.encode(), 1, store.keys["log"],
                 b"" if self.trim_below is None else f"{self.trim_below}-0".encode(),
                 self._log_first, b"".join(self._log)))
+        commands += [resp.command(b"SET", store.state_key(name), data)
+                     for name, data in self._states.items()]
         store.transact(commands)
         if store._aof:
             store.client.execute_command("WAITAOF", 1, 0, 0)

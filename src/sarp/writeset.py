@@ -1,6 +1,7 @@
 """A write's working set: the segments one write transaction touched, written once at
 its end (:class:`Touched`), and what it changed (:class:`Plan`), which the index
-applies to memory only after the commit, so a failed write changes nothing in memory.
+applies to memory only after the commit, so a failed write changes nothing in memory;
+:func:`with_state`, the small named values a write carries.
 :mod:`sarp.packing` fills them; ``packing.c`` mirrors :meth:`Touched.flush`.
 """
 
@@ -25,6 +26,19 @@ class Plan:
     new_blocks: int = 0
     removed_blocks: int = 0
     removed_per_op: list[int] = field(default_factory=list)  # a batch's, in order
+
+
+def with_state(write, state):
+    """A batch's write function: ``write`` (None: nothing but the state), then the named
+    values of ``state`` put in the same transaction (``WriteTxn.put_state``) unless an
+    operation was refused, for the caller's follow-up commit to carry them."""
+    def run(w: WriteTxn) -> tuple[Plan, list]:
+        plan, refused = (Plan(), []) if write is None else write(w)
+        if not refused:
+            for name, data in (state or {}).items():
+                w.put_state(name, data)
+        return plan, refused
+    return run
 
 
 class Touched:

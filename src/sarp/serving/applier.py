@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,6 +139,8 @@ class Applier:
         self._ops: list[tuple] = []
         self._meta: list[tuple[ApplyStats, str, str]] = []  # per op: stats, holder, kind
         self._batches: list[ApplyStats] = []
+        self._state: Mapping[str, bytes] | None = None  # flush's, for its last commit
+        self._state_written = False
         self.columns = Columns()
         self._col_batches: list[tuple[ApplyStats, int]] = []  # stats, first row
         self._col_added: tuple[int, int] = (0, 0)  # the last payload's events, skipped
@@ -242,18 +245,37 @@ class Applier:
         queued = {op[4] for op in self._ops if op[0] in _INSERTS and op[3] == holder}
         return sorted(known | queued | {DEFAULT_MEDIUM})
 
-    def flush(self) -> None:
+    def flush(self, state: Mapping[str, bytes] | None = None) -> bool:
         """Apply everything queued in one index batch (the columns' first, when both
-        hold some); settle the counts."""
-        if self._col_batches:
-            self._flush_columns()
-        if not self._ops and not self._batches:
-            return
+        hold some); settle the counts.  ``state`` (:meth:`sarp.Index.read_state`'s named
+        values) joins the last commit, the one after which nothing of this flush is
+        left to write; True if it did (False: no commit took it, the caller writes it).
+        """
+        self._state, self._state_written = state, False
+        try:
+            if self._col_batches:
+                self._flush_columns(last=not self._ops and not self._batches)
+            if self._ops or self._batches:
+                self._flush_ops()
+        finally:
+            self._state = None
+        return self._state_written
+
+    def _commit(self, ops, last: bool):
+        """One commit of the flush; ``last``: nothing is queued after it, so the
+        flush's state joins it unless an operation is refused (then the refusal's
+        follow-up carries it)."""
+        state = self._state if last else None
+        result = self.index.apply_decoded(ops, state=state)
+        self._state_written |= state is not None and not result.failed
+        return result
+
+    def _flush_ops(self) -> None:
         started = time.perf_counter()
         ops, meta, batches = self._ops, self._meta, self._batches
         self._ops, self._meta, self._batches = [], [], []
         try:
-            result = self.index.apply_decoded(ops)  # decode checked the hashes
+            result = self._commit(ops, True)  # decode checked the hashes
         except (StoreError, IndexClosedError):
             raise  # the store itself failed: not the events' fault, nothing to skip
         except Exception as exc:  # a bug of ours must not stop the stream either
@@ -296,27 +318,28 @@ class Applier:
                 _bad(stats, holder, "rejected", str(exc))
                 fallback.append(("clear", holder, None))
         if fallback:
-            self.index.apply_decoded(fallback)
+            self._commit(fallback, True)
 
-    def _flush_columns(self) -> None:
+    def _flush_columns(self, last: bool) -> None:
         started = time.perf_counter()
         cols, batches = self.columns.take(), self._col_batches
         self._col_batches = []
         try:
-            result = self.index.apply_decoded(cols)
+            result = self._commit(cols, last)
         except (StoreError, IndexClosedError):
             raise
         except Exception as exc:  # a bug of ours must not stop the stream either
             log.exception("sarp: applying a commit of %d rows failed", cols.kind.size)
-            self._columns_failed(cols, batches, exc)
+            self._columns_failed(cols, batches, exc, last)
         else:
-            self._settle_columns(cols, batches, result)
+            self._settle_columns(cols, batches, result, last)
         share = (time.perf_counter() - started) / max(1, len(batches))
         for stats, _ in batches:
             stats.seconds += share
             stats.batches += 1
 
-    def _settle_columns(self, cols, batches: list[tuple[ApplyStats, int]], result) -> None:
+    def _settle_columns(self, cols, batches: list[tuple[ApplyStats, int]], result,
+                        last: bool) -> None:
         """:meth:`_settle` for the columns: the counts per batch from sums over its
         rows; the refused rows one by one, as there."""
         n = cols.kind.size
@@ -349,17 +372,17 @@ class Applier:
                      else "rejected", str(exc))
                 fallback.extend(self._removal(cols.chain(i), holder, m)
                                 for m in self._media_of(holder))
-        self.index.apply_decoded(fallback)
+        self._commit(fallback, last)
 
     def _columns_failed(self, cols, batches: list[tuple[ApplyStats, int]],
-                        exc: Exception) -> None:
+                        exc: Exception, last: bool) -> None:
         """:meth:`_after_internal_error` for the columns: every holder clears."""
         for stats, _ in batches:
             _bad(stats, "batch", "internal_error", repr(exc))
         # a removal may have been among them: only forgetting its holder is safe
         forget = {split_name(cols.names[int(i)])[0] for i in np.unique(cols.name[cols.kind == 1])}
         if forget:
-            self.index.apply_batch([("clear", h, None) for h in sorted(forget)])
+            self._commit([("clear", h, None) for h in sorted(forget)], last)
 
     def _after_internal_error(self, ops: list[tuple], meta: list, exc: Exception) -> None:
         forget = set()
@@ -368,7 +391,7 @@ class Applier:
             if kind != "store":
                 forget.add(holder)  # it may have been a removal: only forgetting is safe
         if forget:
-            self.index.apply_batch([("clear", h, None) for h in sorted(forget)])
+            self._commit([("clear", h, None) for h in sorted(forget)], True)
 
 
 def _bad(stats: ApplyStats, holder: str, kind: str, reason: str) -> None:

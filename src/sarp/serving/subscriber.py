@@ -43,9 +43,9 @@ holders are cleared.  If it answers later it is back: its buffer is replayed fro
 as for any engine the subscriber knows nothing about.  A source without a replay
 endpoint cannot be asked, and keeps its holders until it publishes again.
 
-The fingerprints are written to ``subscriber.json`` in the index directory after
-what they describe has committed, so a restarted subscriber resumes where it
-stopped (re-applying a batch is harmless: every event sets or clears holder bits).
+The fingerprints (``subscriber.json``, a named value of the index) are written in the
+transaction that commits what they describe, so a restarted subscriber resumes exactly
+where it stopped.
 """
 
 from __future__ import annotations
@@ -358,22 +358,21 @@ class Subscriber(ReplayJobs):
     def flush(self) -> bool:
         """Commit every queued batch in one index transaction; True if anything was.
 
-        Only then do the fingerprints of those batches go to ``subscriber.json``
-        (:class:`~sarp.serving.sources.FingerprintFile`).
+        The fingerprints of those batches (``subscriber.json``) are written in the same
+        transaction (:class:`~sarp.serving.sources.FingerprintFile`).
         """
         if not self._dirty and not self._applier.pending_ops:
             return False
-        self._applier.flush()
-        now = time.time()
-        for key, fp in self._dirty.items():
-            self._committed[key] = fp
-            self.last_applied_at[key] = now
+        committed = {**self._committed, **self._dirty}
+        if not self._applier.flush(self._state_file.state(committed)):
+            self._state_file.save(committed)  # no commit took it (nothing to write)
+        self.last_applied_at.update(dict.fromkeys(self._dirty, time.time()))
+        self._committed = committed
         self._dirty.clear()
         self._queued_since = None
         if self._on_commit is not None:
             fps, self._queued_fps = self._queued_fps, []
             self._on_commit(fps)
-        self._state_file.save(self._committed)
         return True
 
     def _maybe_flush(self) -> None:
