@@ -37,14 +37,17 @@ from ..tokenkeys import token_keys
 from .cluster import EnginePublisher
 
 BLOCK_SIZE = 16
+VOCAB = 151_936  # token ids below this, as a real vocabulary's (Qwen2's): at most 6 digits
 ENGINE_SEED = np.uint64(0x5A17)  # the engines' shared hash seed
 
 
 def block_tokens(ids: np.ndarray) -> np.ndarray:
-    """``BLOCK_SIZE`` tokens per trace block id, made from the id (uint32)."""
+    """``BLOCK_SIZE`` tokens per trace block id, made from the id: ids of a real
+    vocabulary's range (``VOCAB``), so a request's JSON is as long as an engine's.
+    Random 32-bit ids (10 digits) had made every body about twice as long."""
     ids = np.asarray(ids, np.uint64)
     grid = ids[:, None] * np.uint64(BLOCK_SIZE) + np.arange(BLOCK_SIZE, dtype=np.uint64)
-    return (splitmix64(grid.ravel()) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return (splitmix64(grid.ravel()) % np.uint64(VOCAB)).astype(np.uint32)
 
 
 def engine_hashes(ids: np.ndarray, lora: str | None = None) -> np.ndarray:
