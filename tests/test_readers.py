@@ -211,6 +211,25 @@ def test_a_reader_of_a_folder_that_is_not_an_index_gets_a_clear_error(tmp_path):
     assert not (tmp_path / "nothing-here").exists()  # a reader creates nothing
 
 
+def test_a_reader_of_an_index_without_a_table_is_told_which_and_the_fix(tmp_path):
+    """An index written before its ``state`` table: a reader names the table and says
+    that one writable open adds it; after that open it reads."""
+    import lmdb
+
+    with sarp.open(tmp_path / "ix") as writer:
+        writer.insert([1, 2], holder="a")
+    env = lmdb.open(str(tmp_path / "ix"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"state", txn=txn), delete=True)
+    env.close()
+    with pytest.raises(sarp.NotAnIndexError, match="no 'state' table.*without readonly"):
+        sarp.open(tmp_path / "ix", readonly=True)
+    sarp.open(tmp_path / "ix").close()
+    with sarp.open(tmp_path / "ix", readonly=True) as reader:
+        assert reader.match([1, 2]).by_holder == {"a": 2}
+        assert reader.read_state("subscriber.json") is None
+
+
 def test_more_readers_than_the_reader_table_is_a_clear_error(tmp_path):
     # LMDB rounds the table up to fill its lock page (about 60 slots for max_readers=2),
     # so a reader process holds read transactions until the table is full.

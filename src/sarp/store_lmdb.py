@@ -160,8 +160,8 @@ class LmdbStore:
                 setattr(self, f"{name}_db", self.env.open_db(name.encode(), create=False))
         except lmdb.NotFoundError:
             raise NotAnIndexError(
-                f"{self.path}: an LMDB environment without sarp's tables; not an index yet"
-            ) from None
+                f"{self.path}: no {name!r} table: not an index yet, or one written before "
+                f"that table was; open it once without readonly=True to add it") from None
         with self._begin() as txn:
             version = txn.get(b"format_version", db=self.meta_db)
             if version is None:
