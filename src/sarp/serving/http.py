@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import concurrent.futures
 import hmac
 import json
 import logging
@@ -349,7 +348,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     # and large bodies are answered here, parse to match, so the event loop answers
     # /healthz meanwhile; one thread, so that a burst of them queues instead of
     # crowding the core.
-    offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sarp-parse")
+    offload = wire.Beside("sarp-parse")
     token = b"Bearer " + config.token.encode() if config.token else None
     # On Valkey every match waits for the server, and a reader's catch-up may load a
     # snapshot from it: all of them beside the loop (a thread hop costs a fraction of
@@ -365,11 +364,14 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         return _json({"error": f"the index cannot be read now ({exc}); try again",
                       "field": "index"}, 503)
 
-    async def beside(work, *args) -> wire.Response:
+    def answered_beside(work, args) -> wire.Response:
         try:
-            return await asyncio.get_running_loop().run_in_executor(offload, work, *args)
+            return work(*args)
         except SarpError as exc:
             return unavailable(exc)
+
+    def beside(work, *args) -> asyncio.Future:
+        return offload(answered_beside, work, args)
 
     def guarded(handler, probe: bool = False):
         def handle(request: wire.Request) -> wire.Response:

@@ -31,10 +31,13 @@ httptools and uvloop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import queue
 import signal
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -357,6 +360,56 @@ class Connection(asyncio.Protocol):
         if self.pending_since is not None:
             return "request" if now - self.pending_since > server.request_timeout_s else None
         return "idle" if now - self.last_activity > server.idle_timeout_s else None
+
+
+class Beside:
+    """Work run on one thread of its own beside the event loop, its answer handed back
+    as an asyncio future (what :meth:`Connection._dispatch` waits on): per call a queue
+    put and one ``call_soon_threadsafe``, where an executor behind a coroutine made a
+    task, two futures chained and their callbacks.  One thread, so a burst of such
+    work queues instead of crowding the core; started at the first call (a worker's,
+    after the fork).
+
+    >>> import asyncio
+    >>> beside = Beside("doc")
+    >>> async def main():
+    ...     return await beside(sum, [1, 2, 3])
+    >>> asyncio.run(main())
+    6
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, work: Callable, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put((loop, future, work, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            loop, future, work, args = self._queue.get()
+            try:
+                result, error = work(*args), None
+            except BaseException as exc:  # noqa: BLE001 - the awaiting side raises it
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def import_loop() -> None:
