@@ -662,5 +662,8 @@ def test_a_commit_carries_its_state_unless_an_operation_fails(where):
         assert applier.flush({"s": b"3"}) and index.read_state("s") == b"3"
         assert not applier.flush({"s": b"4"})  # nothing queued: no commit took it
         assert index.read_state("s") == b"3"
+        batches = index.stats()["batches"]
+        index.apply_decoded([], state={"s": b"4"})  # the state alone: not a batch
+        assert index.read_state("s") == b"4" and index.stats()["batches"] == batches
         index.write_state("s", b"5")
         assert index.read_state("s") == b"5" and index.match([1, 2]).by_holder == {"e": 2}

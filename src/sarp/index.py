@@ -81,7 +81,9 @@ class _Counters:
     index_reloads: int = 0  # a reader found the index created anew, and reloaded
 
     def batch(self, plan: Plan, ops: int) -> None:
-        """Count one batch commit of ``ops`` operations."""
+        """Count one batch commit of ``ops`` operations (none: a state's own write)."""
+        if not ops:
+            return
         self.batches += 1
         self.batched_ops += ops
         self.inserted_blocks += plan.new_blocks
