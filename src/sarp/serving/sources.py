@@ -260,8 +260,8 @@ class FingerprintFile:
             self._write(False)
 
     def _write(self, durable: bool) -> None:
-        (name, data), = fingerprints_state(self._held).items()
-        self.index.write_state(name, data, durable=durable)  # a StoreError keeps it held
+        data = fingerprints_state(self._held)[STATE_FILE]
+        self.index.write_state(STATE_FILE, data, durable=durable)  # a StoreError keeps it held
         self._held = None
 
 
