@@ -448,3 +448,61 @@ def test_token_ids_parsed_in_c_are_the_general_parse_s_or_refused():
         assert all(type(v) is int and 0 <= v < 1 << 32 for v in general), body
         assert obj["token_ids"].tolist() == general
     assert taken > 500
+
+
+def test_long_arrays_read_through_bitmaps_are_the_general_parse_s_or_refused():
+    """Arrays of hundreds to thousands of ids, as agentic requests send, are read from
+    bitmaps of 64 bytes a word (``classify`` in http.c): numbers crossing words,
+    numbers of 1 to 22 digits, every separator JSON allows, and a fault at a random
+    place (a doubled or missing comma, or both, a leading zero, a sign, a fraction, a
+    number past the range, a comma first or last) give the general parse's ids, or
+    None."""
+    import random
+
+    import orjson
+
+    import sarp.serving.http as http_mod
+    from sarp import native
+
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}: only the general parse runs")
+    rng = random.Random(13)
+    faults = [lambda a, i: a.insert(i, ""), lambda a, i: a.__setitem__(i, "0" + a[i]),
+              lambda a, i: a.__setitem__(i, "-" + a[i]), lambda a, i: a.__setitem__(i, "1.5"),
+              lambda a, i: a.__setitem__(i, "4294967296"),
+              lambda a, i: a.__setitem__(i, "18446744073709551616"),
+              lambda a, i: a.__setitem__(i, "1" * 22), lambda a, i: a.__setitem__(i, "0"),
+              lambda a, i: a.__setitem__(i, a[i] + " " + a[i]), lambda a, i: a.insert(0, ""),
+              lambda a, i: a.append(""),
+              # a comma missing and another doubled: as many commas as gaps, misplaced
+              lambda a, i: (a.__setitem__(i, a[i] + " " + a[i]), a.insert(i + 2, ""))]
+    outcomes = {"taken": 0, "refused": 0}
+    for trial in range(600):
+        tokens = trial % 2 == 0
+        field = "token_ids" if tokens else "block_hashes"
+        top = 1 << 32 if tokens else 1 << 64  # the longest lengths kept in range
+        items = [str(rng.randrange(10 ** (len(str(top)) - 1), top)) if n == len(str(top)) else
+                 _digits(rng, n) for n in (rng.choice([1, 2, 5, 6, 6, 6, 8, 9, 10] if tokens
+                                                      else [1, 7, 15, 16, 17, 19, 20, 20])
+                                           for _ in range(rng.randint(60, 1500)))]
+        if rng.random() < 0.5:
+            rng.choice(faults)(items, rng.randrange(len(items)))
+        seps = [",", ", ", " , ", ",\n\t", "\r,", ",  "]
+        inside = "".join(item + (rng.choice(seps) if k + 1 < len(items) else "")
+                         for k, item in enumerate(items))
+        body = ('{"' + field + '": [' + rng.choice(["", " "]) + inside
+                + rng.choice(["]}", '], "model_name": "m"}', "] }"])).encode()
+        obj = http_mod._with_fast_block_hashes(body, field.encode())
+        try:
+            general = orjson.loads(body)[field]
+        except orjson.JSONDecodeError:
+            general = None
+        low, high = (0, 1 << 32) if tokens else (-(1 << 63), 1 << 64)
+        if obj is None:
+            outcomes["refused"] += 1
+            assert general is None or not all(
+                type(v) is int and low <= v < high for v in general), body[:200]
+            continue
+        outcomes["taken"] += 1
+        assert obj[field].tolist() == [v % (1 << 64) for v in general], body[:200]
+    assert outcomes["taken"] > 300 and outcomes["refused"] > 100, outcomes
