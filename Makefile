@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml setup.py src/sarp/native.c src/sarp/verify.c src/sarp/p
 	  fi; \
 	fi; \
 	$(BIN)/python -m pip install --quiet -e '.[bench,test]'
+	# bytecode compiled as a wheel's install compiles it (an editable install does not,
+	# and with PYTHONDONTWRITEBYTECODE set every start of serve compiled ~60 modules)
+	$(BIN)/python -m compileall -q src/sarp >/dev/null
 	$(BIN)/python -c "import sarp.native as n; print('sarp: hot loops in', 'C' if n.C else 'Python (sarp._native ' + (n.WHY or 'off: SARP_PURE_PYTHON') + ')')"
 	touch $(STAMP)
 

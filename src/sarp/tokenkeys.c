@@ -42,6 +42,8 @@ PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t narg
     uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys);
     uint64_t *l = (uint64_t *)PyBytes_AS_STRING(locals);
     const uint8_t *p = buf.buf;
+    /* a long request's blocks are hashed without the GIL (the event loop goes on) */
+    PyThreadState *state = n >= 256 ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++, p += stride) {
         /* as all of sarp's C, for little-endian machines: the bytes are LE u32s */
         uint64_t local = width == 4 ? XXH3_64bits_withSeed(p, (size_t)stride, seed) : u64_at(p);
@@ -49,6 +51,7 @@ PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t narg
         l[i] = local;
         k[i] = key;
     }
+    if (state != NULL) PyEval_RestoreThread(state);
     PyBuffer_Release(&buf);
     return Py_BuildValue("(NN)", keys, locals);
 }
