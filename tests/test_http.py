@@ -380,7 +380,8 @@ def _digits(rng, count: int) -> str:
 
 
 def test_short_token_ids_read_a_word_at_a_time_are_the_general_parse_s_or_refused():
-    """Ids of up to 7 digits are read 8 bytes at a time (``leading_digits`` in http.c):
+    """Ids of up to 8 digits are read 8 bytes at a time (``digits_value`` and, past a
+    sign, ``leading_digits`` in http.c):
     every length from 1 to 9 digits, leading zeros, signs and the array's end at each
     distance from the body's end give the general parse's ids, or None."""
     import random
