@@ -463,7 +463,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True)
+    ap.add_argument("--trace", help="the trace to record the engines' stream from")
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
@@ -482,6 +482,8 @@ def main() -> int:
     if args.replot is not None:
         plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
         return 0
+    if args.trace is None:
+        ap.error("--trace is required (unless --replot)")
     # sarp's bytecode written now, as a wheel's install writes it: serve is started
     # again and again, and from an editable install with PYTHONDONTWRITEBYTECODE set
     # (as on these machines) each start would compile ~60 modules first (about 0.1 s)
@@ -549,17 +551,24 @@ def plot(result: dict, out: Path) -> None:
             left.plot([p["offered_events_per_s"] for p in points],
                       [p["lag_p99_ms"] for p in points], "o-", c=color, alpha=0.8,
                       label=kind if k == 0 else None)
-    left.axhline(100, ls="--", c="gray", lw=1)
-    left.set_xscale("log")
     rates = sorted({p["offered_events_per_s"] for runs in result["runs"].values()
-                    for run in runs for p in run.get("sweep", [])})
-    left.set_xticks(rates, labels=[f"{r / 1000:g}k" for r in rates])
-    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    left.set_yscale("log")
+                    for run in runs for p in run.get("sweep", [])
+                    if p["lag_p99_ms"] is not None})
+    if rates:
+        left.axhline(100, ls="--", c="gray", lw=1)
+        left.set_xscale("log")
+        left.set_xticks(rates, labels=[f"{r / 1000:g}k" for r in rates])
+        left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        left.set_yscale("log")
+        left.legend()
+    else:
+        left.text(0.5, 0.5, "no rate sweep in this run (--rates '')", ha="center",
+                  transform=left.transAxes)
+        left.set_xticks([])
+        left.set_yticks([])
     left.set_xlabel("offered events/s")
     left.set_ylabel("probe lag p99, ms")
     left.set_title("rate sweep (each pass)")
-    left.legend()
     names = [m for m in TARGETS if result["ratio"].get(m)]
     values = [result["ratio"][m] for m in names]
     met = [(v >= TARGETS[m][1]) if TARGETS[m][0] == ">=" else (v <= TARGETS[m][1])
