@@ -165,7 +165,7 @@ static int classify(const uint8_t *p, Py_ssize_t len, uint64_t *digits, uint64_t
         }
 #else
         (void)q;
-        return 0;  /* without SSE2 the word-at-a-time loops are faster than a byte loop here */
+        return 0;  /* without SSE2: the word-at-a-time loops beat a byte loop */
 #endif
         if (known != ~(uint64_t)0) return 0;
         digits[w] = d;
@@ -258,7 +258,8 @@ static int parse_classified(const uint8_t *p, Py_ssize_t len, const uint8_t *end
             }
         }
     }
-    if (parity != (n > 0) || high) return 0;  /* a comma last, or commas and no number */
+    /* a comma last, commas and no number, or a token id over 2**32 - 1 */
+    if (parity != (n > 0) || high) return 0;
     *count = n;
     return 1;
 }
@@ -353,7 +354,7 @@ PyObject *sarp_u64_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         }
     }
     if (ok) {
-        if (u32 && !narrowed) {  /* narrowed in place: item i of 4 bytes never passes item i of 8 */
+        if (u32 && !narrowed) {  /* in place: item i of 4 bytes never passes item i of 8 */
             for (Py_ssize_t i = 0; i < n && ok; i++) {
                 ok = vals[i] <= 0xFFFFFFFFu;
                 uint32_t narrow = (uint32_t)vals[i];
