@@ -51,8 +51,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -178,19 +176,6 @@ class Service:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-
-
-def _post(url: str, body: bytes) -> tuple[int, object]:
-    """``POST /query`` of a recorded body as it is (the kill -9 check: decoding and
-    encoding an agentic body again in this client took about 4 ms a request, most of
-    a check's 50, for either service)."""
-    request = urllib.request.Request(url + "/query", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 def _free_port() -> int:
@@ -435,7 +420,9 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             http |= {"wrk_cores": wrk_cpu_s / wrk_s,
                      "wrk_cpu_us_per_request": 1e6 * wrk_cpu_s / max(http["wrk_requests"], 1)}
         sample = bodies[:50]
-        before = [_post(service.url, b) for b in sample]
+        # the recorded bodies as they are: decoding and encoding an agentic body again in
+        # this client took about 4 ms a request, most of a check's 50, for either service
+        before = [cf.post(service.url, "/query", b) for b in sample]
         service.kill()
         killed = time.perf_counter()
         service.start()
@@ -446,7 +433,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
             p.wait_subscribers(1)
         for m in markers:  # one more batch each: a gap to replay from
             m.serve(cf.marker_ids(m) + np.uint64(1 << 20))
-        while (after := [_post(service.url, b) for b in sample]) != before:
+        while (after := [cf.post(service.url, "/query", b) for b in sample]) != before:
             if time.perf_counter() - killed > args.restart_timeout_s:
                 wrong = next((b, a) for b, a in zip(before, after, strict=True) if b != a)
                 raise RuntimeError(f"{kind}: no correct answers {args.restart_timeout_s:.0f}"

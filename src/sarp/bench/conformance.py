@@ -244,8 +244,11 @@ def queries(requests: Sequence[np.ndarray], count: int, seed: int = 2) -> list[t
     return out
 
 
-def post(url: str, path: str, body: dict, timeout_s: float = 30.0) -> tuple[int, object]:
-    data = json.dumps(body).encode()
+def post(url: str, path: str, body: dict | bytes, timeout_s: float = 30.0
+         ) -> tuple[int, object]:
+    """POST ``body`` (an object as JSON, or bytes as they are); the status and the
+    answer's JSON (its text when it is not JSON)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
