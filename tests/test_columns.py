@@ -44,8 +44,8 @@ def _event(rng: random.Random, tagged: bool) -> object:
     parent = rng.choice([None, rng.randrange(50, 60)])
     size = rng.choice([16, 16, 4, 0, None])
     tokens = [rng.randrange(1 << 17) for _ in range(n * (size or 1) + rng.choice([0, 0, 3, -1]))]
-    if tokens and rng.random() < 0.05:
-        tokens[0] = -1  # not a token id: keyed through the engine's hashes
+    if tokens and rng.random() < 0.05:  # not a token id: keyed through the engine's hashes
+        tokens[rng.randrange(len(tokens))] = rng.choice([-1, -300, 1 << 32, 2.5])
     lora = rng.choice([None, None, "sql", ""])
     extra = rng.choice([None, None, [None] * n, [["sql"]] * n, [["img"]] * n])
     if tagged:
@@ -101,6 +101,58 @@ def test_c_columns_hold_what_the_python_reference_holds(seed, root):
         taken += 1
     assert taken > 50 and left > 50
     assert _rows(c_cols) == _rows(py_cols)
+
+
+def _int_as(value: int, form: int) -> bytes:
+    """``value`` packed in msgpack int form ``form`` (0: a positive fixint)."""
+    if form == 0:
+        return bytes([value])
+    width, sign = {0xCC: (1, ""), 0xCD: (2, ""), 0xCE: (4, ""), 0xCF: (8, ""),
+                   0xD0: (1, "s"), 0xD1: (2, "s"), 0xD2: (4, "s"), 0xD3: (8, "s")}[form]
+    return bytes([form]) + value.to_bytes(width, "big", signed=sign == "s")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_ids_in_any_int_form_are_read_as_msgpack_reads_them(seed):
+    """Token ids packed in every form msgpack has for a non-negative int (a fixint,
+    uint8 to uint64, int8 to int64), the last of them ending the payload: the columns
+    hold the ids msgpack reads, as the Python reference does; one id that is not one
+    (negative, 2^32) keys the store through the engine's hashes in both."""
+    rng = random.Random(seed)
+    forms = [0, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3]
+    for case in range(40):
+        blocks = rng.randint(1, 5)
+        ids = [rng.choice([rng.randrange(128), rng.randrange(1 << 17), (1 << 32) - 1])
+               for _ in range(16 * blocks)]
+        body = b""
+        for v in ids:
+            fits = [f for f in forms if f == 0 and v < 128 or f in (0xCC, 0xD0) and v < 128
+                    or f == 0xCC and v < 256 or f in (0xCD, 0xD1) and v < (1 << 15)
+                    or f == 0xCD and v < (1 << 16) or f in (0xCE, 0xD2) and v < (1 << 31)
+                    or f == 0xCE or f in (0xCF, 0xD3)]
+            body += _int_as(v, rng.choice(fits))
+        if case % 4 == 3:  # one that is not a token id
+            at = rng.randrange(len(ids))
+            bad = rng.choice([b"\xd0\xff", _int_as(1 << 32, 0xCF)])  # -1, 2^32
+            parts = [_int_as(v, 0xCE) for v in ids]
+            parts[at] = bad
+            body = b"".join(parts)
+        head = bytes([0xDC]) + len(ids).to_bytes(2, "big")
+        event = {"type": "BlockStored", "block_hashes": list(range(1, blocks + 1)),
+                 "parent_block_hash": None, "block_size": 16, "medium": "GPU",
+                 "token_ids": [0xFFFFFFFE]}
+        packed = msgpack.packb([1.0, [event]])
+        assert packed.endswith(b"\x91\xce\xff\xff\xff\xfe")
+        payload = packed[:-6] + head + body
+        c_cols, py_cols = Columns(), Columns()
+        with native.forced("c"):
+            got = c_cols.add(payload, "e#0", ROOT, tokens=True)
+        with native.forced("python"):
+            assert py_cols.add(payload, "e#0", ROOT, tokens=True) == got
+        assert got is not None
+        rows = _rows(c_cols)
+        assert rows == _rows(py_cols)
+        assert rows[0][-1] == ([] if case % 4 == 3 else ids)
 
 
 def _stream(seed: int) -> list[tuple[int, bytes]]:

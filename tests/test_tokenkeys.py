@@ -70,3 +70,98 @@ def test_c_equals_python_on_random_input():
 def test_a_bad_block_size_is_refused_naming_it():
     with pytest.raises(ValueError, match="block_size=0"):
         tokenkeys.token_keys([1, 2], 0, parent=0)
+
+
+def _resolve_model(kinds, roots, sizes, hashes, parents, has_parent, keys_of, stored):
+    """``resolve_aliases``'s contract with a dict: the stored aliases and each store's
+    made in order (the first one kept), then the removals."""
+    table = dict(stored)
+    keys, found = [0] * len(hashes), [0] * len(hashes)
+    made, parent_keys = [0] * len(kinds), [0] * len(kinds)
+    starts = np.cumsum(sizes) - sizes
+    for i, kind in enumerate(kinds):
+        part = range(int(starts[i]), int(starts[i] + sizes[i]))
+        if kind == 0:
+            chain = roots[i]
+            if has_parent[i]:
+                if (roots[i], parents[i]) not in table:
+                    continue
+                chain = parent_keys[i] = table[roots[i], parents[i]]
+            if keys_of[i] is not None:
+                mine = keys_of[i](chain)
+            elif all((roots[i], hashes[b]) in table for b in part):
+                mine = [table[roots[i], hashes[b]] for b in part]
+            else:
+                continue
+            made[i] = 1
+            for b, k in zip(part, mine, strict=True):
+                keys[b], found[b] = k, 1
+                table.setdefault((roots[i], hashes[b]), k)
+    for i, kind in enumerate(kinds):
+        if kind == 1:
+            for b in range(int(starts[i]), int(starts[i] + sizes[i])):
+                found[b] = int((roots[i], hashes[b]) in table)
+                keys[b] = table.get((roots[i], hashes[b]), 0)
+    return keys, found, made, parent_keys
+
+
+def test_resolve_aliases_of_a_large_batch_is_its_contract():
+    """A batch that makes tens of thousands of aliases (the C table grows from its
+    first size many times over), with parents, stores without tokens, two model roots
+    and removals of known and unknown hashes: ``resolve_aliases`` gives what a dict
+    of the same aliases gives."""
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}")
+    rng = np.random.default_rng(11)
+    roots_of = [tokenkeys.model_root("llama"), tokenkeys.model_root("qwen")]
+    stored = {(roots_of[0], int(h)): int(rng.integers(1, 1 << 63))
+              for h in rng.integers(1, 1 << 40, size=300)}
+    pool = [h for _, h in stored]
+    kinds, roots, sizes, hashes, parents, has_parent, tokens, counts, seeds = \
+        [], [], [], [], [], [], [], [], []
+    keys_of = []
+    for _ in range(3000):
+        root = roots_of[int(rng.integers(2))]
+        n = int(rng.integers(1, 20))
+        if rng.random() < 0.3:  # a removal: known hashes and others
+            kinds.append(1)
+            picked = [pool[int(j)] for j in rng.integers(0, len(pool), size=n)]
+            picked = [h if rng.random() < 0.7 else int(rng.integers(1, 1 << 40))
+                      for h in picked]
+            hashes += picked
+            parents.append(0), has_parent.append(0), counts.append(0), keys_of.append(None)
+        else:
+            kinds.append(0)
+            with_parent = rng.random() < 0.6
+            parents.append(pool[int(rng.integers(len(pool)))] if with_parent else 0)
+            has_parent.append(int(with_parent))
+            if rng.random() < 0.1:  # no tokens: resolved through the aliases
+                hashes += [pool[int(j)] for j in rng.integers(0, len(pool), size=n)]
+                counts.append(0), keys_of.append(None)
+            else:
+                new = rng.integers(1, 1 << 40, size=n).tolist()
+                hashes += new
+                pool += new
+                toks = rng.integers(0, 1 << 17, size=16 * n).astype(np.uint32)
+                tokens.append(toks)
+                counts.append(16 * n)
+                keys_of.append(lambda chain, toks=toks:
+                               tokenkeys.token_keys(toks, 16, parent=int(chain))[0].tolist())
+        roots.append(root), sizes.append(n), seeds.append(tokenkeys.lora_seed(None))
+    kinds_a = np.array(kinds, np.uint8)
+    args = (kinds_a, np.array(roots, np.uint64), np.array(sizes, np.int64),
+            np.array(hashes, np.uint64), np.array(parents, np.uint64),
+            np.array(has_parent, np.uint8), np.concatenate(tokens),
+            np.array(counts, np.int64), np.array([16 if c else 0 for c in counts], np.int64),
+            np.array(seeds, np.uint64), np.array([r for r, _ in stored], np.uint64),
+            np.array([h for _, h in stored], np.uint64),
+            np.array(list(stored.values()), np.uint64))
+    keys, found, made, parent_keys = native.C.resolve_aliases(*args)
+    want = _resolve_model(kinds, roots, sizes, hashes, parents, has_parent, keys_of, stored)
+    assert np.frombuffer(found, np.uint8).tolist() == want[1]
+    got = np.frombuffer(keys, np.uint64).tolist()  # a key means something where found
+    assert [k for k, f in zip(got, want[1], strict=True) if f] == \
+        [k for k, f in zip(want[0], want[1], strict=True) if f]
+    assert np.frombuffer(made, np.uint8).tolist() == want[2]
+    assert np.frombuffer(parent_keys, np.uint64).tolist() == want[3]
+    assert sum(want[2]) > 1000 and sum(want[1]) > 10000  # stores made, blocks resolved

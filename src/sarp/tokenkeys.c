@@ -57,7 +57,10 @@ PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t narg
 }
 
 /* An open-addressing table of (root, engine hash) -> token key: the aliases stored
- * and those a batch's stores make, first writer kept. */
+ * and those a batch's stores make, first writer kept.  It grows with its entries
+ * (at most half full), not with the blocks a batch names: a batch of 400,000 blocks
+ * names about 50,000 distinct ones, and a table sized for all of them (32 MB) cost
+ * more in page faults and cache misses than every probe of it. */
 typedef struct {
     uint64_t root, hash, key;
     int used;
@@ -65,25 +68,52 @@ typedef struct {
 
 typedef struct {
     Alias *slots;
-    size_t mask;
+    size_t mask, count;
 } AliasTable;
 
-static size_t alias_slot(const AliasTable *t, uint64_t root, uint64_t hash) {
+static size_t alias_slot(const Alias *slots, size_t mask, uint64_t root, uint64_t hash) {
     uint64_t h = (hash ^ (root * 0x9E3779B97F4A7C15ull)) * 0xff51afd7ed558ccdull;
-    size_t at = (size_t)(h ^ (h >> 32)) & t->mask;
-    while (t->slots[at].used && (t->slots[at].root != root || t->slots[at].hash != hash)) {
-        at = (at + 1) & t->mask;
+    size_t at = (size_t)(h ^ (h >> 32)) & mask;
+    while (slots[at].used && (slots[at].root != root || slots[at].hash != hash)) {
+        at = (at + 1) & mask;
     }
     return at;
 }
 
-static void alias_add(AliasTable *t, uint64_t root, uint64_t hash, uint64_t key) {
-    Alias *a = &t->slots[alias_slot(t, root, hash)];
-    if (!a->used) *a = (Alias){root, hash, key, 1};
+static int alias_init(AliasTable *t, size_t entries) {
+    size_t cap = 1024;
+    while (cap < 2 * entries) cap <<= 1;
+    t->slots = PyMem_Calloc(cap, sizeof(Alias));
+    if (t->slots == NULL) return -1;
+    t->mask = cap - 1;
+    t->count = 0;
+    return 0;
+}
+
+/* -1 (no memory) or 0. */
+static int alias_add(AliasTable *t, uint64_t root, uint64_t hash, uint64_t key) {
+    if (2 * (t->count + 1) > t->mask + 1) {
+        size_t cap = 2 * (t->mask + 1);
+        Alias *slots = PyMem_Calloc(cap, sizeof(Alias));
+        if (slots == NULL) return -1;
+        for (size_t i = 0; i <= t->mask; i++) {
+            const Alias *a = &t->slots[i];
+            if (a->used) slots[alias_slot(slots, cap - 1, a->root, a->hash)] = *a;
+        }
+        PyMem_Free(t->slots);
+        t->slots = slots;
+        t->mask = cap - 1;
+    }
+    Alias *a = &t->slots[alias_slot(t->slots, t->mask, root, hash)];
+    if (!a->used) {
+        *a = (Alias){root, hash, key, 1};
+        t->count++;
+    }
+    return 0;
 }
 
 static int alias_get(const AliasTable *t, uint64_t root, uint64_t hash, uint64_t *key) {
-    const Alias *a = &t->slots[alias_slot(t, root, hash)];
+    const Alias *a = &t->slots[alias_slot(t->slots, t->mask, root, hash)];
     if (a->used) *key = a->key;
     return a->used;
 }
@@ -126,7 +156,7 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_buffer v[13];
     int got = 0;
     PyObject *out = NULL, *keys = NULL, *found = NULL, *made = NULL, *parent_keys = NULL;
-    AliasTable t = {NULL, 0};
+    AliasTable t = {NULL, 0, 0};
     for (; got < 13; got++) {
         if (take(args[got], &v[got], items[got], names[got]) < 0) goto done;
     }
@@ -159,15 +189,16 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "resolve_aliases: sizes do not add up");
         goto done;
     }
-    size_t cap = 16;
-    while (cap < 2 * (size_t)(stored + total) + 16) cap <<= 1;
-    t.slots = PyMem_Calloc(cap, sizeof(Alias));
-    if (t.slots == NULL) {
+    if (alias_init(&t, (size_t)stored) < 0) {
         PyErr_NoMemory();
         goto done;
     }
-    t.mask = cap - 1;
-    for (Py_ssize_t j = 0; j < stored; j++) alias_add(&t, s_roots[j], s_hashes[j], s_keys[j]);
+    for (Py_ssize_t j = 0; j < stored; j++) {
+        if (alias_add(&t, s_roots[j], s_hashes[j], s_keys[j]) < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
     keys = PyBytes_FromStringAndSize(NULL, 8 * total);
     found = PyBytes_FromStringAndSize(NULL, total);
     made = PyBytes_FromStringAndSize(NULL, ops);
@@ -204,7 +235,10 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
         m[i] = 1;
         for (Py_ssize_t b = 0; b < sizes[i]; b++) {
             f[at + b] = 1;
-            alias_add(&t, root, hashes[at + b], k[at + b]);
+            if (alias_add(&t, root, hashes[at + b], k[at + b]) < 0) {
+                PyErr_NoMemory();
+                goto done;
+            }
         }
     }
     at = 0;

@@ -309,6 +309,40 @@ static int has_extras(const uint8_t *at, const uint8_t *end, const uint8_t *lora
     return 0;
 }
 
+/* Reads up to `count` token ids from a msgpack array's items at `f`, every one
+ * checked (a non-negative int below 2^32, as read_tokens wants), the first `keep`
+ * of them into `out`; returns how many were read (less than `count`: one was not a
+ * token id).  Ids come as fixints, uint16 or uint32 (a vocabulary of 152,000): those
+ * are read inline, five bytes at a time at most, the rest by read_int. */
+static size_t read_token_ids(Reader *f, size_t count, uint32_t *out, size_t keep) {
+    const uint8_t *p = f->p, *end = f->end;
+    size_t i = 0;
+    for (; i < count; i++) {
+        uint32_t id;
+        uint8_t t = end - p >= 5 ? *p : 0xC1; /* near the end: read_int, which checks */
+        if (t <= 0x7F) {
+            id = t;
+            p += 1;
+        } else if (t == 0xCD) {
+            id = (uint32_t)p[1] << 8 | p[2];
+            p += 3;
+        } else if (t == 0xCE) {
+            id = (uint32_t)p[1] << 24 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 8 | p[4];
+            p += 5;
+        } else {
+            uint64_t v;
+            int negative;
+            f->p = p;
+            if (read_int(f, &v, &negative) != 1 || negative || v > 0xFFFFFFFFu) break;
+            p = f->p;
+            id = (uint32_t)v;
+        }
+        if (i < keep) out[i] = id;
+    }
+    f->p = p;
+    return i;
+}
+
 /* A store's token ids as a bytes of u32s (machine order), or None when absent or not
  * all ints from 0 to 2**32 - 1 (such a store is keyed through its engine hashes). */
 static PyObject *read_tokens(const uint8_t *at, const uint8_t *end) {
@@ -317,15 +351,9 @@ static PyObject *read_tokens(const uint8_t *at, const uint8_t *end) {
     if (at == NULL || read_container(&f, 0, &n) != 1 || !need(&f, n)) return Py_NewRef(Py_None);
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 4));
     if (out == NULL) return NULL;
-    uint32_t *t = (uint32_t *)PyBytes_AS_STRING(out);
-    for (size_t i = 0; i < n; i++) {
-        uint64_t v;
-        int negative;
-        if (read_int(&f, &v, &negative) != 1 || negative || v > 0xFFFFFFFFu) {
-            Py_DECREF(out);
-            return Py_NewRef(Py_None);
-        }
-        t[i] = (uint32_t)v;
+    if (read_token_ids(&f, n, (uint32_t *)PyBytes_AS_STRING(out), n) < n) {
+        Py_DECREF(out);
+        return Py_NewRef(Py_None);
     }
     return out;
 }
@@ -676,11 +704,7 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
             if (read_container(&f, 0, &nt) == 1 && need(&f, nt) && nt >= nh * size) {
                 uint32_t *t = col_grow(cols, COL_TOKENS, (Py_ssize_t)(nh * size));
                 if (t == NULL) return -1;
-                size_t i = 0;
-                for (; i < nt; i++) { /* every id checked, as read_tokens does */
-                    if (read_int(&f, &v, &negative) != 1 || negative || v > 0xFFFFFFFFu) break;
-                    if (i < nh * size) t[i] = (uint32_t)v;
-                }
+                size_t i = read_token_ids(&f, nt, t, nh * size);
                 if (i == nt) {
                     tokens_taken = nh * size;
                     block_size = size;

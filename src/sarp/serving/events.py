@@ -415,7 +415,8 @@ def _tokens(tokens: object, block_size: object) -> tuple[np.ndarray | None, int 
     """A store's token ids as uint32 and its block size, or ``(None, None)`` when they
     are absent or not ints that fit (the store is then keyed through its hashes)."""
     if (type(block_size) is not int or not 0 < block_size <= 0xFFFF
-            or not isinstance(tokens, list | tuple)):
+            or not isinstance(tokens, list | tuple)
+            or not set(map(type, tokens)) <= {int}):  # numpy would take 2.5 as 2
         return None, None
     try:
         arr = np.array(tokens, dtype=np.int64)
