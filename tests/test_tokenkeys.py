@@ -74,9 +74,9 @@ def test_a_bad_block_size_is_refused_naming_it():
 
 def _resolve_model(kinds, roots, sizes, hashes, parents, has_parent, keys_of, stored):
     """``resolve_aliases``'s contract with a dict: the stored aliases and each store's
-    made in order (the first one kept), then the removals."""
+    made in order (the first one kept, and marked new), then the removals."""
     table = dict(stored)
-    keys, found = [0] * len(hashes), [0] * len(hashes)
+    keys, found, first = [0] * len(hashes), [0] * len(hashes), [0] * len(hashes)
     made, parent_keys = [0] * len(kinds), [0] * len(kinds)
     starts = np.cumsum(sizes) - sizes
     for i, kind in enumerate(kinds):
@@ -96,13 +96,14 @@ def _resolve_model(kinds, roots, sizes, hashes, parents, has_parent, keys_of, st
             made[i] = 1
             for b, k in zip(part, mine, strict=True):
                 keys[b], found[b] = k, 1
+                first[b] = int((roots[i], hashes[b]) not in table)
                 table.setdefault((roots[i], hashes[b]), k)
     for i, kind in enumerate(kinds):
         if kind == 1:
             for b in range(int(starts[i]), int(starts[i] + sizes[i])):
                 found[b] = int((roots[i], hashes[b]) in table)
                 keys[b] = table.get((roots[i], hashes[b]), 0)
-    return keys, found, made, parent_keys
+    return keys, found, made, parent_keys, first
 
 
 def test_resolve_aliases_of_a_large_batch_is_its_contract():
@@ -149,6 +150,7 @@ def test_resolve_aliases_of_a_large_batch_is_its_contract():
                                tokenkeys.token_keys(toks, 16, parent=int(chain))[0].tolist())
         roots.append(root), sizes.append(n), seeds.append(tokenkeys.lora_seed(None))
     kinds_a = np.array(kinds, np.uint8)
+    kinds_blocks = np.repeat(kinds_a == 0, sizes).tolist()  # a store's block?
     args = (kinds_a, np.array(roots, np.uint64), np.array(sizes, np.int64),
             np.array(hashes, np.uint64), np.array(parents, np.uint64),
             np.array(has_parent, np.uint8), np.concatenate(tokens),
@@ -156,7 +158,7 @@ def test_resolve_aliases_of_a_large_batch_is_its_contract():
             np.array(seeds, np.uint64), np.array([r for r, _ in stored], np.uint64),
             np.array([h for _, h in stored], np.uint64),
             np.array(list(stored.values()), np.uint64))
-    keys, found, made, parent_keys = native.C.resolve_aliases(*args)
+    keys, found, made, parent_keys, first = native.C.resolve_aliases(*args)
     want = _resolve_model(kinds, roots, sizes, hashes, parents, has_parent, keys_of, stored)
     assert np.frombuffer(found, np.uint8).tolist() == want[1]
     got = np.frombuffer(keys, np.uint64).tolist()  # a key means something where found
@@ -164,4 +166,6 @@ def test_resolve_aliases_of_a_large_batch_is_its_contract():
         [k for k, f in zip(want[0], want[1], strict=True) if f]
     assert np.frombuffer(made, np.uint8).tolist() == want[2]
     assert np.frombuffer(parent_keys, np.uint64).tolist() == want[3]
+    assert np.frombuffer(first, np.uint8).tolist() == want[4]  # the aliases to write
+    assert 0 < sum(want[4]) < sum(f for f, k in zip(want[1], kinds_blocks, strict=True) if k)
     assert sum(want[2]) > 1000 and sum(want[1]) > 10000  # stores made, blocks resolved

@@ -123,9 +123,9 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
     tokens = [np.ascontiguousarray(op[5][: op[1].size * op[6]], np.uint32)
               for op, t in zip(eops, tokened, strict=True) if t]
     tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.uint32)
-    keys, found, made, parent_keys = _resolve(w, is_store, roots, sizes, hashes, parents,
-                                              has_parent, tokens, token_counts, block_sizes,
-                                              seeds)
+    keys, found, made, parent_keys, first = _resolve(w, is_store, roots, sizes, hashes,
+                                                     parents, has_parent, tokens,
+                                                     token_counts, block_sizes, seeds)
     parent_keys = parent_keys.tolist()
     ends = np.cumsum(sizes).tolist()
     failed: list[tuple[int, Exception]] = []
@@ -149,9 +149,13 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
     def put(refused: set[int]) -> None:
         """Write the aliases of the stores applied, per root, in key order (the first
         store's key for a hash twice)."""
-        applied = made & is_store
-        applied[[at[i] for i in refused if i in at]] = False
-        blocks = np.repeat(applied, sizes)
+        refused_here = [at[i] for i in refused if i in at]
+        if refused_here:  # a refused store may have been a hash's first: all of them
+            applied = made & is_store
+            applied[refused_here] = False
+            blocks = np.repeat(applied, sizes)
+        else:
+            blocks = first
         _put(w, np.repeat(roots, sizes)[blocks], hashes[blocks], keys[blocks])
 
     return resolved, positions, failed, put
@@ -161,7 +165,8 @@ def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, t
              token_counts, block_sizes, seeds):
     """``resolve_aliases`` of operations given as columns, with the stored aliases they
     may need (parents, blocks without tokens, removals) read first: ``(keys, found,
-    made, parent_keys)`` as arrays."""
+    made, parent_keys, first)`` as arrays (``first``: the blocks whose alias is new,
+    neither read nor made by an earlier store of the batch)."""
     need = np.repeat(token_counts == 0, sizes)
     want_roots = np.concatenate([np.repeat(roots, sizes)[need], roots[has_parent]])
     want_hashes = np.concatenate([hashes[need], parents[has_parent]])
@@ -171,12 +176,13 @@ def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, t
         s_roots.append(np.full(got.size, root, np.uint64))
         s_hashes.append(got)
         s_keys.append(keys)
-    keys, found, made, parent_keys = native.C.resolve_aliases(
+    keys, found, made, parent_keys, first = native.C.resolve_aliases(
         is_store.astype(np.uint8) ^ 1, roots, sizes, hashes, parents,
         has_parent.astype(np.uint8), tokens, token_counts, block_sizes, seeds,
         np.concatenate(s_roots), np.concatenate(s_hashes), np.concatenate(s_keys))
     return (np.frombuffer(keys, np.uint64), np.frombuffer(found, bool),
-            np.frombuffer(made, bool), np.frombuffer(parent_keys, np.uint64))
+            np.frombuffer(made, bool), np.frombuffer(parent_keys, np.uint64),
+            np.frombuffer(first, bool))
 
 
 def _put(w: WriteTxn, r: np.ndarray, h: np.ndarray, k: np.ndarray) -> None:
@@ -213,7 +219,7 @@ def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Excep
             native.ran_python("resolve_aliases")
             return _columns_in_python(w, packer, cols)
         in_eng = np.repeat(eng, cols.size)
-        k, found, m, pk = _resolve(
+        k, found, m, pk, first = _resolve(
             w, is_store[eng], cols.root[eng], cols.size[eng], cols.hashes[in_eng],
             cols.parent[eng], has_parent[eng], cols.tokens, cols.token_count[eng],
             cols.block_size[eng], cols.seed[eng])
@@ -235,9 +241,14 @@ def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Excep
         w, cols.kind[made], sizes.astype(np.int64), keys[kept_blocks], parent_keys[made],
         has_parent[made].astype(np.uint8), cols.name[made], cols.names)
     applied = eng & is_store & made
-    applied[positions[[j for j, _ in refused]]] = False
-    if applied.any():
+    refused_rows = positions[[j for j, _ in refused]]
+    if applied[refused_rows].any():  # a refused store may have been a hash's first
+        applied[refused_rows] = False
         blocks = np.repeat(applied, cols.size)
+    elif applied.any():  # the aliases new to the batch and to the index's read ones
+        blocks = np.zeros(cols.hashes.size, bool)
+        blocks[in_eng] = first
+    if applied.any():
         _put(w, np.repeat(cols.root, cols.size)[blocks], cols.hashes[blocks], keys[blocks])
     if eng.any():
         _sweep(w, packer, int(cols.hashes.size))

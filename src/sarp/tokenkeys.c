@@ -90,7 +90,7 @@ static int alias_init(AliasTable *t, size_t entries) {
     return 0;
 }
 
-/* -1 (no memory) or 0. */
+/* 1 added, 0 there already (the first writer kept), -1 no memory. */
 static int alias_add(AliasTable *t, uint64_t root, uint64_t hash, uint64_t key) {
     if (2 * (t->count + 1) > t->mask + 1) {
         size_t cap = 2 * (t->mask + 1);
@@ -105,11 +105,10 @@ static int alias_add(AliasTable *t, uint64_t root, uint64_t hash, uint64_t key) 
         t->mask = cap - 1;
     }
     Alias *a = &t->slots[alias_slot(t->slots, t->mask, root, hash)];
-    if (!a->used) {
-        *a = (Alias){root, hash, key, 1};
-        t->count++;
-    }
-    return 0;
+    if (a->used) return 0;
+    *a = (Alias){root, hash, key, 1};
+    t->count++;
+    return 1;
 }
 
 static int alias_get(const AliasTable *t, uint64_t root, uint64_t hash, uint64_t *key) {
@@ -132,7 +131,7 @@ static int take(PyObject *obj, Py_buffer *view, Py_ssize_t item, const char *nam
 
 /* resolve_aliases(kinds, roots, sizes, hashes, parents, has_parent, tokens,
  *                 token_counts, block_sizes, seeds, stored_roots, stored_hashes,
- *                 stored_keys) -> (keys, found, made, parent_keys)
+ *                 stored_keys) -> (keys, found, made, parent_keys, first)
  * sarp/aliases.py's _Batch in one call: a batch's engine-hash operations, in order
  * (kinds u8: 0 a store, 1 a removal; per operation roots u64, sizes i64, parents u64,
  * has_parent u8, token_counts i64 (the tokens a store carries for all its blocks, or
@@ -142,7 +141,9 @@ static int take(PyObject *obj, Py_buffer *view, Py_ssize_t item, const char *nam
  * its tokens, chained on the parent's key (or the root), or else resolved like the
  * parent, block by block; it is made only when all of that resolves.  A removal's
  * hashes resolve through the stored aliases and every store made.  Out, aligned with
- * the hashes: keys (u64) and found (u8); per operation: made (u8), parent_keys (u64). */
+ * the hashes: keys (u64), found (u8) and first (u8: a store's block whose alias is
+ * new, neither stored nor made by an earlier store: the aliases to write); per
+ * operation: made (u8), parent_keys (u64). */
 PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_RESOLVE_ALIASES]++;
     if (nargs != 13) {
@@ -156,6 +157,7 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_buffer v[13];
     int got = 0;
     PyObject *out = NULL, *keys = NULL, *found = NULL, *made = NULL, *parent_keys = NULL;
+    PyObject *first = NULL;
     AliasTable t = {NULL, 0, 0};
     for (; got < 13; got++) {
         if (take(args[got], &v[got], items[got], names[got]) < 0) goto done;
@@ -203,11 +205,16 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     found = PyBytes_FromStringAndSize(NULL, total);
     made = PyBytes_FromStringAndSize(NULL, ops);
     parent_keys = PyBytes_FromStringAndSize(NULL, 8 * ops);
-    if (keys == NULL || found == NULL || made == NULL || parent_keys == NULL) goto done;
+    first = PyBytes_FromStringAndSize(NULL, total);
+    if (keys == NULL || found == NULL || made == NULL || parent_keys == NULL || first == NULL) {
+        goto done;
+    }
     uint64_t *k = (uint64_t *)PyBytes_AS_STRING(keys);
     uint8_t *f = (uint8_t *)PyBytes_AS_STRING(found), *m = (uint8_t *)PyBytes_AS_STRING(made);
     uint64_t *pk = (uint64_t *)PyBytes_AS_STRING(parent_keys);
+    uint8_t *fst = (uint8_t *)PyBytes_AS_STRING(first);
     memset(f, 0, (size_t)total);
+    memset(fst, 0, (size_t)total);
     memset(k, 0, 8 * (size_t)total);
     Py_ssize_t at = 0, token_at = 0;
     for (Py_ssize_t i = 0; i < ops; at += sizes[i], token_at += token_counts[i], i++) {
@@ -235,10 +242,12 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
         m[i] = 1;
         for (Py_ssize_t b = 0; b < sizes[i]; b++) {
             f[at + b] = 1;
-            if (alias_add(&t, root, hashes[at + b], k[at + b]) < 0) {
+            int added = alias_add(&t, root, hashes[at + b], k[at + b]);
+            if (added < 0) {
                 PyErr_NoMemory();
                 goto done;
             }
+            fst[at + b] = (uint8_t)added;
         }
     }
     at = 0;
@@ -248,12 +257,13 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
             f[at + b] = (uint8_t)alias_get(&t, roots[i], hashes[at + b], &k[at + b]);
         }
     }
-    out = Py_BuildValue("(OOOO)", keys, found, made, parent_keys);
+    out = Py_BuildValue("(OOOOO)", keys, found, made, parent_keys, first);
 done:
     Py_XDECREF(keys);
     Py_XDECREF(found);
     Py_XDECREF(made);
     Py_XDECREF(parent_keys);
+    Py_XDECREF(first);
     PyMem_Free(t.slots);
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
     return out;
