@@ -155,6 +155,31 @@ def test_token_ids_in_any_int_form_are_read_as_msgpack_reads_them(seed):
         assert rows[0][-1] == ([] if case % 4 == 3 else ids)
 
 
+def test_token_ids_twice_in_a_map_the_last_counts_as_in_the_reference():
+    """A map-form store naming ``token_ids`` twice (the C decoder reads them as it
+    passes them): whichever of the two holds a bad id, and a removal carrying token
+    ids, the columns hold what the Python reference (a dict: the last wins) holds."""
+    good, other = list(range(100, 132)), list(range(7, 39))
+    for first, last in [(good, other), (other, good), (good, [1, -1] * 16),
+                        ([1, -1] * 16, good), (good, "text")]:
+        for kind in ("BlockStored", "BlockRemoved"):
+            items = [("type", kind), ("block_hashes", [5, 6]), ("token_ids", first),
+                     ("block_size", 16), ("medium", "GPU"), ("token_ids", last)]
+            event = bytes([0x80 | len(items)]) + b"".join(
+                msgpack.packb(k) + msgpack.packb(v) for k, v in items)
+            payload = msgpack.packb([1.0, [0]])[:-1] + event
+            c_cols, py_cols = Columns(), Columns()
+            with native.forced("c"):
+                got = c_cols.add(payload, "e#0", ROOT, tokens=True)
+            with native.forced("python"):
+                assert py_cols.add(payload, "e#0", ROOT, tokens=True) == got
+            assert got is not None
+            rows = _rows(c_cols)
+            assert rows == _rows(py_cols)
+            assert rows[0][-1] == (last if kind == "BlockStored" and last in (good, other)
+                                   else [])
+
+
 def _stream(seed: int) -> list[tuple[int, bytes]]:
     """Four engines' payloads (vLLM 0.33 and 0.11, token ids, GPU and CPU, LoRA on one,
     a clear half way) serving requests with shared prefixes, in publish order."""

@@ -377,9 +377,44 @@ static int opt_int(const uint8_t *at, const uint8_t *end, uint64_t *v, int *nega
     return read_int(&f, v, negative) == 1 ? 1 : -1;
 }
 
+/* A store's token ids, read as find_fields passes them: into `col` (a bytearray of
+ * u32s) from `start` on; `ok` when the field held ids alone (`count` of them), else
+ * nothing is left in `col` past `start`. */
+typedef struct {
+    PyObject *col;
+    Py_ssize_t start;
+    int ok;
+    size_t count;
+} TokenSink;
+
+/* Past the value at `r` (the field `f` of the event): as skip, or, with a sink and at
+ * the token ids, read into the sink on the way (so that the ids are read once, not
+ * skipped and then read); 1, 0 as skip, -1 with an exception (no memory). */
+static int pass_field(Reader *r, int f, TokenSink *sink) {
+    if (sink != NULL && f == F_TOKENS) {
+        sink->ok = 0;  /* the last of a field twice counts, as in a dict */
+        if (PyByteArray_Resize(sink->col, sink->start) < 0) return -1;
+        Reader t = *r;
+        size_t nt;
+        if (read_container(&t, 0, &nt) == 1 && need(&t, nt)) {
+            if (PyByteArray_Resize(sink->col, sink->start + (Py_ssize_t)nt * 4) < 0) return -1;
+            uint32_t *out = (uint32_t *)(PyByteArray_AS_STRING(sink->col) + sink->start);
+            if (read_token_ids(&t, nt, out, nt) == nt) {
+                sink->ok = 1;
+                sink->count = nt;
+                r->p = t.p;
+                return 1;
+            }
+            if (PyByteArray_Resize(sink->col, sink->start) < 0) return -1;
+        }
+    }
+    return skip(r, !unchecked(f), 0);
+}
+
 /* Where an event's fields are (`where`, by F_*) and its kind (0 stored, 1 removed,
- * 2 cleared): 1, or 0 when it is not the shape engines send (Python decides). */
-static int find_fields(Reader *r, const uint8_t **where, int *kind_out) {
+ * 2 cleared): 1, or 0 when it is not the shape engines send (Python decides), or -1
+ * with an exception (a sink's memory).  With a sink, a store's token ids go into it. */
+static int find_fields(Reader *r, const uint8_t **where, int *kind_out, TokenSink *sink) {
     int kind = -1; /* 0 stored, 1 removed, 2 cleared */
     size_t count;
     const uint8_t *s;
@@ -397,7 +432,8 @@ static int find_fields(Reader *r, const uint8_t **where, int *kind_out) {
         for (size_t i = 0; i + 1 < count; i++) {
             int f = i < known ? names[i] : F_SKIP;
             if (f < F_SKIP) where[f] = r->p;
-            if (skip(r, !unchecked(f), 0) != 1) return 0;
+            int passed = pass_field(r, f, kind == 0 ? sink : NULL);
+            if (passed != 1) return passed;
         }
     } else {
         if (read_container(r, 1, &count) != 1) return 0;
@@ -421,7 +457,8 @@ static int find_fields(Reader *r, const uint8_t **where, int *kind_out) {
             }
             if (f0 < F_SKIP) stored[f0] = r->p;
             if (f1 < F_SKIP) removed[f1] = r->p;
-            if (skip(r, !unchecked(f0), 0) != 1) return 0;
+            int passed = pass_field(r, f0, sink);
+            if (passed != 1) return passed;
         }
         if (type_at == NULL) return 0;
         Reader t = {type_at, r->end};
@@ -481,7 +518,7 @@ static int read_tail(Reader *r, size_t size, int *has_rank, uint64_t *rank) {
 static PyObject *read_event(Reader *r, int with_tokens) {
     const uint8_t *where[F_SKIP] = {NULL};
     int kind;
-    if (!find_fields(r, where, &kind)) return NULL;
+    if (find_fields(r, where, &kind, NULL) != 1) return NULL;
     if (kind == 2) return Py_BuildValue("(s)", "AllBlocksCleared");
     if (where[F_HASHES] == NULL) return NULL;
     Reader h = {where[F_HASHES], r->end};
@@ -661,7 +698,12 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
     int kind;
     const uint8_t *s;
     size_t n;
-    if (!find_fields(r, where, &kind) || kind == 2) return 0; /* a clear: Python's */
+    /* a token-keyed engine's token ids are read as the fields are found */
+    TokenSink sink = {cols[COL_TOKENS], PyByteArray_GET_SIZE(cols[COL_TOKENS]), 0, 0};
+    TokenSink *reading = root != 0 && with_tokens ? &sink : NULL;
+    int found = find_fields(r, where, &kind, reading);
+    if (found <= 0) return found;
+    if (kind == 2) return 0; /* a clear: Python's */
     if (where[F_HASHES] == NULL) return 0;
     Reader h = {where[F_HASHES], r->end};
     size_t nh;
@@ -690,33 +732,26 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
     if (kind == 0 && chain_fault(hashes, nh, has_parent, parent)) return 0;
     if (other_group) {
         /* another KV cache group: read (the batch stays this shape) but not applied */
+        if (PyByteArray_Resize(cols[COL_TOKENS], sink.start) < 0) return -1;
         return PyByteArray_Resize(cols[COL_HASHES], PyByteArray_GET_SIZE(cols[COL_HASHES])
                                                         - (Py_ssize_t)nh * 8) < 0 ? -1 : 2;
     }
     uint64_t tokens_taken = 0, block_size = 0, seed = 0;
-    if (kind == 0 && root != 0 && with_tokens) {
+    if (kind == 0 && reading != NULL && sink.ok) {
         uint64_t size = 0;
         int got_size = opt_int(where[F_BSIZE], r->end, &size, &negative);
         if (got_size == 1 && !negative && size > 0 && size <= 0xFFFF
-            && !has_extras(where[F_EXTRA], r->end, where[F_LORA]) && where[F_TOKENS] != NULL) {
-            Reader f = {where[F_TOKENS], r->end};
-            size_t nt;
-            if (read_container(&f, 0, &nt) == 1 && need(&f, nt) && nt >= nh * size) {
-                uint32_t *t = col_grow(cols, COL_TOKENS, (Py_ssize_t)(nh * size));
-                if (t == NULL) return -1;
-                size_t i = read_token_ids(&f, nt, t, nh * size);
-                if (i == nt) {
-                    tokens_taken = nh * size;
-                    block_size = size;
-                    int seeded = lora_seed_of(seeds, learn_seed, where[F_LORA], r->end, &seed);
-                    if (seeded <= 0) return seeded;
-                } else if (PyByteArray_Resize(cols[COL_TOKENS],
-                                              PyByteArray_GET_SIZE(cols[COL_TOKENS])
-                                                  - (Py_ssize_t)(nh * size) * 4) < 0) {
-                    return -1;
-                }
-            }
+            && !has_extras(where[F_EXTRA], r->end, where[F_LORA]) && sink.count >= nh * size) {
+            tokens_taken = nh * size;
+            block_size = size;
+            int seeded = lora_seed_of(seeds, learn_seed, where[F_LORA], r->end, &seed);
+            if (seeded <= 0) return seeded;
         }
+    }
+    /* the ids of the blocks taken stay; the rest (a partial block, or all) go */
+    if (reading != NULL
+        && PyByteArray_Resize(cols[COL_TOKENS], sink.start + (Py_ssize_t)tokens_taken * 4) < 0) {
+        return -1;
     }
     uint8_t *k = col_grow(cols, COL_KIND, 1);
     int32_t *nm = col_grow(cols, COL_NAME, 1);
