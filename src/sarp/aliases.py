@@ -197,7 +197,7 @@ def _put(w: WriteTxn, r: np.ndarray, h: np.ndarray, k: np.ndarray) -> None:
     r, h, k = r[first], h[first], k[first]
     for root in _distinct(r).tolist():
         mine = r == np.uint64(root)
-        w.alias_put(list(zip(alias_keys(root, h[mine]), _be(k[mine]), strict=True)))
+        w.alias_put(alias_keys(root, h[mine]), _be(k[mine]))
 
 
 def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Exception]]]:
@@ -428,8 +428,7 @@ class _Batch:
         roots, hashes, keys = self._made(refused)
         for root in np.unique(roots).tolist():
             mine = roots == np.uint64(root)
-            self.w.alias_put(list(zip(alias_keys(root, hashes[mine]), _be(keys[mine]),
-                                      strict=True)))
+            self.w.alias_put(alias_keys(root, hashes[mine]), _be(keys[mine]))
 
 
 def _search(table_hashes: np.ndarray, table_keys: np.ndarray, hashes: np.ndarray

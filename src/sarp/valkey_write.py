@@ -419,8 +419,8 @@ class ValkeyWriteTxn(WriteLogic):
         got = dict(zip(keys, self._get_many("alias", keys), strict=True))
         return {k: v for k, v in got.items() if v is not None}
 
-    def alias_put(self, items: list[tuple[bytes, bytes]]) -> None:
-        self._put_many("alias", items)
+    def alias_put(self, keys: list[bytes], values: list[bytes]) -> None:
+        self._put_many("alias", dict(zip(keys, values, strict=True)))
 
     def alias_delete(self, keys: list[bytes]) -> None:
         self._put_many("alias", dict.fromkeys(keys))
