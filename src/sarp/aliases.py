@@ -49,9 +49,10 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
 
     Cost: one batched ``aliases`` lookup per model root; two xxh3 per block of a store
     with tokens (in C); a few numpy calls per store and per batch, no Python per
-    block; one ``aliases`` write per stored block, in key order; a sweep of
-    stored aliases, two per block of the batch (at least ``SWEEP_MIN``, at most
-    ``SWEEP_PER_BATCH``: a one-event commit does not pay for 512).
+    block; one ``aliases`` write per alias new to the batch (not read, nor made by
+    an earlier store), in key order; a sweep of stored aliases, two per block of the
+    batch (at least ``SWEEP_MIN``, at most ``SWEEP_PER_BATCH``: a one-event commit
+    does not pay for 512).
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
         return packer.batch(w, ops)
@@ -148,7 +149,8 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
 
     def put(refused: set[int]) -> None:
         """Write the aliases of the stores applied, per root, in key order (the first
-        store's key for a hash twice)."""
+        store's key for a hash twice): those new to the batch, since an alias read from
+        the index is there with the same key already (a function of its hash)."""
         refused_here = [at[i] for i in refused if i in at]
         if refused_here:  # a refused store may have been a hash's first: all of them
             applied = made & is_store
