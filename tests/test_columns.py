@@ -112,6 +112,20 @@ def _int_as(value: int, form: int) -> bytes:
     return bytes([form]) + value.to_bytes(width, "big", signed=sign == "s")
 
 
+def _tokens_both_ways(payload: bytes) -> list[int]:
+    """The one event of ``payload`` added by C and by the Python reference: both take
+    it and hold the same rows; its token ids as the columns hold them."""
+    c_cols, py_cols = Columns(), Columns()
+    with native.forced("c"):
+        got = c_cols.add(payload, "e#0", ROOT, tokens=True)
+    with native.forced("python"):
+        assert py_cols.add(payload, "e#0", ROOT, tokens=True) == got
+    assert got is not None
+    rows = _rows(c_cols)
+    assert rows == _rows(py_cols)
+    return rows[0][-1]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_token_ids_in_any_int_form_are_read_as_msgpack_reads_them(seed):
     """Token ids packed in every form msgpack has for a non-negative int (a fixint,
@@ -143,16 +157,8 @@ def test_token_ids_in_any_int_form_are_read_as_msgpack_reads_them(seed):
                  "token_ids": [0xFFFFFFFE]}
         packed = msgpack.packb([1.0, [event]])
         assert packed.endswith(b"\x91\xce\xff\xff\xff\xfe")
-        payload = packed[:-6] + head + body
-        c_cols, py_cols = Columns(), Columns()
-        with native.forced("c"):
-            got = c_cols.add(payload, "e#0", ROOT, tokens=True)
-        with native.forced("python"):
-            assert py_cols.add(payload, "e#0", ROOT, tokens=True) == got
-        assert got is not None
-        rows = _rows(c_cols)
-        assert rows == _rows(py_cols)
-        assert rows[0][-1] == ([] if case % 4 == 3 else ids)
+        got = _tokens_both_ways(packed[:-6] + head + body)
+        assert got == ([] if case % 4 == 3 else ids)
 
 
 def test_token_ids_twice_in_a_map_the_last_counts_as_in_the_reference():
@@ -167,17 +173,8 @@ def test_token_ids_twice_in_a_map_the_last_counts_as_in_the_reference():
                      ("block_size", 16), ("medium", "GPU"), ("token_ids", last)]
             event = bytes([0x80 | len(items)]) + b"".join(
                 msgpack.packb(k) + msgpack.packb(v) for k, v in items)
-            payload = msgpack.packb([1.0, [0]])[:-1] + event
-            c_cols, py_cols = Columns(), Columns()
-            with native.forced("c"):
-                got = c_cols.add(payload, "e#0", ROOT, tokens=True)
-            with native.forced("python"):
-                assert py_cols.add(payload, "e#0", ROOT, tokens=True) == got
-            assert got is not None
-            rows = _rows(c_cols)
-            assert rows == _rows(py_cols)
-            assert rows[0][-1] == (last if kind == "BlockStored" and last in (good, other)
-                                   else [])
+            got = _tokens_both_ways(msgpack.packb([1.0, [0]])[:-1] + event)
+            assert got == (last if kind == "BlockStored" and last in (good, other) else [])
 
 
 def _stream(seed: int) -> list[tuple[int, bytes]]:

@@ -229,3 +229,22 @@ def test_the_sweep_scales_with_the_batch_and_still_goes_round(where):
                   [other[16 * k : 16 * k + 16]])
         assert _aliases(index) == n  # e1's own, all alive
         assert index.match(_keys(other[: 16 * n])).by_holder == {"e1#0": n}
+
+
+def test_a_refused_store_leaves_its_hashes_aliases_to_the_stores_applied():
+    """Which blocks' aliases a batch writes (``aliases._written``): those new to it;
+    but when the packer refuses a store after its aliases were made, a hash it was
+    the first to name is written from the next applied store that names it, so every
+    applied store's blocks are written then."""
+    from sarp.aliases import _written
+
+    # store 0 (hashes a, b) named a first; store 1 (hashes a, c) names a again
+    first = np.array([1, 1, 0, 1], bool)
+    applied, sizes = np.array([True, True]), np.array([2, 2])
+    assert _written(first, applied, sizes, np.array([False, False])).tolist() == \
+        [True, True, False, True]
+    assert _written(first, applied, sizes, np.array([True, False])).tolist() == \
+        [False, False, True, True]  # a from store 1 now
+    # a refused operation that was no applied store (a removal, say): the new ones
+    assert _written(np.array([1, 1, 0, 0], bool), np.array([True, False]), sizes,
+                    np.array([False, True])).tolist() == [True, True, False, False]

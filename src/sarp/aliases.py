@@ -150,16 +150,10 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
         positions.append(i)
 
     def put(refused: set[int]) -> None:
-        """Write the aliases of the stores applied, per root, in key order (the first
-        store's key for a hash twice): those new to the batch, since an alias read from
-        the index is there with the same key already (a function of its hash)."""
-        refused_here = [at[i] for i in refused if i in at]
-        if refused_here:  # a refused store may have been a hash's first: all of them
-            applied = made & is_store
-            applied[refused_here] = False
-            blocks = np.repeat(applied, sizes)
-        else:
-            blocks = first
+        """Write the aliases of the stores applied (:func:`_written`)."""
+        refused_here = np.zeros(is_store.size, bool)
+        refused_here[[at[i] for i in refused if i in at]] = True
+        blocks = _written(first, made & is_store, sizes, refused_here)
         _put(w, np.repeat(roots, sizes)[blocks], hashes[blocks], keys[blocks])
 
     return resolved, positions, failed, put
@@ -173,9 +167,8 @@ def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, t
     parent_keys, first)`` as arrays (``first``: the blocks whose alias is new, neither
     read nor made by an earlier store of the batch).
 
-    A removal mostly names blocks a store of the same batch made (96% of them in the
-    built-in stream's drain), whose alias is the one stored (a function of its hash),
-    so only the rest are read: 12,000 keys where 110,000 were.
+    A removal mostly names blocks a store of the same batch made, whose alias is the
+    one stored (a function of its hash), so on a local store only the rest are read.
     """
     # (a remote store reads the removals' aliases in the same round trip, as before)
     local = w.capabilities.local_reads
@@ -209,6 +202,18 @@ def _read(w: WriteTxn, roots: np.ndarray, hashes: np.ndarray
         s_hashes.append(got)
         s_keys.append(keys)
     return np.concatenate(s_roots), np.concatenate(s_hashes), np.concatenate(s_keys)
+
+
+def _written(first: np.ndarray, applied: np.ndarray, sizes: np.ndarray,
+             refused: np.ndarray) -> np.ndarray:
+    """The blocks (aligned with the hashes) whose aliases a batch writes, given its
+    stores ``applied`` by ``resolve_aliases`` and ``refused`` by the packer after: the
+    ones new to it (``first``), since an alias read from the index is there with the
+    same key already (a function of its hash); or, when the packer refused a store,
+    which may have been a hash's first, every store's applied."""
+    if not (applied & refused).any():
+        return first
+    return np.repeat(applied & ~refused, sizes)
 
 
 def _put(w: WriteTxn, r: np.ndarray, h: np.ndarray, k: np.ndarray) -> None:
@@ -266,15 +271,12 @@ def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Excep
     plan, refused = packer.batch_columns(
         w, cols.kind[made], sizes.astype(np.int64), keys[kept_blocks], parent_keys[made],
         has_parent[made].astype(np.uint8), cols.name[made], cols.names)
-    applied = eng & is_store & made
-    refused_rows = positions[[j for j, _ in refused]]
-    if applied[refused_rows].any():  # a refused store may have been a hash's first
-        applied[refused_rows] = False
-        blocks = np.repeat(applied, cols.size)
-    elif applied.any():  # the aliases new to the batch and to the index's read ones
+    if (eng & is_store & made).any():
+        refused_rows = np.zeros(n, bool)
+        refused_rows[positions[[j for j, _ in refused]]] = True
         blocks = np.zeros(cols.hashes.size, bool)
-        blocks[in_eng] = first
-    if applied.any():
+        blocks[in_eng] = _written(first, (is_store & made)[eng], cols.size[eng],
+                                  refused_rows[eng])
         _put(w, np.repeat(cols.root, cols.size)[blocks], cols.hashes[blocks], keys[blocks])
     if eng.any():
         _sweep(w, packer, int(cols.hashes.size))
