@@ -231,6 +231,52 @@ def test_the_sweep_scales_with_the_batch_and_still_goes_round(where):
         assert index.match(_keys(other[: 16 * n])).by_holder == {"e1#0": n}
 
 
+def test_the_sweep_slows_while_the_aliases_it_checks_live_and_not_once_they_die(
+        where, monkeypatch):
+    """While every alias it checks is alive (an index that only grows), the sweep
+    checks a small part of its two per block named; once an engine is cleared, the
+    first dead ones it meets bring it back to full pace, and it finds every dead one
+    about as soon as before."""
+    from sarp import store_lmdb, valkey_write
+    from sarp.aliases import SWEEP_PER_BLOCK, SWEEP_SLOWEST
+
+    checked: list[int] = []
+    for cls in (store_lmdb.LmdbWriteTxn, valkey_write.ValkeyWriteTxn):
+        def counting(self, cursor, count, scan=cls.alias_scan):
+            items, after = scan(self, cursor, count)
+            checked.append(len(items))
+            return items, after
+        monkeypatch.setattr(cls, "alias_scan", counting)
+    rng = np.random.default_rng(3)
+
+    def hashes(n: int) -> list[int]:  # engines' hashes: spread over the table's keys
+        return rng.integers(1, 1 << 62, n).tolist()
+
+    with sarp.open(where("ix"), durability="nosync") as index:
+        for k in range(40):  # 256 new blocks a commit, all of them alive
+            if k == 30:
+                checked.clear()
+            _feed(index, "e0", [("stored", hashes(256), None, "GPU")],
+                  [rng.integers(0, 1 << 17, 16 * 256).tolist()])
+        assert sum(checked) < SWEEP_PER_BLOCK * 256 * 10 / 4  # was 512 a commit
+        _feed(index, "e0", [("cleared",)], [None])
+        assert _aliases(index) == 40 * 256  # all dead now
+        tokens = rng.integers(0, 1 << 17, 16 * 64 * 200).tolist()
+        commits, parent = 0, None
+        while _aliases(index) > 64 * commits:  # e1's own are alive
+            for _ in range(8):  # 64 blocks a commit: 128 checks at full pace
+                chain = hashes(64)
+                _feed(index, "e1", [("stored", chain, parent, "GPU")],
+                      [tokens[16 * 64 * commits : 16 * 64 * (commits + 1)]])
+                parent, commits = chain[-1], commits + 1
+            if commits == 16:  # back to full pace at the first dead ones it met
+                assert 40 * 256 + 64 * commits - _aliases(index) >= 16 * 128 / 2
+            # the pace of before: 112 commits (the table goes round while e1 adds to it)
+            assert commits < 1 / SWEEP_SLOWEST + 2 * 40 * 256 / 128, commits
+        assert index.match(_keys(tokens[: 16 * 64 * commits])).by_holder == {
+            "e1#0": 64 * commits}
+
+
 def test_a_refused_store_leaves_its_hashes_aliases_to_the_stores_applied():
     """Which blocks' aliases a batch writes (``aliases._written``): those new to it;
     but when the packer refuses a store after its aliases were made, a hash it was

@@ -38,9 +38,25 @@ from .writeset import Plan
 ENGINE_KINDS = ("insert_engine", "remove_engine")
 SWEEP_PER_BATCH = 512  # stored aliases checked for a dead block per batch, at most,
 SWEEP_PER_BLOCK = 2  # ... two per block the batch names (so it outruns the puts),
-SWEEP_MIN = 32  # ... and never fewer
+SWEEP_MIN = 32  # ... and never fewer in one go;
+SWEEP_DEAD_SHARE = 0.25  # ... at that pace while this share of those checked is dead,
+SWEEP_SLOWEST = 1 / 16  # ... slower in proportion when fewer are, down to this part
+SWEEP_MEMORY = 2048  # ... (a share that falls is followed over about this many checked)
 _EMPTY = np.zeros(0, np.uint64)
-_sweep_from: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packer -> cursor
+
+
+class _Pace:
+    """Where one packer's sweep goes on from, and how fast it goes (see :func:`_sweep`)."""
+
+    __slots__ = ("after", "credit", "dead_share")
+
+    def __init__(self) -> None:
+        self.after: bytes | None = None  # the key the next sweep starts from
+        self.credit = 0.0  # aliases the sweep may check now
+        self.dead_share = SWEEP_DEAD_SHARE  # of those checked lately, the dead ones
+
+
+_paces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packer -> _Pace
 
 
 def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, Exception]]]:
@@ -52,9 +68,8 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     round trip); two xxh3 per block of a store
     with tokens (in C); a few numpy calls per store and per batch, no Python per
     block; one ``aliases`` write per alias new to the batch (not read, nor made by
-    an earlier store), in key order; a sweep of stored aliases, two per block of the
-    batch (at least ``SWEEP_MIN``, at most ``SWEEP_PER_BATCH``: a one-event commit
-    does not pay for 512).
+    an earlier store), in key order; a sweep of stored aliases, up to two per block of
+    the batch (:func:`_sweep`: fewer while few of those it checks are dead).
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
         return packer.batch(w, ops)
@@ -470,16 +485,42 @@ def _search(table_hashes: np.ndarray, table_keys: np.ndarray, hashes: np.ndarray
 
 
 def _sweep(w: WriteTxn, packer, blocks: int) -> None:
-    """Delete a few stored aliases whose block has left the index, going round: two
-    per block of the batch, within ``[SWEEP_MIN, SWEEP_PER_BATCH]``."""
-    count = min(SWEEP_PER_BATCH, max(SWEEP_MIN, SWEEP_PER_BLOCK * blocks))
-    items, after = w.alias_scan(_sweep_from.get(packer), count)
-    _sweep_from[packer] = after
+    """Delete a few stored aliases whose block has left the index, going round the
+    table: two per block of the batch, within ``[SWEEP_MIN, SWEEP_PER_BATCH]``, while
+    at least ``SWEEP_DEAD_SHARE`` of those checked lately were dead; in proportion
+    fewer when fewer were (down to ``SWEEP_SLOWEST`` of that), gathered over commits
+    into checks of at least ``SWEEP_MIN``.  A share that rises is taken at once (a
+    cleared engine's aliases, dead together), one that falls over about
+    ``SWEEP_MEMORY`` checks.
+
+    While the index grows, about 1% of the aliases checked were dead (the Mooncake
+    stream keyed by tokens), and the checks (a ``blocks`` lookup each) were a quarter
+    of a small commit's time.  Paced so, a sweep that checks c aliases per block named
+    finds d dead ones per block in a table whose dead share s settles where
+    ``c * s = d``: at most ``SWEEP_DEAD_SHARE`` dead while d <= 0.5, and the full pace
+    beyond, as before.
+    """
+    pace = _paces.get(packer)
+    if pace is None:
+        pace = _paces[packer] = _Pace()
+    part = min(1.0, max(SWEEP_SLOWEST, pace.dead_share / SWEEP_DEAD_SHARE))
+    pace.credit = min(pace.credit + part * max(SWEEP_MIN, SWEEP_PER_BLOCK * blocks),
+                      SWEEP_PER_BATCH)
+    if pace.credit < SWEEP_MIN:
+        return
+    count = int(pace.credit)
+    pace.credit -= count
+    items, pace.after = w.alias_scan(pace.after, count)
     if items:
         keys = np.frombuffer(b"".join(v for _, v in items), ">u8").astype(np.uint64)
         # engines hashing with other seeds alias one key twice (locate wants it once)
         unique, back = np.unique(keys, return_inverse=True)
         dead = np.flatnonzero(w.locate(unique)[0][back] == 0)
+        share = dead.size / len(items)
+        if share >= pace.dead_share:  # more dead than lately: back to that pace at once
+            pace.dead_share = share
+        else:  # fewer: slower, as the checks that found them add up
+            pace.dead_share += min(1.0, len(items) / SWEEP_MEMORY) * (share - pace.dead_share)
         if dead.size:
             w.alias_delete([items[j][0] for j in dead.tolist()])
 
