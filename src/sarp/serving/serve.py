@@ -20,12 +20,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import StoreError
 from ..tokenkeys import DEFAULT_TENANT
-from .hashcheck import HashCheck
 from .sources import ReplayBudget, Source, load_sources, read_sources_file, save_sources
-from .subscriber import Subscriber
+
+if TYPE_CHECKING:
+    from .subscriber import Subscriber
 
 log = logging.getLogger("sarp.serve")
 
@@ -123,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: bool,
          lease: dict) -> int:
+    # imported after the HTTP zygote is forked (ZeroMQ, the decoder): it imports what
+    # the workers need meanwhile, on the other core
     import sarp
+
+    from .hashcheck import HashCheck
+    from .subscriber import Subscriber
 
     http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey

@@ -18,8 +18,10 @@ import struct
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .http import HttpConfig, import_for_workers, mark_worker_dead, worker_main
+if TYPE_CHECKING:
+    from .http import HttpConfig
 
 log = logging.getLogger("sarp.http")
 
@@ -140,11 +142,12 @@ class ConnectionDealer:
 
 
 class Zygote:
-    """A process forked from serve before anything but its imports (one thread, no
-    index open, no ZeroMQ context, no dealer thread), which forks the HTTP workers on
-    request.  A worker so made starts in milliseconds, with every module imported, where
-    a fresh interpreter spent 0.35 s importing them again (the better part of serve's
-    restart), and the workers share those modules' pages with the zygote.
+    """A process forked from serve before anything but the package's imports (one
+    thread, no index open, no ZeroMQ, no dealer thread), which imports the HTTP stack
+    while serve goes on, and then forks the HTTP workers on request.  A worker so made
+    starts in milliseconds, with every module imported, where a fresh interpreter spent
+    0.35 s importing them again (the better part of serve's restart), and the workers
+    share those modules' pages with the zygote.
 
     serve sends it a worker's config, slot and socket-pair end (``SCM_RIGHTS``) and gets
     the pid back.  It exits when serve closes its end, or dies; workers are reaped by
@@ -153,8 +156,9 @@ class Zygote:
     Given ``metrics_dir``, it also imports what only a worker uses (prometheus_client
     in its multiprocess mode, which is chosen at import from the environment, and
     uvloop) before it forks any, so the workers share those pages too (PSS 5-10 MiB
-    less after a Mooncake drain).  A restart's first answer did not move measurably:
-    the zygote imports them while serve opens the index.
+    less after a Mooncake drain).  Forked before serve imports ZeroMQ and its
+    subscriber, with the HTTP stack imported here and not in serve first, a restart's
+    first answer came 10-12% sooner (docs/performance.md).
 
     >>> z = Zygote([], heartbeats=None)
     >>> z.alive()
@@ -174,6 +178,10 @@ class Zygote:
                 ours.close()
                 for sock in close_in_child:
                     sock.close()
+                # the workers' modules (the event loop, the HTTP stack), imported
+                # here while serve imports its own and opens the index
+                from .http import import_for_workers
+
                 if metrics_dir is not None:
                     import_for_workers(metrics_dir)
                 _zygote_loop(theirs, heartbeats)
@@ -229,6 +237,8 @@ def _zygote_loop(control: socket.socket, heartbeats) -> None:
                 control.close()
                 for signum in (signal.SIGCHLD, signal.SIGINT):
                     signal.signal(signum, signal.SIG_DFL)
+                from .http import worker_main
+
                 worker_main(config, socket.socket(fileno=fds[0]), heartbeats, slot)
                 code = 0
             except BaseException:  # noqa: BLE001 - logged, and the process ends
@@ -331,6 +341,8 @@ class HttpService:
             except OSError as exc:
                 log.error("sarp: the HTTP zygote is gone (%s); starting workers afresh", exc)
                 self.zygote = None
+        from .http import worker_main
+
         proc = self._ctx.Process(target=worker_main,
                                  args=(self.config, end, self.dealer.heartbeats, k),
                                  name=f"sarp-http-{k}", daemon=True)
@@ -353,6 +365,8 @@ class HttpService:
                 continue
             log.error("sarp: HTTP worker %d (pid %s) died (exit code %s); starting another",
                       k, proc.pid, "unknown" if proc.exitcode is None else proc.exitcode)
+            from .http import mark_worker_dead
+
             mark_worker_dead(proc.pid, self.config.metrics_dir)
             end = self.dealer.renew(k)
             self.procs[k] = self._spawn(k, end)
