@@ -138,15 +138,11 @@ def test_random_streams_never_make_the_index_know_more_than_the_engines(where, s
     holds with tokens, and never a block its engine does not hold.  (It found the
     sweep taking an alias for dead when two seeds' hashes alias one key.)  The same
     stream resolved in Python (the reference of ``resolve_aliases``) gives the same
-    index, batch by batch; on LMDB with the aliases written behind and merged every
-    few commits (``sarp.alias_log``) against the reference's written through."""
+    index, batch by batch."""
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, 1 << 17, size=16 * 6).tolist() for _ in range(4)]
     with sarp.open(where("ix"), durability="nosync") as index, \
             sarp.open(where("ix-python"), durability="nosync") as reference:
-        if hasattr(index._store, "alias_log"):  # LMDB: aliases written behind, merged
-            index._store.alias_log.max_pending = 16  # often; the reference's through
-            reference._store.alias_log.max_pending = 0
         engines = {f"e{i}": {"seed": 1 + (i >= 2), "GPU": {}, "CPU": {}} for i in range(4)}
         resolved_in = {"c": 0, "python": 0}
         for _ in range(40):
@@ -213,14 +209,7 @@ def _aliases(index) -> int:
     return len(index._store.write(lambda w: w.alias_scan(None, 1 << 20)[0]))
 
 
-@pytest.fixture
-def written_through(monkeypatch):
-    """The sweep's tests count the ``aliases`` table: on LMDB, every commit merges all
-    its aliases into it (sarp.alias_log, whose own tests are in test_alias_log.py)."""
-    monkeypatch.setattr("sarp.alias_log.MAX_PENDING", 0)  # (read by each new store)
-
-
-def test_the_sweep_scales_with_the_batch_and_still_goes_round(where, written_through):
+def test_the_sweep_scales_with_the_batch_and_still_goes_round(where):
     """A cleared engine leaves 600 aliases behind; one-block commits each check only a
     few (SWEEP_MIN), not 512, and a run of them still finds every dead one."""
     from sarp.aliases import SWEEP_MIN
@@ -243,7 +232,7 @@ def test_the_sweep_scales_with_the_batch_and_still_goes_round(where, written_thr
 
 
 def test_the_sweep_slows_while_the_aliases_it_checks_live_and_not_once_they_die(
-        where, monkeypatch, written_through):
+        where, monkeypatch):
     """While every alias it checks is alive (an index that only grows), the sweep
     checks a small part of its two per block named; once an engine is cleared, the
     first dead ones it meets bring it back to full pace, and it finds every dead one

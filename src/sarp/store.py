@@ -17,8 +17,6 @@ big-endian, so byte order is numeric order):
 ``aliases``   model root (u64) + engine hash (u64) -> token key (u64): the engine's
               hash of each block of an engine whose blocks are keyed by their tokens
               (:mod:`sarp.tokenkeys`, :mod:`sarp.aliases`)
-``aliaslog``  sequence (u64) -> a commit's alias changes not yet merged into
-              ``aliases`` (LMDB only: :mod:`sarp.alias_log`)
 
 A backend names what it can do in :class:`Capabilities`, which the index and the
 packer read instead of probing attributes.
@@ -42,9 +40,7 @@ from .errors import DamagedIndexError, FormatVersionError, StoreFullError
 from .hashing import checksum_bytes
 from .segment import Segment
 
-# 2: an LMDB index's aliases may wait in ``aliaslog`` (sarp.alias_log), which a sarp
-# of format 1 would not read; a writer's open takes a format 1 index to 2
-FORMAT_VERSION = 2
+FORMAT_VERSION = 1
 DURABILITY_MODES = ("sync", "nosync")
 MAX_SEGMENT_ID = 0xFFFFFFFF
 # A new segment takes the next id that is a multiple of ID_STRIDE, and the ids after it
@@ -55,8 +51,7 @@ ID_STRIDE = 8
 DEFAULT_MAX_READERS = 512
 MAX_HOLDERS = 1 << 16  # holder ids are u16 in every segment row
 COUNTERS = ("next_seg_id", "next_seq", "log_trimmed_upto", "next_holder_id")
-TABLES = ("meta", "segments", "blocks", "holders", "log", "state", "aliases", "aliaslog")
-WRITERS_ONLY = ("aliases", "aliaslog")  # the tables no reader opens (TABLES' last)
+TABLES = ("meta", "segments", "blocks", "holders", "log", "state", "aliases")  # aliases: last
 
 U64 = struct.Struct(">Q")  # meta counters, segment and log keys, block keys
 BLOCK_VALUE = struct.Struct("<IH")  # blocks: segment id, offset
@@ -73,23 +68,6 @@ def is_url(path: object) -> bool:
     (True, False)
     """
     return isinstance(path, str) and "://" in path
-
-
-# u16 LE offsets, prepacked; a segment holds at most sarp.index.MAX_SEGMENT_BLOCKS (4,096)
-_OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
-
-
-def block_items(hashes: np.ndarray, seg_id: int,
-                first_offset: int) -> Iterator[tuple[bytes, bytes]]:
-    """``blocks`` entries placing ``hashes`` at ``seg_id`` from ``first_offset`` on; the
-    values are made by ``map`` over prepacked offsets (C, no Python per block).
-
-    >>> list(block_items(np.array([5], np.uint64), 2, 1))[0][1]
-    b'\x02\x00\x00\x00\x01\x00'
-    """
-    prefix = struct.pack("<I", seg_id)
-    values = map(prefix.__add__, _OFFSETS[first_offset : first_offset + hashes.size])
-    return zip(hash_keys(hashes), values, strict=True)
 
 
 def hash_keys(hashes: np.ndarray) -> list[bytes]:

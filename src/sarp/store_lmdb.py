@@ -11,6 +11,7 @@ maps it, the salvage readers of :mod:`sarp.repair`, and lmdb's errors translated
 from __future__ import annotations
 
 import os
+import struct
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -21,7 +22,6 @@ from typing import TypeVar
 import lmdb
 import numpy as np
 
-from . import alias_log
 from . import snapshot as snapshots
 from .errors import (
     CorruptRecordError,
@@ -45,16 +45,13 @@ from .store import (
     BLOCK_DTYPE,
     BLOCK_VALUE,
     DEFAULT_MAX_READERS,
-    FORMAT_VERSION,
     HOLDER_ID,
     LOG_VALUE,
     MAX_HOLDERS,
     TABLES,
     U64,
-    WRITERS_ONLY,
     Capabilities,
     WriteLogic,
-    block_items,
     check_durability,
     check_int,
     check_version,
@@ -66,6 +63,19 @@ from .store import (
 
 MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
 T = TypeVar("T")
+
+# u16 LE offsets, prepacked; a segment holds at most sarp.index.MAX_SEGMENT_BLOCKS (4,096)
+_OFFSETS = [struct.pack("<H", offset) for offset in range(4096)]
+
+
+def _block_items(hashes: np.ndarray, seg_id: int,
+                 first_offset: int) -> Iterator[tuple[bytes, bytes]]:
+    """``blocks`` entries placing ``hashes`` at ``seg_id`` from ``first_offset`` on; the
+    values are made by ``map`` over prepacked offsets (C, no Python per block)."""
+    prefix = struct.pack("<I", seg_id)
+    values = map(prefix.__add__, _OFFSETS[first_offset : first_offset + hashes.size])
+    return zip(hash_keys(hashes), values, strict=True)
+
 
 class LmdbStore:
     """An LMDB environment holding one sarp index, owned by one process at a time.
@@ -109,9 +119,6 @@ class LmdbStore:
                 for name in TABLES:
                     setattr(self, f"{name}_db", self.env.open_db(name.encode()))
                 self._init_meta()
-                with self.env.begin(db=self.aliaslog_db) as txn:  # what was not merged
-                    self.alias_log = alias_log.AliasLog.read(
-                        (U64.unpack(k)[0], bytes(v)) for k, v in txn.cursor())
                 self.release_dead_readers()  # slots a killed process left pin pages
         except lmdb.ReadersFullError as exc:
             self.close()
@@ -143,14 +150,11 @@ class LmdbStore:
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
             if txn.get(b"name_sums", db=self.meta_db) is None:
                 w.add_missing_name_sums()
-            if self.format_version < FORMAT_VERSION:  # (1: no aliaslog yet)
-                w.set_counter("format_version", FORMAT_VERSION)
-                self.format_version = FORMAT_VERSION
 
     def _open_tables_readonly(self) -> None:
         """Open the named tables without creating anything (a reader writes nothing)."""
         try:
-            for name in TABLES[: -len(WRITERS_ONLY)]:  # only a writer reads the aliases
+            for name in TABLES[:-1]:  # not aliases: only a writer reads them
                 # Without txn=, py-lmdb opens each table in a read transaction of its
                 # own and keeps the handle; a handle opened in our txn would not last.
                 setattr(self, f"{name}_db", self.env.open_db(name.encode(), create=False))
@@ -236,10 +240,7 @@ class LmdbStore:
         for _ in range(MAX_GROWTHS):
             try:
                 with self.env.begin(write=True) as txn:
-                    w = LmdbWriteTxn(self, txn)
-                    out, done = fn(w), w.merge_aliases()
-                done()  # committed: memory follows
-                return out
+                    return fn(LmdbWriteTxn(self, txn))
             except lmdb.MapFullError:
                 self._grow()
             except lmdb.Error as exc:
@@ -268,7 +269,11 @@ class LmdbStore:
         """Delete log entries with sequence <= ``upto`` (a durable snapshot covers them)."""
 
         def trim(w: LmdbWriteTxn) -> None:
-            _delete_below(w.txn.cursor(db=self.log_db), upto + 1)
+            cur = w.txn.cursor(db=self.log_db)
+            if cur.first():
+                while cur.key() and U64.unpack(cur.key())[0] <= upto:
+                    if not cur.delete():
+                        break
             w.set_counter("log_trimmed_upto", max(upto, w.counter("log_trimmed_upto")))
 
         self.write(trim)
@@ -373,16 +378,15 @@ class LmdbReadTxn:
         return self._txn.stat(getattr(self._store, f"{table}_db"))
 
 
-class LmdbWriteTxn(alias_log.WrittenBehind, WriteLogic):
+class LmdbWriteTxn(WriteLogic):
     """The operations a write needs, inside one LMDB write transaction."""
 
-    __slots__ = ("_store", "txn", "_stage")
+    __slots__ = ("_store", "txn")
     capabilities = LmdbStore.capabilities
 
     def __init__(self, store: LmdbStore, txn: lmdb.Transaction) -> None:
         self._store = store
         self.txn = txn
-        self._stage: dict[bytes, bytes] = {}  # this write's alias changes (sarp.alias_log)
 
     def set_counter(self, name: str, value: int) -> None:
         self.txn.put(name.encode(), U64.pack(value), db=self._store.meta_db)
@@ -434,19 +438,21 @@ class LmdbWriteTxn(alias_log.WrittenBehind, WriteLogic):
 
     def put_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> None:
         self.txn.cursor(db=self._store.blocks_db).putmulti(
-            block_items(hashes, seg_id, first_offset))
+            _block_items(hashes, seg_id, first_offset))
 
     def claim_blocks(self, hashes: np.ndarray, seg_id: int, first_offset: int) -> bool:
         """:meth:`put_blocks` if none of ``hashes`` is stored; else change nothing and
-        return False.  Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the
-        same descent that would insert it); a refusal reads back and deletes what it added.
+        return False.
+
+        Cost: as :meth:`put_blocks` (LMDB refuses an existing key in the same descent
+        that would insert it); a refusal also reads back and deletes what was added.
         """
-        items = block_items(hashes, seg_id, first_offset)
+        items = _block_items(hashes, seg_id, first_offset)
         _, added = self.txn.cursor(db=self._store.blocks_db).putmulti(items, overwrite=False)
         if added == hashes.size:
             return True
         cur = self.txn.cursor(db=self._store.blocks_db)
-        ours = dict(block_items(hashes, seg_id, first_offset))
+        ours = dict(_block_items(hashes, seg_id, first_offset))
         for key, value in cur.getmulti(list(ours)):
             if value == ours[key]:  # no stored entry can name this new place
                 self.txn.delete(key, db=self._store.blocks_db)
@@ -472,9 +478,12 @@ class LmdbWriteTxn(alias_log.WrittenBehind, WriteLogic):
 
     def nested(self) -> LmdbWriteTxn:
         """A write transaction inside this one (LMDB's nested transaction): what it
-        writes joins this one at :meth:`commit` and is gone after :meth:`abort`; this one
-        is not used until then.  Cost: its commit merges its dirty pages into this one's:
-        0.8 ms more for 12,000 puts (docs/performance.md, "Deferred `blocks` writes")."""
+        writes joins this one at :meth:`commit` and is gone after :meth:`abort`.  This
+        one must not be used until then.
+
+        Cost: its commit merges its dirty pages into this one's: 0.8 ms more for a
+        batch of 12,000 puts (docs/performance.md, "Deferred `blocks` writes").
+        """
         return LmdbWriteTxn(self._store, self._store.env.begin(write=True, parent=self.txn))
 
     def commit(self) -> None:
@@ -510,19 +519,16 @@ class LmdbWriteTxn(alias_log.WrittenBehind, WriteLogic):
         """The holders table's entries whose keys start with ``prefix``, in key order."""
         return _items(self.txn.cursor(db=self._store.holders_db), prefix)
 
-    # the table primitives of alias_log.WrittenBehind (which writes the aliases behind)
-    def _aliases_get(self, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
-        return self.txn.cursor(db=self._store.aliases_db).getmulti(keys)
+    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        return dict(self.txn.cursor(db=self._store.aliases_db).getmulti(keys))
 
-    def _aliases_write(self, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
-        self.txn.cursor(db=self._store.aliases_db).putmulti(puts)
-        deque(map(partial(self.txn.delete, db=self._store.aliases_db), deletes), maxlen=0)
+    def alias_put(self, keys: list[bytes], values: list[bytes]) -> None:
+        # the pairs as they are made: zip hands putmulti one tuple again and again,
+        # where a list of them cost about as much as the puts (200,000: 28 ms)
+        self.txn.cursor(db=self._store.aliases_db).putmulti(zip(keys, values, strict=True))
 
-    def _aliaslog_append(self, seq: int, record: bytes) -> None:
-        self.txn.put(U64.pack(seq), record, db=self._store.aliaslog_db, append=True)
-
-    def _aliaslog_trim(self, below: int) -> None:
-        _delete_below(self.txn.cursor(db=self._store.aliaslog_db), below)
+    def alias_delete(self, keys: list[bytes]) -> None:
+        deque(map(partial(self.txn.delete, db=self._store.aliases_db), keys), maxlen=0)
 
     def alias_scan(self, cursor: bytes | None, count: int) -> tuple[list, bytes | None]:
         cur = self.txn.cursor(db=self._store.aliases_db)
@@ -532,12 +538,6 @@ class LmdbWriteTxn(alias_log.WrittenBehind, WriteLogic):
     def counter(self, name: str) -> int:
         raw = self.txn.get(name.encode(), db=self._store.meta_db)
         return counter_value(raw, name, self._store.path)
-
-
-def _delete_below(cur, limit: int) -> None:
-    """Delete a table's first entries, those whose u64 key is below ``limit``."""
-    while cur.first() and U64.unpack(cur.key())[0] < limit:
-        cur.delete()
 
 
 def _items(cur, prefix: bytes) -> list[tuple[bytes, bytes]]:
@@ -554,10 +554,12 @@ def _items(cur, prefix: bytes) -> list[tuple[bytes, bytes]]:
 def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
     """Send ``(seg_id, record)`` for every segment id in ``[first_id, last_id]`` that the
     live B-tree still yields, then ``None``; for :mod:`sarp.repair`, in a child process.
+
     Reads go through the tree (``get`` by key), never through free pages, so only live
     records come back; a damaged page may kill this process (a SIGBUS or an LMDB
-    assertion), so it runs in a child: the parent knows the last id sent.  Every id is
-    reported, found or not: ``(seg_id, None)`` when absent."""
+    assertion), which is why it runs in a child: the parent knows the last id sent.
+    Every id is reported, found or not: ``(seg_id, None)`` when absent.
+    """
     env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
     try:
         db = env.open_db(b"segments", create=False)
