@@ -26,6 +26,7 @@ to its own block).
 from __future__ import annotations
 
 import weakref
+from operator import itemgetter
 
 import numpy as np
 
@@ -512,7 +513,7 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
     pace.credit -= count
     items, pace.after = w.alias_scan(pace.after, count)
     if items:
-        keys = np.frombuffer(b"".join(v for _, v in items), ">u8").astype(np.uint64)
+        keys = np.frombuffer(b"".join(map(itemgetter(1), items)), ">u8").astype(np.uint64)
         # engines hashing with other seeds alias one key twice (locate wants it once)
         unique, back = np.unique(keys, return_inverse=True)
         dead = np.flatnonzero(w.locate(unique)[0][back] == 0)

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
 from itertools import islice
+from operator import itemgetter
 from pathlib import Path
 from typing import TypeVar
 
@@ -420,10 +421,9 @@ class LmdbWriteTxn(WriteLogic):
         offsets = np.zeros(hashes.size, dtype=np.uint16)
         found = self.txn.cursor(db=self._store.blocks_db).getmulti(hash_keys(hashes))
         if found:
-            # Back to query positions in numpy (no Python work per block): the found
-            # keys are big-endian hashes, the values packed (u32 segment, u16 offset).
-            got = np.frombuffer(b"".join(k for k, _ in found), dtype=">u8").astype(np.uint64)
-            values = np.frombuffer(b"".join(v for _, v in found), dtype=BLOCK_DTYPE)
+            # back to query positions in numpy: keys BE hashes, values (u32 seg, u16 offset)
+            got = np.frombuffer(b"".join(map(itemgetter(0), found)), ">u8").astype(np.uint64)
+            values = np.frombuffer(b"".join(map(itemgetter(1), found)), dtype=BLOCK_DTYPE)
             order = np.argsort(hashes, kind="stable")
             where = order[np.searchsorted(hashes[order], got)]
             seg_ids[where] = values["seg"]
