@@ -523,7 +523,7 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
         else:  # fewer: slower, as the checks that found them add up
             pace.dead_share += min(1.0, len(items) / SWEEP_MEMORY) * (share - pace.dead_share)
         if dead.size:
-            w.alias_delete([items[j][0] for j in dead.tolist()])
+            w.alias_delete(list(map(itemgetter(0), map(items.__getitem__, dead.tolist()))))
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
