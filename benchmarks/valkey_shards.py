@@ -2,8 +2,9 @@
 with 1, 2 and 3 shard writers (one process each, the engines split between them), and
 match throughput per request of the sharded index (3 shards, one per node) against
 one namespace fed the same stream, passes interleaved, medians (min-max); and the
-floor of that ratio on this machine, bare round trips to the three nodes at once
-against one node's (:func:`round_trip_floor`).
+floor of that ratio on this machine: bare round trips to the three nodes at once
+against one node's (:func:`round_trip_floor`), and the matches' own reads sent with no
+client work around them (:func:`read_floor`), each pass beside the matches' passes.
 
     .venv/bin/python benchmarks/valkey_shards.py --repeat 3 \\
         --json bench-results/valkey-shards-builtin.json
@@ -105,6 +106,48 @@ def round_trip_floor(cluster, repeat: int, count: int = 3000) -> dict:
     return {"round_trips_per_s": runs, "three_to_one": three / one}
 
 
+def read_floor(cluster, locations: list[str], queries) -> float:
+    """The reads a match of each query makes on these namespaces (the ``READ`` of each
+    one's predicted records, as ``sarp.valkey_read`` packs it), packed beforehand and
+    sent on a connection of their own to each namespace's node, all of a query's at
+    once and then read (raw sockets, libvalkey's parser): the match's wait with no
+    client work around it.  Queries per second."""
+    import socket
+
+    import libvalkey
+    from valkey.cluster import ValkeyCluster as Client
+
+    from sarp.store import parse_url
+    from sarp.valkey_scripts import ReadAhead
+
+    client = Client(host="127.0.0.1", port=cluster.servers[0].port)
+    links, commands = [], []
+    for location in locations:
+        ns = parse_url(location)["namespace"]
+        meta, seg = (f"sarp:{{{ns}}}:{t}".encode() for t in ("meta", "seg"))
+        node = client.get_node_from_key(meta)
+        links.append(socket.create_connection((node.host, node.port)))
+        links[-1].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with sarp.open(location, readonly=True) as reader:
+            ahead = ReadAhead(meta, seg)
+            commands.append([ahead.command(reader.directory.predicted_keys(q)) for q in queries])
+    client.close()
+    unread, buf = object(), bytearray(1 << 20)
+    readers = [libvalkey.Reader(notEnoughData=unread) for _ in links]
+    started = time.perf_counter()
+    for i in range(len(queries)):
+        for link, cmds in zip(links, commands, strict=True):
+            link.sendall(cmds[i])
+        for link, reader in zip(links, readers, strict=True):
+            while (reply := reader.gets()) is unread:
+                reader.feed(buf, 0, link.recv_into(buf))
+            assert isinstance(reply, list), reply  # the READ's reply, not an error
+    rate = len(queries) / (time.perf_counter() - started)
+    for link in links:
+        link.close()
+    return rate
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=None, help="mooncake-format trace (default: built-in)")
@@ -143,7 +186,10 @@ def main() -> int:
         with sarp.open(one, durability="nosync") as index:
             for chunk in chunks:
                 index.apply_decoded(chunk)
-        runs: dict[str, list[float]] = {"one namespace": [], "3 shards": []}
+        runs: dict[str, list[float]] = {"one namespace": [], "3 shards": [],
+                                        "one namespace, reads alone": [],
+                                        "3 shards, reads alone": []}
+        shard_urls = sorted(sarp.store.shard_locations(three).values())
         with sarp.open(one, readonly=True) as whole, sarp.open_shards(three) as sharded:
             assert len(sharded.shards) == 3
             differ = sum(whole.match(q).by_holder != sharded.match(q).by_holder
@@ -151,6 +197,8 @@ def main() -> int:
             for _ in range(args.repeat):  # interleaved
                 for name, index in (("one namespace", whole), ("3 shards", sharded)):
                     runs[name].append(match_rate(index, queries))
+                runs["one namespace, reads alone"].append(read_floor(cluster, [one], queries))
+                runs["3 shards, reads alone"].append(read_floor(cluster, shard_urls, queries))
             for name, r in runs.items():
                 out["match"][name] = {"matches_per_s": statistics.median(r), "runs": r}
         out["match"]["answers_differing"] = int(differ)
@@ -166,6 +214,13 @@ def main() -> int:
           f"answers differing per engine: {out['match']['answers_differing']}")
     print(f"floor: bare round trips to 3 nodes at once / to one node: "
           f"{out['match']['floor']['three_to_one']:.2f}x")
+    r1, r3 = (out["match"][n]["matches_per_s"] for n in ("one namespace, reads alone",
+                                                         "3 shards, reads alone"))
+    out["match"]["reads_alone_three_to_one"] = r3 / r1
+    out["match"]["reads_alone_three_to_one_namespace_match"] = r3 / m1
+    print(f"the matches' reads alone (no client work): one namespace {r1:,.0f}/s, 3 shards "
+          f"{r3:,.0f}/s = {r3 / r1:.2f}x; 3 shards' reads alone against one namespace's "
+          f"whole match: {r3 / m1:.2f}x (below 1: no client reaches parity)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

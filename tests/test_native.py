@@ -182,6 +182,15 @@ def test_the_c_directory_lookup_answers_what_numpy_answers(seed):
         assert t.c("find") == 1 and p.python("find") == 1
         want = [-1 if (s := d.lookup(int(k))) is None else s for k in query.tolist()]
         assert got_c.tolist() == got_py.tolist() == want
+        # a reader's prediction: each segment named once, in query order, as keys
+        for q in (query, query[: int(rng.integers(0, 20))]):
+            found = [-1 if (s := d.lookup(int(k))) is None else s for k in q.tolist()]
+            keys_want = [s.to_bytes(8, "big") for s in dict.fromkeys(found) if s >= 0]
+            with native.forced("c"), native.Tally() as t:
+                keys_c = d.predicted_keys(q)
+            with native.forced("python"):
+                keys_py = d.predicted_keys(q)
+            assert keys_c == keys_py == keys_want
 
 
 def test_the_c_directory_lookup_refuses_arrays_of_another_shape():
@@ -193,3 +202,7 @@ def test_the_c_directory_lookup_refuses_arrays_of_another_shape():
                       np.zeros(1, np.uint32))
     with pytest.raises(TypeError):
         native.C.find(np.empty(2, np.int64))
+    with pytest.raises(ValueError, match="one length"):
+        native.C.predict(np.zeros(3, np.uint64), np.zeros(2, np.uint64), np.zeros(1, np.uint32))
+    with pytest.raises(TypeError):
+        native.C.predict(np.zeros(3, np.uint64))

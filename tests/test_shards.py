@@ -398,3 +398,14 @@ def test_merge_takes_the_one_shard_that_holds_a_prefix_and_combines_several():
                               presence={("b", "CPU"): np.ones(2, bool)})])
     assert (both.num_blocks, both.by_holder, both.storage_reads) == (3, {"a": 3, "b": 2}, 3)
     assert both.presence[("b", "CPU")].tolist() == [True, True, False]
+    # each engine in one shard (the common case, merged by dict unions)
+    plain = [Match(3, {"a": 3}, {"a": {"GPU": 3}}, storage_reads=2), Match(0, storage_reads=1),
+             Match(2, {"b": 2, "c": 1}, {"b": {"CPU": 2}, "c": {"GPU": 1}}, storage_reads=1)]
+    assert merge(plain) == Match(3, {"a": 3, "b": 2, "c": 1},
+                                 {"a": {"GPU": 3}, "b": {"CPU": 2}, "c": {"GPU": 1}},
+                                 storage_reads=4)
+    # an engine two shards name (it moved between them): the longer prefix, per medium
+    moved = merge([Match(3, {"a": 1, "b": 3}, {"a": {"GPU": 1}, "b": {"GPU": 3}}),
+                   Match(2, {"a": 2}, {"a": {"CPU": 2}})])
+    assert moved.by_holder == {"a": 2, "b": 3}
+    assert moved.by_medium == {"a": {"GPU": 1, "CPU": 2}, "b": {"GPU": 3}}

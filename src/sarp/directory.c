@@ -20,6 +20,79 @@ static Py_ssize_t find_sorted(const uint8_t *keys, Py_ssize_t n, uint64_t key) {
     return i < n && u64_at(keys + 8 * i) == key ? i : -1;
 }
 
+/* The buffers of find's and predict's arguments after their leading ones (find's
+ * out): query, keys, segs[, added, added_segs, gone].  0, or -1 with an exception set
+ * (none left taken). */
+int take_probe(Probe *p, PyObject *const *args, Py_ssize_t nargs, const char *name) {
+    static const Py_ssize_t width[6] = {8, 8, 4, 8, 8, 8};
+    p->taken = 0;
+    for (; p->taken < nargs; p->taken++) {
+        Py_ssize_t i = p->taken;
+        if (PyObject_GetBuffer(args[i], &p->b[i], PyBUF_SIMPLE) < 0) goto fail;
+        if (p->b[i].len % width[i]) {
+            p->taken++;
+            PyErr_Format(PyExc_ValueError, "%s: argument %zd is not an array of %zd-byte "
+                         "items", name, i, width[i]);
+            goto fail;
+        }
+    }
+    p->n = p->b[0].len / 8;
+    p->nkeys = p->b[1].len / 8;
+    p->nadded = nargs == 6 ? p->b[3].len / 8 : 0;
+    p->ngone = nargs == 6 ? p->b[5].len / 8 : 0;
+    if (p->b[2].len / 4 != p->nkeys || (nargs == 6 && p->b[4].len / 8 != p->nadded)) {
+        PyErr_Format(PyExc_ValueError, "%s: keys and segs, added and added_segs must be of "
+                     "one length each", name);
+        goto fail;
+    }
+    return 0;
+fail:
+    for (Py_ssize_t i = 0; i < p->taken; i++) PyBuffer_Release(&p->b[i]);
+    return -1;
+}
+
+void release_probe(Probe *p) {
+    for (Py_ssize_t i = 0; i < p->taken; i++) PyBuffer_Release(&p->b[i]);
+}
+
+int64_t probe_hash(const Probe *p, uint64_t key) {
+    int64_t seg = -1;
+    Py_ssize_t i = find_sorted(p->b[1].buf, p->nkeys, key);
+    if (i >= 0) seg = (int64_t)u32_at((const uint8_t *)p->b[2].buf + 4 * i);
+    if (p->nadded && (i = find_sorted(p->b[3].buf, p->nadded, key)) >= 0) {
+        seg = (int64_t)u64_at((const uint8_t *)p->b[4].buf + 8 * i);
+    } else if (p->ngone && find_sorted(p->b[5].buf, p->ngone, key) >= 0) {
+        seg = -1;
+    }
+    return seg;
+}
+
+static inline int64_t probe_at(const Probe *p, Py_ssize_t j) {
+    return probe_hash(p, u64_at((const uint8_t *)p->b[0].buf + 8 * j));
+}
+
+Py_ssize_t predict_ids(const Probe *p, int64_t *ids) {
+    Py_ssize_t cap = 64, count = 0;
+    while (cap < 2 * p->n) cap *= 2;
+    int64_t small[64], *seen = cap == 64 ? small : PyMem_Malloc((size_t)cap * sizeof(int64_t));
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(seen, 0xff, (size_t)cap * sizeof(int64_t));  /* -1: empty */
+    for (Py_ssize_t j = 0; j < p->n; j++) {
+        int64_t seg = probe_at(p, j);
+        if (seg < 0) continue;
+        size_t slot = ((uint64_t)seg * 0x9E3779B97F4A7C15ull) >> 32 & (size_t)(cap - 1);
+        while (seen[slot] >= 0 && seen[slot] != seg) slot = (slot + 1) & (size_t)(cap - 1);
+        if (seen[slot] == seg) continue;
+        seen[slot] = seg;
+        ids[count++] = seg;
+    }
+    if (seen != small) PyMem_Free(seen);
+    return count;
+}
+
 /* find(out, query, keys, segs[, added, added_segs, gone]) -> None
  * out[j] = segs[i] where query[j] == keys[i], else -1; with the changes since the
  * arrays were merged, then added_segs[i] where query[j] == added[i], else -1 where
@@ -32,46 +105,58 @@ PyObject *sarp_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
                         "find(out, query, keys, segs[, added, added_segs, gone])");
         return NULL;
     }
-    static const Py_ssize_t width[7] = {8, 8, 8, 4, 8, 8, 8};
-    Py_buffer b[7];
-    Py_ssize_t got = 0;
-    PyObject *result = NULL;
-    for (; got < nargs; got++) {
-        if (PyObject_GetBuffer(args[got], &b[got], got ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0)
-            goto done;
-        if (b[got].len % width[got]) {
-            got++;
-            PyErr_Format(PyExc_ValueError, "find: argument %zd is not an array of %zd-byte "
-                         "items", got - 1, width[got - 1]);
-            goto done;
-        }
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[0], &out, PyBUF_WRITABLE) < 0) return NULL;
+    Probe p;
+    if (take_probe(&p, args + 1, nargs - 1, "find") < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
     }
-    Py_ssize_t n = b[1].len / 8, nkeys = b[2].len / 8;
-    Py_ssize_t nadded = nargs == 7 ? b[4].len / 8 : 0, ngone = nargs == 7 ? b[6].len / 8 : 0;
-    if (b[0].len / 8 != n || b[3].len / 4 != nkeys || (nargs == 7 && b[5].len / 8 != nadded)) {
-        PyErr_SetString(PyExc_ValueError, "find: out and query, keys and segs, added and "
-                                          "added_segs must be of one length each");
+    PyObject *result = NULL;
+    if (out.len % 8 || out.len / 8 != p.n) {
+        PyErr_SetString(PyExc_ValueError, "find: out and query must be of one length");
         goto done;
     }
-    uint8_t *out = b[0].buf;
-    const uint8_t *query = b[1].buf, *keys = b[2].buf, *segs = b[3].buf;
-    const uint8_t *added = nargs == 7 ? b[4].buf : NULL, *added_segs = nargs == 7 ? b[5].buf : NULL;
-    const uint8_t *gone = nargs == 7 ? b[6].buf : NULL;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        uint64_t key = u64_at(query + 8 * j);
-        int64_t seg = -1;
-        Py_ssize_t i = find_sorted(keys, nkeys, key);
-        if (i >= 0) seg = (int64_t)u32_at(segs + 4 * i);
-        if (nadded && (i = find_sorted(added, nadded, key)) >= 0) {
-            seg = (int64_t)u64_at(added_segs + 8 * i);
-        } else if (ngone && find_sorted(gone, ngone, key) >= 0) {
-            seg = -1;
-        }
-        memcpy(out + 8 * j, &seg, 8);
+    for (Py_ssize_t j = 0; j < p.n; j++) {
+        int64_t seg = probe_at(&p, j);
+        memcpy((uint8_t *)out.buf + 8 * j, &seg, 8);
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&b[i]);
+    release_probe(&p);
+    PyBuffer_Release(&out);
     return result;
+}
+
+/* predict(query, keys, segs[, added, added_segs, gone]) -> [segment key, ...]
+ * The segments find names for the query's hashes, each once, in the order the query
+ * first names them, as the stores' keys (u64 big-endian bytes):
+ * the records a match of the query may read, which a reader of a remote store asks
+ * for in one round trip.  Seen ids are kept in an open-addressing set. */
+PyObject *sarp_predict(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_FIND]++;
+    if (nargs != 3 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "predict(query, keys, segs[, added, added_segs, gone])");
+        return NULL;
+    }
+    Probe p;
+    if (take_probe(&p, args, nargs, "predict") < 0) return NULL;
+    PyObject *out = NULL;
+    int64_t *ids = PyMem_Malloc((size_t)(p.n ? p.n : 1) * sizeof(int64_t));
+    Py_ssize_t count = ids == NULL ? -1 : predict_ids(&p, ids);
+    if (count < 0) {
+        if (ids == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    out = PyList_New(count);
+    for (Py_ssize_t k = 0; out != NULL && k < count; k++) {
+        PyObject *key = be_key((uint64_t)ids[k]);
+        if (key == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, k, key);
+    }
+done:
+    PyMem_Free(ids);
+    release_probe(&p);
+    return out;
 }

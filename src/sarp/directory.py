@@ -109,17 +109,10 @@ class Directory:
                 elif key in removed:
                     out[j] = -1
             return out
-        if changed and self._pending is None:
-            gone = np.fromiter(self._removed - self._added.keys(), np.uint64)
-            gone.sort()
-            added = np.fromiter(self._added.keys(), np.uint64, len(self._added))
-            segs = np.fromiter(self._added.values(), np.int64, len(self._added))
-            order = np.argsort(added)
-            self._pending = (added[order], segs[order], gone)
-        c = native.C
-        if c is not None and self.keys.dtype == np.uint64 and self.segs.dtype == np.uint32:
+        arrays = self.native_arrays()
+        if arrays is not None:
             out = np.empty(keys.size, np.int64)
-            c.find(out, keys, self.keys, self.segs, *(self._pending if changed else ()))
+            native.C.find(out, keys, *arrays)
             return out
         native.ran_python("find")
         out = np.full(keys.size, -1, np.int64)
@@ -129,6 +122,44 @@ class Directory:
             _find(gone, np.full(gone.size, -1, np.int64), keys, out)
             _find(added, segs, keys, out)
         return out
+
+    def predicted_keys(self, query: np.ndarray) -> list[bytes]:
+        """The keys (segment ids as u64 big-endian bytes, as the stores key them) of the
+        segments a match of ``query`` may read: every segment whose first hash is one of
+        the query's, each once, in query order.  A reader of a remote store fetches them
+        in one round trip.
+
+        Cost: :meth:`lookup_many`'s probes, and the keys made, in one C call.
+
+        >>> d = Directory.from_entries(np.array([5, 9], np.uint64), np.array([1, 2], np.uint32))
+        >>> [int.from_bytes(k, "big") for k in d.predicted_keys(np.array([9, 7, 5, 9], np.uint64))]
+        [2, 1]
+        """
+        keys = np.ascontiguousarray(query, np.uint64)
+        changed = bool(self._added or self._removed)
+        if not changed or self._pending is not None or keys.size >= len(self._added) + len(
+                self._removed):
+            arrays = self.native_arrays()
+            if arrays is not None:
+                return native.C.predict(keys, *arrays)
+        ids = self.lookup_many(keys)
+        return [int(s).to_bytes(8, "big") for s in dict.fromkeys(ids[ids >= 0].tolist())]
+
+    def native_arrays(self) -> tuple | None:
+        """The arrays ``sarp._native``'s probes take (find, predict, read_match): keys,
+        segs[, and the changes since they were merged, sorted once per change], or None
+        where there is no C (probe from Python)."""
+        changed = bool(self._added or self._removed)
+        if changed and self._pending is None:
+            gone = np.fromiter(self._removed - self._added.keys(), np.uint64)
+            gone.sort()
+            added = np.fromiter(self._added.keys(), np.uint64, len(self._added))
+            segs = np.fromiter(self._added.values(), np.int64, len(self._added))
+            order = np.argsort(added)
+            self._pending = (added[order], segs[order], gone)
+        if native.C is None or self.keys.dtype != np.uint64 or self.segs.dtype != np.uint32:
+            return None
+        return (self.keys, self.segs, *self._pending) if changed else (self.keys, self.segs)
 
     def add(self, first_hash: int, seg_id: int) -> None:
         if self.lookup(first_hash) is None:

@@ -28,14 +28,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import aliases, recovery
+from . import aliases, recovery, valkey_read
 from .check import check
-from .errors import CorruptRecordError, IndexClosedError, LeaseLostError, ReadOnlyIndexError
+from .counters import Counters
+from .errors import IndexClosedError, LeaseLostError, ReadOnlyIndexError
 from .hashing import HashesLike, as_hashes
 from .holders import DEFAULT_MEDIUM, check_instance, held_blocks, holder_name
 from .ops import Batch, BatchResult, as_meta, batch_result, chain_after, prepare_all
@@ -57,37 +57,6 @@ log = logging.getLogger("sarp")
 
 DEFAULT_SEGMENT_BLOCKS = 1024
 MAX_SEGMENT_BLOCKS = 4096
-
-
-@dataclass(slots=True)
-class _Counters:
-    inserts: int = 0
-    inserted_blocks: int = 0
-    matches: int = 0
-    matched_blocks: int = 0
-    storage_reads: int = 0
-    removes: int = 0
-    removed_blocks: int = 0
-    remove_missing: int = 0
-    clears: int = 0
-    snapshots: int = 0
-    changes_since_snapshot: int = 0
-    corrupt_records: int = 0  # damaged segment records a match stopped at
-    batches: int = 0  # apply_batch / batch() commits
-    batched_ops: int = 0  # operations they carried
-    snapshot_reloads: int = 0  # a reader found the log trimmed past it and reloaded
-    reader_rebuilds: int = 0  # ... and had no usable snapshot: rebuilt in memory
-    log_holes: int = 0  # a reader found entries missing from the log, and reloaded
-    index_reloads: int = 0  # a reader found the index created anew, and reloaded
-
-    def batch(self, plan: Plan, ops: int) -> None:
-        """Count one batch commit of ``ops`` operations (none: a state's own write)."""
-        if not ops:
-            return
-        self.batches += 1
-        self.batched_ops += ops
-        self.inserted_blocks += plan.new_blocks
-        self.removed_blocks += plan.removed_blocks
 
 
 def open(  # noqa: A001 - the public name the design asks for
@@ -170,7 +139,7 @@ class Index:
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
         self._lock = threading.RLock()
-        self._counters = _Counters()
+        self._counters = Counters()
         self._match_observers: list[Callable[[np.ndarray], None]] = []
         self.readonly = readonly
         self._store = open_store(path, readonly=readonly, **store_options)
@@ -457,33 +426,41 @@ class Index:
         (3, {'w0': 3, 'w1': 2}, {'CPU': 2})
         """
         query = as_hashes(hashes)
+        if self.readonly and self._live_store().capabilities.prefetch:  # Valkey's: in C
+            return valkey_read.match_each([self._reading()], query, with_meta, with_presence)[0]
+        return self._match(query, with_meta, with_presence)
+
+    def _match(self, query: np.ndarray, with_meta: bool, with_presence: bool) -> Match:
         with self._lock, self._read(query) as r:
             # a reader's read fetched the predicted records with its counters already
             m = match_one(r, self._memory.directory, self._memory.holders, query,
-                          self._stop_at_damage, with_meta=with_meta,
+                          self._counters.match_stopped, with_meta=with_meta,
                           with_presence=with_presence, prefetched=self.readonly)
             for observe in self._match_observers:
                 observe(query)
-            self._counters.matches += 1
-            self._counters.matched_blocks += m.num_blocks
-            self._counters.storage_reads += m.storage_reads
+            self._counters.matched([m])
             return m
 
     def read_ahead(self, hashes: HashesLike) -> None:
         """A reader of a remote store: send the read ``match(hashes)`` makes and return;
-        that match takes the reply and answers as of it (:mod:`sarp.shards` waits on all
-        nodes at once).  Otherwise nothing.  Cost: one send.
-
-        >>> import sarp; from sarp.bench.valkey_server import ValkeyServer
-        >>> with ValkeyServer() as s, sarp.open(s.url("ra")) as w:
-        ...     _ = w.insert([1, 2], holder="a")
-        ...     with sarp.open(s.url("ra"), readonly=True) as r:
-        ...         r.read_ahead([1, 2]); r.match([1, 2, 3]).by_holder
-        {'a': 2}
-        """
+        that match takes the reply and answers as of it.  Otherwise nothing.  Cost: one
+        send."""
         if self.readonly and self._live_store().capabilities.prefetch:
             with self._lock:
                 recovery.read_ahead(self._live_store(), self._memory, as_hashes(hashes))
+
+    @staticmethod
+    def match_each(indexes: Sequence[Index], hashes: HashesLike, *, with_meta: bool = False,
+                   with_presence: bool = False) -> list[Match]:
+        """``[index.match(hashes) for index in indexes]``, the readers' reads at once:
+        readers of Valkey namespaces (:mod:`sarp.shards`' shards) send every read before
+        the first reply is read (:func:`sarp.valkey_read.match_each`): one wait in all."""
+        return valkey_read.match_each([i._reading() for i in indexes], as_hashes(hashes),
+                                      with_meta, with_presence)
+
+    def _reading(self) -> valkey_read.Reading:
+        return valkey_read.Reading(self._lock, self._live_store(), self._memory, self._counters,
+                                   self._match_observers, self._match, self.readonly)
 
     def match_many(self, chains: Sequence[HashesLike], *, with_meta: bool = False,
                    with_presence: bool = False) -> list[Match]:
@@ -509,21 +486,13 @@ class Index:
             return []
         with self._lock, self._read(np.concatenate(queries)) as r:
             out = match_chains(r, self._memory.directory, self._memory.holders, queries,
-                               self._stop_at_damage, with_meta=with_meta,
+                               self._counters.match_stopped, with_meta=with_meta,
                                with_presence=with_presence, prefetch=not self.readonly)
             for query in queries:
                 for observe in self._match_observers:
                     observe(query)
-            self._counters.matches += len(queries)
-            self._counters.storage_reads += sum(m.storage_reads for m in out)
-            self._counters.matched_blocks += sum(m.num_blocks for m in out)
+            self._counters.matched(out)
             return out
-
-    def _stop_at_damage(self, exc: CorruptRecordError) -> None:
-        # The prefix verified so far is still exact; stop there rather than fail the
-        # caller's request. `sarp verify` names the damage.
-        self._counters.corrupt_records += 1
-        log.error("sarp: match stops at %s", exc)
 
     # -- snapshots, stats, checks ------------------------------------------------------------
 
@@ -580,7 +549,7 @@ class Index:
                 "disk_bytes": store.disk_bytes(), "recovered_from": self.recovered_from,
                 "recovery_reason": self.recovery_reason,
                 "replayed_changes": self.replayed_changes, "recovery_s": self.recovery_s}
-            out.update((name, getattr(self._counters, name)) for name in _Counters.__slots__)
+            out.update((name, getattr(self._counters, name)) for name in Counters.__slots__)
             return out
 
     def check(self) -> list[str]:

@@ -10,18 +10,19 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 17
+#define ABI_VERSION 18
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
- * resolve_aliases, BlockTable, decode_into, find): calls so far */
+ * resolve_aliases, BlockTable, decode_into, find, read_match): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
-                         sarp_calls[CALL_DECODE_INTO], sarp_calls[CALL_FIND]);
+                         sarp_calls[CALL_DECODE_INTO], sarp_calls[CALL_FIND],
+                         sarp_calls[CALL_READ_MATCH]);
 }
 
 static PyMethodDef methods[] = {
@@ -47,9 +48,14 @@ static PyMethodDef methods[] = {
      "resolve_aliases(...): a batch's engine hashes resolved to token keys (sarp.aliases)"},
     {"find", (PyCFunction)(void (*)(void))sarp_find, METH_FASTCALL,
      "find(out, query, keys, segs[, added, added_segs, gone]): Directory.lookup_many"},
+    {"predict", (PyCFunction)(void (*)(void))sarp_predict, METH_FASTCALL,
+     "predict(query, keys, segs[, added, added_segs, gone]): Directory.predicted_keys"},
+    {"read_match", (PyCFunction)(void (*)(void))sarp_read_match, METH_FASTCALL,
+     "read_match(query, shards, timeout_ms): readers of Valkey matching one chain "
+     "(sarp.valkey_read.match_each)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
-     "resolve_aliases, BlockTable, decode_into, find) calls so far"},
+     "resolve_aliases, BlockTable, decode_into, find, read_match) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 

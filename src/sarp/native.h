@@ -1,7 +1,7 @@
 /* What sarp._native's translation units share.  Each C file sits beside the Python it
  * mirrors and is named after it: verify.c (examine, walk), packing.c (pack_batch),
  * serving/events.c (decode_batch), serving/http.c (u64_array), tokenkeys.c (token_keys),
- * directory.c (find);
+ * directory.c (find, predict), valkey_read.c (read_match);
  * native.c is the module
  * (native.py is its only loader).  The segment record's layout is read in one place,
  * here (segment.py is the reference). */
@@ -25,12 +25,53 @@ PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_predict(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_read_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
+
+/* directory.c: a query's probes of a directory's sorted arrays (find, predict, and a
+ * reader's match in valkey_read.c): the buffers of query, keys, segs[, added,
+ * added_segs, gone]. */
+typedef struct {
+    Py_buffer b[6];
+    Py_ssize_t taken, n, nkeys, nadded, ngone;
+} Probe;
+int take_probe(Probe *p, PyObject *const *args, Py_ssize_t nargs, const char *name);
+void release_probe(Probe *p);
+int64_t probe_hash(const Probe *p, uint64_t key);  /* Directory.lookup: a segment or -1 */
+/* The distinct segments the query's hashes name, in query order, into `ids` (room for
+ * p->n of them); how many, or -1 with MemoryError set. */
+Py_ssize_t predict_ids(const Probe *p, int64_t *ids);
+
+/* verify.c: the walk's holders (those of its first step, each with its prefix so far
+ * and whether it still holds every block, so may extend), and the plain walk (one
+ * medium per instance, no presence) over records C already holds. */
+typedef struct {
+    uint16_t id;
+    int extending;
+    Py_ssize_t blocks;
+} Holder;
+#define MAX_WALK_HOLDERS 64
+typedef struct {
+    int64_t (*probe)(void *ctx, uint64_t first_hash);  /* a segment id, or -1 */
+    /* the record of a segment; NULL when none is stored, with *len = -1 when the
+     * record is not at hand (the caller walks another way) */
+    const uint8_t *(*record)(void *ctx, int64_t seg_id, Py_ssize_t *len);
+    void *ctx;
+} RecordSource;
+typedef struct {
+    Py_ssize_t total, reads, stopped_at, nholders;
+    Holder holders[MAX_WALK_HOLDERS];
+} PlainWalk;
+/* walk's loop without presence: 0 with `w` filled (stopped_at as walk's), or 1 when a
+ * record it needs is not at hand. */
+int walk_plain(const RecordSource *src, const uint8_t *query, Py_ssize_t size, PlainWalk *w);
 
 /* Calls of each entry point since the module loaded (native.calls(): the tests that
  * hold C to its Python reference assert which path ran).  Counted with the GIL held. */
 enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
-       CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_KINDS };
+       CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
+       CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

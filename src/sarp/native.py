@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 17  # native.c's ABI_VERSION
+ABI = 18  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
-         "resolve_aliases", "block_table", "decode_into", "find")
+         "resolve_aliases", "block_table", "decode_into", "find", "read_match")
 _TRUE = ("1", "true", "yes", "on")
 
 

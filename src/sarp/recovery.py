@@ -333,8 +333,7 @@ def reload(store: Store, r: ReadTxn, memory: Memory, seq: int, counters) -> bool
 def read_ahead(store: Store, memory: Memory, query: np.ndarray) -> None:
     """Send the read :func:`current_read` makes first for ``query`` (a remote store's
     ``read_ahead``); its reply waits for that read."""
-    ids = memory.directory.lookup_many(query)
-    memory.ahead = (query, ids[ids >= 0])
+    memory.ahead = (query, memory.directory.predicted_keys(query))
     store.read_ahead(memory.ahead[1])
 
 
@@ -356,8 +355,7 @@ def current_read(store: Store, memory: Memory, counters,
                         ahead[0], query)):  # (match_many's chains, joined again)
                     wanted = ahead[1]  # what read_ahead predicted and sent
                 else:
-                    ids = memory.directory.lookup_many(query)
-                    wanted = ids[ids >= 0]
+                    wanted = memory.directory.predicted_keys(query)
                 r.prefetch(wanted, with_counters=True)
             seen = (memory.watermark, memory.holders_seen, counters.index_reloads)
             if catch_up(store, r, memory, counters):

@@ -49,15 +49,22 @@ def merge(answers: Sequence[Match]) -> Match:
     (3, {'a': 3, 'b': 2}, {'a': {'GPU': 3}, 'b': {'CPU': 2}})
     """
     held = [m for m in answers if m.num_blocks]
-    if len(held) < 2:  # (most chains: one shard's engines, or none, hold a prefix)
-        return dataclasses.replace(held[0] if held else Match(0),
-                                   storage_reads=sum(m.storage_reads for m in answers),
-                                   multi_medium=any(m.multi_medium for m in answers))
+    reads = sum(m.storage_reads for m in answers)
+    multi_medium = any(m.multi_medium for m in answers)
+    if len(held) < 2:  # one shard's engines, or none, hold a prefix
+        return dataclasses.replace(held[0] if held else Match(0), storage_reads=reads,
+                                   multi_medium=multi_medium)
     total = max(m.num_blocks for m in held)
-    out = Match(total)
+    if not any(m.meta or m.presence for m in held):
+        by_holder: dict[str, int] = {}
+        by_medium: dict[str, dict[str, int]] = {}
+        for m in held:
+            by_holder.update(m.by_holder)
+            by_medium.update(m.by_medium)
+        if len(by_holder) == sum(len(m.by_holder) for m in held):  # each engine in one shard
+            return Match(total, by_holder, by_medium, {}, reads, {}, multi_medium)
+    out = Match(total, storage_reads=reads, multi_medium=multi_medium)
     for m in held:
-        out.storage_reads += m.storage_reads
-        out.multi_medium |= m.multi_medium
         for instance, k in m.by_holder.items():
             out.by_holder[instance] = max(k, out.by_holder.get(instance, 0))
         for instance, media in m.by_medium.items():
@@ -134,17 +141,14 @@ class ShardedIndex:
               with_presence: bool = False) -> Match:
         """:meth:`sarp.Index.match` on every shard, merged (:func:`merge`).
 
-        Cost: each shard's match, their round trips to the nodes at once (every
-        shard's read is sent before the first reply is read: :meth:`Index.read_ahead`),
-        and a registry read every ``refresh_s``.
+        Cost: each shard's match, their round trips to the nodes at once, the replies
+        walked in C (:meth:`sarp.Index.match_each`), and a registry read every
+        ``refresh_s``.
         """
         query = as_hashes(hashes)
         with self._lock:
-            shards = self._current()
-            for s in shards:
-                s.read_ahead(query)
-            return merge([s.match(query, with_meta=with_meta, with_presence=with_presence)
-                          for s in shards])
+            return merge(Index.match_each(self._current(), query, with_meta=with_meta,
+                                          with_presence=with_presence))
 
     def match_many(self, chains: Sequence[HashesLike], *, with_meta: bool = False,
                    with_presence: bool = False) -> list[Match]:

@@ -191,8 +191,9 @@ class ReadTxn(Protocol):
     def stat(self, table: str) -> dict: ...
     # the transaction's get for the walk in C (key: u64 BE segment id), or None
     native_get: Callable[[bytes], bytes | None] | None
-    # with capabilities.prefetch: fetch records (and the counters) in one round trip
-    def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None: ...
+    # with capabilities.prefetch: fetch records (and the counters) in one round trip;
+    # keys: segment ids as u64 big-endian bytes (Directory.predicted_keys)
+    def prefetch(self, keys: list[bytes], with_counters: bool = False) -> None: ...
     def forget_prefetched(self) -> None: ...
 
 
@@ -256,19 +257,10 @@ class Store(Protocol):
     def save_state(self, name: str, data: bytes, durable: bool) -> None: ...
     def disk_bytes(self) -> int: ...
     def release_dead_readers(self) -> int: ...
-    # with capabilities.prefetch: send a reader's next read (counters and these
-    # records) now, its reply taken by that read's prefetch
-    def read_ahead(self, seg_ids: np.ndarray) -> None: ...
+    # with capabilities.prefetch: send a reader's next read (counters and the records
+    # of these keys) now, its reply taken by that read's prefetch
+    def read_ahead(self, keys: list[bytes]) -> None: ...
     def close(self) -> None: ...
-
-
-def segment_keys(seg_ids: np.ndarray) -> list[bytes]:
-    """The segments' keys (u64 BE), each once, in order.
-
-    >>> segment_keys(np.array([2, 1, 2]))
-    [b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x02', b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x01']
-    """
-    return list(map(U64.pack, dict.fromkeys(seg_ids.tolist())))
 
 
 def alias_keys(root: int, hashes: np.ndarray) -> list[bytes]:

@@ -294,7 +294,7 @@ class LmdbReadTxn:
         walk in C; reads through it are counted by the caller."""
         return self._txn.get
 
-    def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None:
+    def prefetch(self, keys: list[bytes], with_counters: bool = False) -> None:
         """Nothing to fetch ahead: records are local (``capabilities.prefetch`` is False)."""
 
     def forget_prefetched(self) -> None:

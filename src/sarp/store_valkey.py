@@ -39,10 +39,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
-import numpy as np
 import valkey
 
 from . import resp
@@ -54,20 +53,15 @@ from .errors import (
     StoreError,
     StoreFullError,
 )
-from .segment import Segment, decode
 from .store import (
-    BLOCK_VALUE,
-    LOG_VALUE,
-    U64,
     check_durability,
     check_version,
     counter_value,
-    holder_names,
     parse_url,
-    segment_keys,
 )
+from .valkey_read import CAPABILITIES, ValkeyReadTxn
 from .valkey_scripts import READ, RENEW, SET, ReadAhead
-from .valkey_write import CAPABILITIES, ValkeyWriteTxn
+from .valkey_write import ValkeyWriteTxn
 
 log = logging.getLogger("sarp.valkey")
 
@@ -129,6 +123,7 @@ class ValkeyStore:
         self._renewer: threading.Thread | None = None
         self._match_conn = None
         self._ahead = ReadAhead(self.keys["meta"], self.keys["seg"])  # one sent on it
+        self.read_head = self._ahead.head  # READ after its count (valkey_read.c packs it)
         self.exec_refused = 0  # commits the server turned away (the lease key changed)
         # what the server has of `blocks`, as this writer's commits left it, and the
         # next_seq they left (valkey_write.ValkeyWriteTxn.remember)
@@ -240,7 +235,7 @@ class ValkeyStore:
             with contextlib.suppress(valkey.exceptions.ValkeyError):
                 if self._lease_value is not None and not self._lost.is_set():
                     self._renew(keys=[self.keys["lease"]], args=[self._lease_value, 0])
-            self._drop_match_conn()
+            self.drop_match_connection()
             with contextlib.suppress(valkey.exceptions.ValkeyError):
                 client.close()
             self.client = None
@@ -303,33 +298,62 @@ class ValkeyStore:
             self._node_client().script_load(script.script)
             return self._on_match_conn(data, through_client)
 
-    def read_ahead(self, seg_ids: np.ndarray) -> None:
-        """Send the ``READ`` a reader's match is about to make (:meth:`read_records`),
-        not waiting for its reply: a reader of several namespaces (:mod:`sarp.shards`)
-        waits for their nodes at once.  A send that fails is forgotten (the match asks
-        again).  Cost: one send."""
+    def read_ahead(self, keys: list[bytes]) -> None:
+        """Send the ``READ`` of these segment keys a reader's match is about to make
+        (:meth:`read_records`), not waiting for its reply: a reader of several
+        namespaces (:mod:`sarp.shards`) waits for their nodes at once.  A send that
+        fails is forgotten (the match asks again).  Cost: one send."""
         ahead = self._ahead
         if ahead.pending is not None:
             return
-        fields = segment_keys(seg_ids)  # as ValkeyReadTxn.prefetch asks (none fetched yet)
-        data = ahead.command(fields)
+        data = ahead.command(keys)
         try:
             self._match_connection().send_packed_command([data])
         except (valkey.exceptions.ValkeyError, OSError):
-            self._drop_match_conn()
+            self.drop_match_connection()
             return
-        ahead.pending, ahead.fields, ahead.of = data, fields, seg_ids
+        ahead.pending, ahead.fields = data, keys
 
     def _match_connection(self):
         if self._match_conn is None:
             self._match_conn = self._node_client().connection_pool.make_connection()
         return self._match_conn
 
-    def _drop_match_conn(self) -> None:
+    def match_socket(self) -> tuple[int, float] | None:
+        """The match connection's socket for :func:`sarp.valkey_read.match_each`'s C:
+        (descriptor, timeout in seconds), connected; None: TLS, or no connection, or a
+        reply not read yet (the Python path reads it)."""
+        try:
+            conn = self._match_connection()
+            conn.connect()  # (nothing when connected)
+        except (valkey.exceptions.ValkeyError, OSError):
+            self.drop_match_connection()
+            return None
+        if self._ahead.pending is not None or self.settings["ssl"] or conn._sock is None:
+            return None
+        return conn._sock.fileno(), conn.socket_timeout or 10.0
+
+    def adopt_reply(self, keys: list[bytes], reply: list) -> None:
+        """The reply to the ``READ`` of ``keys`` that C read on the match connection:
+        the read of these keys takes it (:meth:`read_records`) as if sent ahead."""
+        ahead = self._ahead
+        ahead.pending, ahead.fields, ahead.reply = ahead.command(keys), keys, reply
+
+    def drop_match_connection(self) -> None:
+        """Let the match connection go (a reply may be left on it); the next read
+        connects again."""
         if self._match_conn is not None:
             with contextlib.suppress(valkey.exceptions.ValkeyError, OSError):
                 self._match_conn.disconnect()
-        self._match_conn, self._ahead.pending = None, None
+        self._match_conn, self._ahead.pending, self._ahead.reply = None, None, None
+
+    def read_failed(self, exc: BaseException) -> StoreError | None:
+        """What a read transaction raises for the client's error ``exc``, or None."""
+        if isinstance(exc, UNREACHABLE):
+            return StoreError(f"{self.path}: reading failed ({exc}); is Valkey up?")
+        if isinstance(exc, valkey.exceptions.ValkeyError):
+            return _refused(self.path, "reading", exc)
+        return None
 
     def _on_match_conn(self, data: bytes, through_client: Callable[[], T]) -> T:
         """One packed command on a connection to the namespace's node kept for the match
@@ -340,6 +364,9 @@ class ValkeyStore:
         reached (a failover), the connection is let go and ``through_client()`` asks
         through the client, which follows the slot and the topology."""
         ahead, self._ahead.pending = self._ahead.pending, None
+        reply, self._ahead.reply = self._ahead.reply, None
+        if reply is not None and ahead == data:  # read by C (adopt_reply)
+            return reply
         conn = self._match_connection()
         try:
             if ahead is not None and ahead != data:
@@ -354,9 +381,9 @@ class ValkeyStore:
         except UNREACHABLE:
             pass
         except BaseException:
-            self._drop_match_conn()  # a reply may be left unread: the next call connects
+            self.drop_match_connection()  # a reply may be left unread: the next call connects
             raise
-        self._drop_match_conn()
+        self.drop_match_connection()
         return through_client()
 
     def trim_log(self, upto: int) -> None:
@@ -495,9 +522,6 @@ class ValkeyStore:
                              "its next write") from exc
 
 
-_UNREAD = object()
-
-
 def _refused(where, doing: str, exc: Exception) -> StoreError:
     """A command Valkey answered with an error: a key of the namespace holds another
     type (``WRONGTYPE``), a command the server refuses, ..."""
@@ -511,118 +535,3 @@ def _aof_enabled(client) -> bool:
         return bool(int(client.info("persistence").get("aof_enabled", 0)))
     except valkey.exceptions.ValkeyError:
         return False
-
-
-class ValkeyReadTxn:
-    """Reads for a match or a reader's catch-up.  Each command sees every write that had
-    returned before it; the verifier checks every record on its own."""
-
-    __slots__ = ("_store", "_c", "_meta", "_fetched", "reads")
-    capabilities = ValkeyStore.capabilities
-
-    def __init__(self, store: ValkeyStore) -> None:
-        self._store = store
-        self._c = store.client
-        self._meta: dict[bytes, bytes] | None = None
-        self._fetched: dict[bytes, bytes | None] = {}  # by segment key (u64 BE)
-        self.reads = 0
-
-    @property
-    def native_get(self) -> Callable[[bytes], bytes | None]:
-        """A record by its key, for the walk in C: the prefetched one, or an ``HGET``."""
-        return self._get
-
-    def _get(self, key: bytes) -> bytes | None:
-        value = self._fetched.get(key, _UNREAD)
-        return self._c.hget(self._store.keys["seg"], key) if value is _UNREAD else value
-
-    def prefetch(self, seg_ids: np.ndarray, with_counters: bool = False) -> None:
-        """Fetch these records in one ``HMGET`` (one round trip, one atomic read), so the
-        match's steps read them from memory; ``with_counters``: the ``meta`` counters
-        too, in the same transaction (a reader's catch-up then costs no round trip when
-        nothing changed)."""
-        fetched = self._fetched
-        wanted = [k for k in self._store._ahead.fields_of(seg_ids) if k not in fetched]
-        if with_counters and self._meta is None:
-            # a script: one atomic read in one round trip
-            meta, values = self._store.read_records(wanted)
-            self._meta = dict(zip(meta[::2], meta[1::2], strict=True))
-            fetched.update(zip(wanted, values, strict=True))
-        elif wanted:
-            fetched.update(zip(wanted, self._store.hmget(self._store.keys["seg"], wanted),
-                               strict=True))
-
-    def forget_prefetched(self) -> None:
-        self._fetched.clear()
-
-    def __enter__(self) -> ValkeyReadTxn:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, UNREACHABLE):
-            raise StoreError(f"{self._store.path}: reading failed ({exc}); is Valkey up?") \
-                from exc
-        if exc_type is not None and issubclass(exc_type, valkey.exceptions.ValkeyError):
-            raise _refused(self._store.path, "reading", exc) from exc
-
-    def record(self, seg_id: int) -> bytes | None:
-        self.reads += 1
-        return self._get(U64.pack(seg_id))
-
-    def segment(self, seg_id: int) -> Segment | None:
-        record = self._c.hget(self._store.keys["seg"], U64.pack(seg_id))
-        return None if record is None else decode(seg_id, record)
-
-    def raw_records(self, seg_ids: list[int]) -> list[bytes | None]:
-        """The unchecked records of many segments, in order: one ``HMGET``."""
-        if not seg_ids:
-            return []
-        return self._c.hmget(self._store.keys["seg"], [U64.pack(s) for s in seg_ids])
-
-    def counter(self, name: str) -> int:
-        raw = self._meta_fields().get(name.encode())
-        return counter_value(raw, name, self._store.path)
-
-    def index_id(self) -> bytes | None:
-        """The id the index was created with, as of this transaction (a server that
-        restarted empty and was written again has another one)."""
-        return self._meta_fields().get(b"index_id")
-
-    def _meta_fields(self) -> dict[bytes, bytes]:
-        if self._meta is None:  # one round trip per transaction, on first use
-            self._meta = self._c.hgetall(self._store.keys["meta"])
-        return self._meta
-
-    def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
-        start = f"{seq + 1}-0"
-        while True:
-            entries = self._c.xrange(self._store.keys["log"], min=start, count=10_000)
-            for entry_id, fields in entries:
-                s = int(entry_id.split(b"-")[0])
-                seg_id, first_hash = LOG_VALUE.unpack(fields[b"v"])
-                yield s, seg_id, first_hash
-            if len(entries) < 10_000:
-                return
-            start = f"({entries[-1][0].decode()}"
-
-    def raw_segments(self) -> Iterator[tuple[int, bytes]]:
-        for key, record in self._c.hscan_iter(self._store.keys["seg"], count=1000):
-            yield U64.unpack(key)[0], record
-
-    def blocks(self) -> Iterator[tuple[int, int, int]]:
-        for key, value in self._c.hscan_iter(self._store.keys["blk"], count=1000):
-            seg_id, offset = BLOCK_VALUE.unpack(value)
-            yield U64.unpack(key)[0], seg_id, offset
-
-    def holder_names(self) -> dict[int, str | None]:
-        table = self._c.hgetall(self._store.keys["hold"])
-        required = b"name_sums" in self._meta_fields()
-        return holder_names(((k, v) for k, v in table.items() if k.startswith(b"i:")),
-                            lambda packed: table.get(b"s:" + packed), required)
-
-    def stat(self, table: str) -> dict:
-        key = {"segments": "seg", "blocks": "blk", "holders": "hold", "meta": "meta",
-               "aliases": "alias"}.get(table)
-        if key is None:
-            return {"entries": self._c.xlen(self._store.keys["log"])}
-        return {"entries": self._c.hlen(self._store.keys[key])}

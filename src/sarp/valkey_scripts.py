@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
-
 from . import resp
-from .store import segment_keys
 
 # A batch's commit is not a script: its table changes go as plain HSET/HDEL commands in
 # one MULTI/EXEC, fenced by a WATCH of the lease (sarp.store_valkey.ValkeyStore.transact),
@@ -71,26 +68,22 @@ class ReadAhead:
     True
     """
 
-    __slots__ = ("head", "pending", "fields", "of")
+    __slots__ = ("head", "pending", "fields", "reply")
 
     def __init__(self, meta_key: bytes, seg_key: bytes) -> None:
         sha = hashlib.sha1(READ.encode()).hexdigest().encode()  # as EVALSHA names it
         self.head = resp.command(b"EVALSHA", sha, 2, meta_key, seg_key).split(b"\r\n", 1)[1]
         self.pending: bytes | None = None  # sent, its reply not read
         self.fields: list[bytes] = []  # the segment keys it asks for
-        self.of: np.ndarray | None = None  # the segment ids it was sent for
+        self.reply: list | None = None  # its reply, when C read it (adopt_reply)
 
     def command(self, fields: list[bytes]) -> bytes:
         """``READ`` of these segment keys: the fixed arguments packed once."""
         keys = resp.Keys8(fields)
         return b"*%d\r\n%s%s" % (5 + keys.count, self.head, keys.data)
 
-    def fields_of(self, seg_ids: np.ndarray) -> list[bytes]:
-        """:func:`sarp.store.segment_keys`, or the pending read's when sent for these."""
-        return self.fields if self.pending is not None and seg_ids is self.of else \
-            segment_keys(seg_ids)
-
     def command_for(self, fields: list[bytes]) -> bytes:
         """The command of these keys: the pending one's very bytes when it asks for them."""
-        return self.pending if self.pending is not None and fields == self.fields else \
-            self.command(fields)
+        if self.pending is not None and (fields is self.fields or fields == self.fields):
+            return self.pending
+        return self.command(fields)

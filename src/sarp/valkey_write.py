@@ -20,17 +20,16 @@ from .store import (
     BLOCK_VALUE,
     ID_STRIDE,
     U64,
-    Capabilities,
     WriteLogic,
     counter_value,
     hash_keys,
 )
+from .valkey_read import CAPABILITIES
 from .valkey_scripts import LOG
 
 if TYPE_CHECKING:
     from .store_valkey import ValkeyStore
 
-CAPABILITIES = Capabilities(local_reads=False, prefetch=True)
 LOG_DTYPE = np.dtype([("seg", "<u4"), ("hash", "<u8")])  # LOG_VALUE's bytes, as an array
 TABLES = ("meta", "seg", "blk", "hold", "alias")  # hashes a write changes, in commit order
 BUFFERED = tuple(t for t in TABLES if t != "blk")  # in dicts; `blocks` is a BlockTable

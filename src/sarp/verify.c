@@ -143,15 +143,87 @@ done:
     return out;
 }
 
-/* The holders of a walk: those of its first step, each with its prefix so far and
- * whether it still holds every block (then it may extend). */
-typedef struct {
-    uint16_t id;
-    int extending;
-    Py_ssize_t blocks;
-} Holder;
+/* A step's run `any_run` into the walk's holders (Holder, native.h): the first step
+ * names them, each later one extends those still holding every block so far. */
+static void holders_step(Holder *holders, Py_ssize_t *nholders, int *first,
+                         const uint8_t *r, const Step *st, const Py_ssize_t *runs,
+                         Py_ssize_t any_run) {
+    if (*first) {
+        for (Py_ssize_t h = 0; h < st->nh; h++) {
+            holders[*nholders].id = u16_at(r + st->holders_at + 2 * h);
+            holders[*nholders].blocks = runs[h];
+            holders[*nholders].extending = runs[h] == any_run;
+            (*nholders)++;
+        }
+        *first = 0;
+        return;
+    }
+    for (Py_ssize_t k = 0; k < *nholders; k++) {
+        if (!holders[k].extending) continue;
+        Py_ssize_t run = 0;
+        for (Py_ssize_t h = 0; h < st->nh; h++) {
+            if (u16_at(r + st->holders_at + 2 * h) == holders[k].id) {
+                run = runs[h];
+                break;
+            }
+        }
+        holders[k].blocks += run;
+        holders[k].extending = run == any_run;
+    }
+}
 
-#define MAX_WALK_HOLDERS 64
+/* One step of a walk at `pos` on record `r`: its runs into `holders`.  Returns the
+ * blocks it adds (0: the walk ends), with *going (the walk may go on) and *stopped_at
+ * (the segment id of a damaged record, or -2: more than MAX_WALK_HOLDERS holders). */
+static Py_ssize_t walk_step(const uint8_t *r, Py_ssize_t len, const uint8_t *query,
+                            Py_ssize_t size, Py_ssize_t pos, int64_t seg_id, Holder *holders,
+                            Py_ssize_t *nholders, int *first, int *going,
+                            Py_ssize_t *stopped_at, Step *st) {
+    int found = check_record(r, len, query, size, pos,
+                             pos ? u64_at(query + 8 * (pos - 1)) : 0, pos > 0, st);
+    *going = 0;
+    if (found < 0) {
+        *stopped_at = (Py_ssize_t)seg_id;
+        return 0;
+    }
+    if (found == 0) return 0;
+    if (st->nh > MAX_WALK_HOLDERS) {
+        *stopped_at = -2;
+        return 0;
+    }
+    Py_ssize_t runs[MAX_WALK_HOLDERS], longest = 0;
+    for (Py_ssize_t h = 0; h < st->nh; h++) {
+        runs[h] = row_run(r, st, h);
+        if (runs[h] > longest) longest = runs[h];
+    }
+    Py_ssize_t any_run = any_run_from(r, st, longest);
+    *going = any_run == st->same && any_run > 0;
+    if (any_run > 0) holders_step(holders, nholders, first, r, st, runs, any_run);
+    return any_run;
+}
+
+int walk_plain(const RecordSource *src, const uint8_t *query, Py_ssize_t size, PlainWalk *w) {
+    w->total = w->reads = w->nholders = 0;
+    w->stopped_at = -1;
+    Py_ssize_t pos = 0;
+    int first = 1, going;
+    while (pos < size) {
+        int64_t seg_id = src->probe(src->ctx, u64_at(query + 8 * pos));
+        if (seg_id < 0) break;
+        Py_ssize_t len = 0;
+        const uint8_t *r = src->record(src->ctx, seg_id, &len);
+        if (r == NULL && len < 0) return 1;
+        w->reads++;
+        if (r == NULL) break;
+        Step st;
+        Py_ssize_t step = walk_step(r, len, query, size, pos, seg_id, w->holders,
+                                    &w->nholders, &first, &going, &w->stopped_at, &st);
+        w->total += step;
+        if (w->stopped_at != -1 || step == 0 || !going) break;
+        pos += step;
+    }
+    return 0;
+}
 
 /* One step's part of the per-block presence (walk with presence): the record, kept
  * alive, and where in it the held run's rows are. */
@@ -276,74 +348,35 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         }
         const uint8_t *r = rec.buf;
         Step st;
-        int found = check_record(r, rec.len, query, size, pos,
-                                 pos ? u64_at(query + 8 * (pos - 1)) : 0, pos > 0, &st);
-        Py_ssize_t step = 0;
-        int going = 0;
-        if (found < 0) {
-            stopped_at = (Py_ssize_t)seg_id;
-        } else if (found > 0 && st.nh > MAX_WALK_HOLDERS) {
-            stopped_at = -2;
-        } else if (found > 0) {
-            Py_ssize_t runs[MAX_WALK_HOLDERS], longest = 0;
-            for (Py_ssize_t h = 0; h < st.nh; h++) {
-                runs[h] = row_run(r, &st, h);
-                if (runs[h] > longest) longest = runs[h];
+        int going;
+        Py_ssize_t step = walk_step(r, rec.len, query, size, pos, (int64_t)seg_id, holders,
+                                    &nholders, &first, &going, &stopped_at, &st);
+        if (step > 0 && with_presence) {
+            /* kept to the end: bytes as they are, any other buffer copied */
+            PyObject *kept = PyBytes_CheckExact(record) ? Py_NewRef(record)
+                : PyBytes_FromStringAndSize((const char *)rec.buf, rec.len);
+            if (kept == NULL) {
+                PyBuffer_Release(&rec);
+                Py_DECREF(record);
+                goto done;
             }
-            Py_ssize_t any_run = any_run_from(r, &st, longest);
-            going = any_run == st.same && any_run > 0;
-            if (any_run > 0) {
-                if (first) {
-                    for (Py_ssize_t h = 0; h < st.nh; h++) {
-                        holders[nholders].id = u16_at(r + st.holders_at + 2 * h);
-                        holders[nholders].blocks = runs[h];
-                        holders[nholders].extending = runs[h] == any_run;
-                        nholders++;
-                    }
-                    first = 0;
-                } else {
-                    for (Py_ssize_t k = 0; k < nholders; k++) {
-                        if (!holders[k].extending) continue;
-                        Py_ssize_t run = 0;
-                        for (Py_ssize_t h = 0; h < st.nh; h++) {
-                            if (u16_at(r + st.holders_at + 2 * h) == holders[k].id) {
-                                run = runs[h];
-                                break;
-                            }
-                        }
-                        holders[k].blocks += run;
-                        holders[k].extending = run == any_run;
-                    }
+            if (nsteps == cap) {
+                Py_ssize_t grown = cap ? 2 * cap : 16;
+                Rows *more = PyMem_Realloc(steps, (size_t)grown * sizeof(Rows));
+                if (more == NULL) {
+                    PyErr_NoMemory();
+                    Py_DECREF(kept);
+                    PyBuffer_Release(&rec);
+                    Py_DECREF(record);
+                    goto done;
                 }
-                if (with_presence) {
-                    /* kept to the end: bytes as they are, any other buffer copied */
-                    PyObject *kept = PyBytes_CheckExact(record) ? Py_NewRef(record)
-                        : PyBytes_FromStringAndSize((const char *)rec.buf, rec.len);
-                    if (kept == NULL) {
-                        PyBuffer_Release(&rec);
-                        Py_DECREF(record);
-                        goto done;
-                    }
-                    if (nsteps == cap) {
-                        Py_ssize_t grown = cap ? 2 * cap : 16;
-                        Rows *more = PyMem_Realloc(steps, (size_t)grown * sizeof(Rows));
-                        if (more == NULL) {
-                            PyErr_NoMemory();
-                            Py_DECREF(kept);
-                            PyBuffer_Release(&rec);
-                            Py_DECREF(record);
-                            goto done;
-                        }
-                        steps = more;
-                        cap = grown;
-                    }
-                    steps[nsteps++] = (Rows){kept, st.presence_at, st.holders_at, st.n, st.nh,
-                                             any_run, total};
-                }
-                total += any_run;
-                step = any_run;
+                steps = more;
+                cap = grown;
             }
+            steps[nsteps++] = (Rows){kept, st.presence_at, st.holders_at, st.n, st.nh,
+                                     step, total};
         }
+        total += step;
         PyBuffer_Release(&rec);
         Py_DECREF(record);
         if (stopped_at != -1 || step == 0 || !going) break;

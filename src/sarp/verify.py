@@ -300,16 +300,8 @@ class PrefixWalk:
         if self._rows is not None:
             return self._result_of_rows(holder_names, instance_names, reads)
         if self._plain:  # one medium per instance: an instance's prefix is its one holder's
-            by_holder: dict[str, int] = {}
-            by_medium: dict[str, dict[str, int]] = {}
-            took = self._took
-            for holder_id, state in self._holders.items():
-                blocks = state if took else state[0]
-                if blocks and holder_id in holder_names:
-                    instance, medium = holder_names[holder_id]
-                    by_holder[instance] = blocks
-                    by_medium[instance] = {medium: blocks}
-            return Match(self.total, by_holder, by_medium, {}, reads, {}, False)
+            runs = self._holders if self._took else {h: s[0] for h, s in self._holders.items()}
+            return plain_answer(self.total, runs, holder_names, reads)
         if self._instance_of is not None:
             by_holder = {
                 instance_names[i]: state[0] for i, state in self._instances.items()
@@ -396,6 +388,20 @@ _U64_LE = struct.Struct("<Q")
 LONG_CHAIN = 256  # blocks: match_many walks longer chains one at a time
 
 
+def plain_answer(total: int, runs: dict[int, int], holder_names: dict[int, tuple[str, str]],
+                 reads: int) -> Match:
+    """The answer of a walk where each instance holds blocks in one medium: ``runs``,
+    each holder's prefix by id, named (a holder without a verified name is left out)."""
+    by_holder: dict[str, int] = {}
+    by_medium: dict[str, dict[str, int]] = {}
+    for holder_id, blocks in runs.items():
+        if blocks and holder_id in holder_names:
+            instance, medium = holder_names[holder_id]
+            by_holder[instance] = blocks
+            by_medium[instance] = {medium: blocks}
+    return Match(total, by_holder, by_medium, {}, reads, {}, False)
+
+
 def match_one(r, directory, holders, query: np.ndarray, on_damage, *, with_meta: bool = False,
               with_presence: bool = False, prefetched: bool = False) -> Match:
     """The whole of one match on read transaction ``r``: the walk through ``directory``
@@ -440,8 +446,7 @@ def walk_one(r, directory, walk: PrefixWalk, query: np.ndarray, query_bytes: byt
     Cost: about matched/S + 1 record reads; numpy work per segment, none per block.
     """
     if r.capabilities.prefetch and not prefetched:  # remote: one round trip for them all
-        ids = directory.lookup_many(query)
-        r.prefetch(ids[ids >= 0])
+        r.prefetch(directory.predicted_keys(query))
     if in_c and walks_in_c(r, walk) and walk_in_c(r, directory, walk, query_bytes, on_damage):
         return
     native.ran_python("walk")
@@ -510,8 +515,7 @@ def walk_many(r, directory, walks: list[PrefixWalk], queries: list[np.ndarray], 
     if prefetch and r.capabilities.prefetch:
         everything = np.concatenate(queries)
         if everything.size:
-            ids = directory.lookup_many(everything)
-            r.prefetch(ids[ids >= 0])
+            r.prefetch(directory.predicted_keys(everything))
     # Long chains take match's walk one at a time: their steps are long compares, and
     # the bytes of many of them at once only crowd the cache.
     one_call = walks_in_c(r, walks[0])

@@ -1,0 +1,132 @@
+"""A Valkey reader's match in one C call (``sarp.valkey_read``, ``valkey_read.c``)
+against the Python path it mirrors, on a real Valkey server: random chains written
+while readers match them (the counters move under the readers, so C hands replies to
+the catch-up), several readers matched at once, instances in two media, a reply
+refused (the script gone from the server), a damaged record, a connection cut."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+from conftest import valkey_server
+
+import sarp
+from sarp import native
+from sarp.store import U64
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="sarp._native is not built")
+
+
+def _url(name: str) -> str:
+    return valkey_server().url(f"{name}-{uuid.uuid4().hex[:10]}")
+
+
+def _answer(m: sarp.Match) -> tuple:
+    return m.num_blocks, m.by_holder, m.by_medium, m.multi_medium
+
+
+def _python(index: sarp.Index, chain: np.ndarray) -> sarp.Match:
+    with native.forced("python"):
+        return index.match(chain)
+
+
+def _random_chains(rng, count: int) -> list[np.ndarray]:
+    """Chains sharing prefixes (branches off a few trunks), as requests do."""
+    trunks = [rng.integers(1, 1 << 63, 120, dtype=np.uint64) for _ in range(4)]
+    chains = []
+    for _ in range(count):
+        trunk = trunks[int(rng.integers(0, len(trunks)))]
+        cut = int(rng.integers(1, trunk.size))
+        tail = rng.integers(1, 1 << 63, int(rng.integers(0, 40)), dtype=np.uint64)
+        chains.append(np.concatenate([trunk[:cut], tail]))
+    return chains
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_readers_match_in_c_is_the_python_paths_while_the_writer_writes(seed):
+    """Each reader's answer in C equals the Python path's on the same state, match by
+    match, while a writer inserts and evicts between them (the reply's counters then
+    moved: the catch-up takes it over); and ``Index.match_each`` over two readers of
+    two namespaces equals their own matches."""
+    rng = np.random.default_rng(seed)
+    urls = [_url("c-read"), _url("c-read")]
+    chains = _random_chains(rng, 60)
+    media = ["GPU", "CPU"] if seed == 2 else ["GPU"]  # seed 2: instances in two media
+    with sarp.open(urls[0], durability="nosync", segment_blocks=16) as w0, \
+            sarp.open(urls[1], durability="nosync", segment_blocks=16) as w1:
+        writers = [w0, w1]
+        with sarp.open(urls[0], readonly=True) as r0, sarp.open(urls[1], readonly=True) as r1:
+            readers = [r0, r1]
+            in_c = 0
+            for step, chain in enumerate(chains):
+                w = writers[step % 2]
+                holder, medium = f"e{int(rng.integers(0, 4))}", media[step % len(media)]
+                w.insert(chain, holder=holder, medium=medium)
+                if step % 3 == 0:
+                    victim = chains[int(rng.integers(0, step + 1))]
+                    cut = int(rng.integers(0, victim.size))
+                    w.remove(victim[cut:][::-1], holder=holder, medium=medium)
+                for query in (chain, chains[int(rng.integers(0, step + 1))]):
+                    before = native.calls()["read_match"][0]
+                    got = [r.match(query) for r in readers]
+                    in_c += native.calls()["read_match"][0] - before
+                    assert [_answer(m) for m in got] == \
+                        [_answer(_python(r, query)) for r in readers]
+                    assert [_answer(m) for m in got] == [_answer(w.match(query))
+                                                         for w in writers]
+                    both = sarp.Index.match_each(readers, query)
+                    assert [_answer(m) for m in both] == [_answer(m) for m in got]
+            assert in_c > 0  # C answered (or handed over) the matches it could take
+
+
+def test_a_reply_refused_or_a_damaged_record_falls_back_to_the_python_path():
+    """The READ script flushed from the server (NOSCRIPT): C hands the error back and
+    the Python path loads the script again and answers.  A record damaged in the
+    store: the answer is the Python path's (the prefix verified before it), and the
+    damage is counted."""
+    url = _url("c-fallback")
+    chain = np.arange(1, 81, dtype=np.uint64)
+    with sarp.open(url, segment_blocks=16) as writer:
+        writer.insert(chain, holder="a")
+        with sarp.open(url, readonly=True) as reader:
+            assert reader.match(chain).by_holder == {"a": 80}
+            writer._store.client.script_flush()
+            assert reader.match(chain).by_holder == {"a": 80}  # refused, then asked again
+            before = native.calls()["read_match"][0]
+            assert reader.match(chain).by_holder == {"a": 80}
+            assert native.calls()["read_match"][0] == before + 1  # C again, script loaded
+            seg_id = reader.directory.lookup(int(chain[32]))
+            key, table = U64.pack(seg_id), writer._store.keys["seg"]
+            record = bytearray(writer._store.client.hget(table, key))
+            record[30] ^= 0xFF
+            writer._store.client.hset(table, key, bytes(record))
+            damaged = reader.stats()["corrupt_records"]
+            assert reader.match(chain).by_holder == {"a": 32}
+            assert reader.stats()["corrupt_records"] == damaged + 1  # counted, and logged
+            assert _answer(reader.match(chain)) == _answer(_python(reader, chain))
+
+
+def test_a_reply_c_reads_after_a_write_is_the_catch_ups_read():
+    """When the writer wrote since the reader's last look, C's read is handed to the
+    catch-up as its first read (not asked again): the match makes two reads, that one
+    and the one after the catch-up, as the Python path does; with nothing written, one."""
+    url = _url("c-handover")
+    chain = np.arange(1, 65, dtype=np.uint64)
+    with sarp.open(url, segment_blocks=16, lease_s=60) as writer:  # no renewal meanwhile
+        writer.insert(chain[:32], holder="a")
+        client = writer._store.client
+
+        def reads() -> int:
+            return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+        with sarp.open(url, readonly=True) as reader:
+            assert reader.match(chain).by_holder == {"a": 32}
+            before = reads()
+            assert reader.match(chain).by_holder == {"a": 32}
+            assert reads() - before == 1
+            writer.insert(chain[32:], parent=int(chain[31]), holder="a")
+            before = reads()
+            assert reader.match(chain).by_holder == {"a": 64}
+            assert reads() - before == 2
