@@ -130,3 +130,36 @@ def test_a_reply_c_reads_after_a_write_is_the_catch_ups_read():
             before = reads()
             assert reader.match(chain).by_holder == {"a": 64}
             assert reads() - before == 2
+
+
+def test_readers_matched_together_in_any_order_from_two_threads():
+    """``match_each`` takes its readers' locks in one order whatever the order given:
+    two threads matching the same two readers in opposite orders both finish, with
+    each reader's own answers."""
+    import threading
+
+    urls = [_url("c-order"), _url("c-order")]
+    chain = np.arange(1, 33, dtype=np.uint64)
+    with sarp.open(urls[0]) as w0, sarp.open(urls[1]) as w1:
+        w0.insert(chain, holder="a")
+        w1.insert(chain[:16], holder="b")
+        r0, r1 = sarp.open(urls[0], readonly=True), sarp.open(urls[1], readonly=True)
+        answers: list[list] = []
+
+        def run(readers):
+            got = [sarp.Index.match_each(readers, chain) for _ in range(200)]
+            answers.append([str([m.by_holder for m in ms]) for ms in got])
+
+        threads = [threading.Thread(target=run, args=(order,), daemon=True)
+                   for order in ([r0, r1], [r1, r0])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        # (deadlocked, the readers' locks are held: closing them would wait forever)
+        assert not any(t.is_alive() for t in threads), "deadlocked"
+        r0.close()
+        r1.close()
+        assert [len(set(got)) for got in answers] == [1, 1]  # each thread: one answer
+        assert sorted(got[0] for got in answers) == sorted(
+            [str([{"a": 32}, {"b": 16}]), str([{"b": 16}, {"a": 32}])])

@@ -57,7 +57,8 @@ static int wait_for(int fd, short events, int timeout_ms) {
         Py_BEGIN_ALLOW_THREADS
         got = poll(&p, 1, timeout_ms);
         Py_END_ALLOW_THREADS
-    } while (got < 0 && errno == EINTR);
+    } while (got < 0 && errno == EINTR && PyErr_CheckSignals() == 0);
+    if (got < 0 && PyErr_Occurred()) return -1;  /* a signal's handler raised */
     if (got < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -76,7 +77,10 @@ static int send_all(int fd, const char *data, Py_ssize_t len, int timeout_ms) {
         sent = send(fd, data, (size_t)len, MSG_NOSIGNAL);
         Py_END_ALLOW_THREADS
         if (sent < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR) {
+                if (PyErr_CheckSignals() < 0) return -1;
+                continue;
+            }
             if (errno != EAGAIN && errno != EWOULDBLOCK) {
                 PyErr_SetFromErrno(PyExc_OSError);
                 return -1;
@@ -202,7 +206,10 @@ static int read_reply(Shard *s, int timeout_ms) {
         got = recv(s->fd, s->buf + s->len, (size_t)(s->cap - s->len), 0);
         Py_END_ALLOW_THREADS
         if (got < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR) {
+                if (PyErr_CheckSignals() < 0) return -1;
+                continue;
+            }
             if (errno != EAGAIN && errno != EWOULDBLOCK) {
                 PyErr_SetFromErrno(PyExc_OSError);
                 return -1;

@@ -171,7 +171,7 @@ def match_each(readings: Sequence[Reading], query: np.ndarray, with_meta: bool =
     what ``match`` gives: C's walk is the Python walk's mirror, and whatever it hands
     back is matched by ``match`` on the reply C read.
     """
-    locks = [r.lock for r in readings]
+    locks = sorted({id(r.lock): r.lock for r in readings}.values(), key=id)  # one order
     for lock in locks:
         lock.acquire()
     try:
@@ -195,7 +195,8 @@ def _part(r: Reading) -> tuple | None:
     """``r``'s shard for ``read_match`` and its timeout, or None: the Python path."""
     store, memory = r.store, r.memory
     if native.C is None or not r.readonly or memory.holders.multi_medium or \
-            memory.ahead is not None or not hasattr(store, "match_socket"):
+            memory.ahead is not None or not hasattr(store, "match_socket") or \
+            store.index_id is None:
         return None
     arrays = memory.directory.native_arrays()
     link = store.match_socket() if arrays is not None else None
@@ -210,10 +211,12 @@ def _read_match(readings, parts, fast: list[int], query: np.ndarray) -> list[Mat
     timeout_ms = int(1000 * max(parts[i][1] for i in fast))
     try:
         got = native.C.read_match(query, [parts[i][0] for i in fast], timeout_ms)
-    except (OSError, ValueError):  # (TimeoutError is an OSError) a reply may be unread
+    except BaseException as exc:  # a reply may be left unread: let the connections go
         for i in fast:
             readings[i].store.drop_match_connection()
-        return [None] * len(fast)
+        if isinstance(exc, OSError | ValueError):  # (TimeoutError is an OSError)
+            return [None] * len(fast)
+        raise
     out: list[Match | None] = []
     for i, answer in zip(fast, got, strict=True):
         r = readings[i]
