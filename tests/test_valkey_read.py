@@ -24,12 +24,13 @@ def _url(name: str) -> str:
 
 
 def _answer(m: sarp.Match) -> tuple:
-    return m.num_blocks, m.by_holder, m.by_medium, m.multi_medium
+    return (m.num_blocks, m.by_holder, m.by_medium, m.multi_medium,
+            {k: v.tolist() for k, v in sorted(m.presence.items())})
 
 
-def _python(index: sarp.Index, chain: np.ndarray) -> sarp.Match:
+def _python(index: sarp.Index, chain: np.ndarray, **kw) -> sarp.Match:
     with native.forced("python"):
-        return index.match(chain)
+        return index.match(chain, **kw)
 
 
 def _random_chains(rng, count: int) -> list[np.ndarray]:
@@ -69,14 +70,15 @@ def test_a_readers_match_in_c_is_the_python_paths_while_the_writer_writes(seed):
                     cut = int(rng.integers(0, victim.size))
                     w.remove(victim[cut:][::-1], holder=holder, medium=medium)
                 for query in (chain, chains[int(rng.integers(0, step + 1))]):
+                    presence = bool(rng.integers(0, 2))  # the per-block tiers, or not
                     before = native.calls()["read_match"][0]
-                    got = [r.match(query) for r in readers]
+                    got = [r.match(query, with_presence=presence) for r in readers]
                     in_c += native.calls()["read_match"][0] - before
                     assert [_answer(m) for m in got] == \
-                        [_answer(_python(r, query)) for r in readers]
-                    assert [_answer(m) for m in got] == [_answer(w.match(query))
-                                                         for w in writers]
-                    both = sarp.Index.match_each(readers, query)
+                        [_answer(_python(r, query, with_presence=presence)) for r in readers]
+                    assert [_answer(m) for m in got] == \
+                        [_answer(w.match(query, with_presence=presence)) for w in writers]
+                    both = sarp.Index.match_each(readers, query, with_presence=presence)
                     assert [_answer(m) for m in both] == [_answer(m) for m in got]
             assert in_c > 0  # C answered (or handed over) the matches it could take
 

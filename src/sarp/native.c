@@ -51,7 +51,7 @@ static PyMethodDef methods[] = {
     {"predict", (PyCFunction)(void (*)(void))sarp_predict, METH_FASTCALL,
      "predict(query, keys, segs[, added, added_segs, gone]): Directory.predicted_keys"},
     {"read_match", (PyCFunction)(void (*)(void))sarp_read_match, METH_FASTCALL,
-     "read_match(query, shards, timeout_ms): readers of Valkey matching one chain "
+     "read_match(query, shards, timeout_ms, with_rows): readers of Valkey matching one chain "
      "(sarp.valkey_read.match_each)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
@@ -78,7 +78,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     if (mod != NULL && (PyType_Ready(&sarp_BlockTableType) < 0
-                        || PyModule_AddType(mod, &sarp_BlockTableType) < 0)) {
+                        || PyModule_AddType(mod, &sarp_BlockTableType) < 0
+                        || PyType_Ready(&sarp_ReadsType) < 0
+                        || PyModule_AddType(mod, &sarp_ReadsType) < 0)) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -28,6 +28,7 @@ PyObject *sarp_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_predict(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_read_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
+extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 
 /* directory.c: a query's probes of a directory's sorted arrays (find, predict, and a
  * reader's match in valkey_read.c): the buffers of query, keys, segs[, added,
@@ -44,8 +45,8 @@ int64_t probe_hash(const Probe *p, uint64_t key);  /* Directory.lookup: a segmen
 Py_ssize_t predict_ids(const Probe *p, int64_t *ids);
 
 /* verify.c: the walk's holders (those of its first step, each with its prefix so far
- * and whether it still holds every block, so may extend), and the plain walk (one
- * medium per instance, no presence) over records C already holds. */
+ * and whether it still holds every block, so may extend), and the walk over a source
+ * of records (the read transaction's, or a reply C read: valkey_read.c). */
 typedef struct {
     uint16_t id;
     int extending;
@@ -53,19 +54,27 @@ typedef struct {
 } Holder;
 #define MAX_WALK_HOLDERS 64
 typedef struct {
-    int64_t (*probe)(void *ctx, uint64_t first_hash);  /* a segment id, or -1 */
-    /* the record of a segment; NULL when none is stored, with *len = -1 when the
-     * record is not at hand (the caller walks another way) */
-    const uint8_t *(*record)(void *ctx, int64_t seg_id, Py_ssize_t *len);
+    /* a segment id, -1 (none), or -2 (an error, set) */
+    int64_t (*probe)(void *ctx, uint64_t first_hash);
+    /* the record of a segment, or NULL with *len 0 (none stored), -1 (not at hand: the
+     * caller walks another way) or -2 (an error, set).  With `owner`, it may give a
+     * new reference to bytes holding the record (else the walk copies what it keeps) */
+    const uint8_t *(*record)(void *ctx, int64_t seg_id, Py_ssize_t *len, PyObject **owner);
     void *ctx;
 } RecordSource;
+typedef struct Rows Rows;  /* a step's presence rows, kept (verify.c) */
 typedef struct {
-    Py_ssize_t total, reads, stopped_at, nholders;
+    int with_rows;  /* keep each step's presence rows (set before the walk) */
+    Py_ssize_t total, reads, stopped_at, nholders, nsteps, cap;
     Holder holders[MAX_WALK_HOLDERS];
-} PlainWalk;
-/* walk's loop without presence: 0 with `w` filled (stopped_at as walk's), or 1 when a
- * record it needs is not at hand. */
-int walk_plain(const RecordSource *src, const uint8_t *query, Py_ssize_t size, PlainWalk *w);
+    Rows *steps;
+} Walk;
+/* walk's loop: 0 with `w` filled (stopped_at as walk's), 1 when a record it needs is
+ * not at hand, -1 with an error set.  walk_answer: walk's result tuple (presence rows
+ * with with_rows); walk_release frees the kept rows (after either). */
+int walk_records(const RecordSource *src, const uint8_t *query, Py_ssize_t size, Walk *w);
+PyObject *walk_answer(Walk *w);
+void walk_release(Walk *w);
 
 /* Calls of each entry point since the module loaded (native.calls(): the tests that
  * hold C to its Python reference assert which path ran).  Counted with the GIL held. */

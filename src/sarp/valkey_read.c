@@ -6,10 +6,12 @@
  * query (directory.c), the READ script's EVALSHA packed and sent on the namespace's
  * match connection; then each reply read, parsed, its counters checked against the
  * reader's memory (the catch-up's first test: the same index, nothing logged since),
- * and the walk done over the records it brought (verify.c's walk_plain).  Every
+ * and the walk done over the records it brought (verify.c's walk_records).  Every
  * namespace's read is sent before the first reply is read, so the nodes work at once;
- * the sockets' waits release the GIL.  What it cannot finish (counters moved, a record
- * the prediction missed, an error reply) comes back for the Python path to take up. */
+ * the sockets' waits release the GIL.  The replies are read one at a time as the
+ * caller asks (an iterator), so that its work on one overlaps the nodes' on the next.
+ * What it cannot finish (counters moved, a record the prediction missed, an error
+ * reply) comes back for the Python path to take up. */
 #define PY_SSIZE_T_CLEAN
 #include <errno.h>
 #include <poll.h>
@@ -262,13 +264,15 @@ static int64_t shard_probe(void *ctx, uint64_t hash) {
 
 /* A predicted segment's record from the reply (the walk visits them in query order,
  * as they were predicted: the search starts where the last one was found). */
-static const uint8_t *shard_record(void *ctx, int64_t seg_id, Py_ssize_t *len) {
+static const uint8_t *shard_record(void *ctx, int64_t seg_id, Py_ssize_t *len,
+                                   PyObject **owner) {
     Shard *s = ctx;
+    (void)owner;  /* the reply's buffer: what the walk keeps, it copies */
     for (Py_ssize_t k = 0; k < s->count; k++) {
         Py_ssize_t i = (s->cursor + k) % s->count;
         if (s->ids[i] != seg_id) continue;
         s->cursor = i;
-        *len = s->val_len[i];
+        *len = s->vals[i] == NULL ? 0 : s->val_len[i];
         return (const uint8_t *)s->vals[i];
     }
     *len = -1;  /* not predicted: not at hand */
@@ -286,26 +290,19 @@ static PyObject *bytes_list(const char **s, const Py_ssize_t *n, Py_ssize_t coun
 }
 
 /* The answer of one namespace: the walk's, or what the Python path takes up. */
-static PyObject *answer(Shard *s, const uint8_t *query, Py_ssize_t size) {
+static PyObject *answer(Shard *s, const uint8_t *query, Py_ssize_t size, int with_rows) {
     if (s->error != NULL)
         return Py_BuildValue("(sy#)", "error", s->error, s->error_len);
     if (current(s)) {
-        PlainWalk w;
+        Walk w = {.with_rows = with_rows};
         RecordSource src = {shard_probe, shard_record, s};
         s->cursor = 0;
-        if (walk_plain(&src, query, size, &w) == 0 && w.stopped_at != -2) {
-            PyObject *runs = PyDict_New();
-            for (Py_ssize_t k = 0; runs != NULL && k < w.nholders; k++) {
-                PyObject *id = PyLong_FromLong(w.holders[k].id);
-                PyObject *blocks = PyLong_FromSsize_t(w.holders[k].blocks);
-                if (id == NULL || blocks == NULL || PyDict_SetItem(runs, id, blocks) < 0)
-                    Py_CLEAR(runs);
-                Py_XDECREF(id);
-                Py_XDECREF(blocks);
-            }
-            if (runs == NULL) return NULL;
-            return Py_BuildValue("(nnNn)", w.total, w.reads, runs, w.stopped_at);
-        }
+        int done = walk_records(&src, query, size, &w);
+        PyObject *out = done == 0 ? walk_answer(&w) : NULL;
+        walk_release(&w);
+        if (done < 0 || (done == 0 && out == NULL)) return NULL;
+        if (out != NULL && PyLong_AsSsize_t(PyTuple_GET_ITEM(out, 3)) != -2) return out;
+        Py_XDECREF(out);  /* more holders than C takes: the Python path walks it */
     }
     PyObject *meta = bytes_list(s->meta, s->meta_len, s->nmeta);
     PyObject *vals = bytes_list(s->vals, s->val_len, s->nvals);
@@ -317,86 +314,19 @@ static PyObject *answer(Shard *s, const uint8_t *query, Py_ssize_t size) {
     return Py_BuildValue("(sNN)", "reply", meta, vals);
 }
 
-/* read_match(query, shards, timeout_ms) -> [answer per shard]
- * query: the chain's hashes (uint64, native order).  shards: (fd, head, index_id,
- * watermark, keys, segs[, added, added_segs, gone]) each: the match connection's
- * socket, the READ command's bytes after its count (valkey_scripts.ReadAhead.head),
- * the index id and log sequence the reader's memory stands at, and the directory's
- * arrays (Directory._c_arrays).  An answer is (total, reads, {holder id: blocks},
- * stopped_at) as walk gives it; ("reply", meta, values): the READ's reply, for the
- * Python path (the counters moved, or the walk needs what C does not do); or
- * ("error", message): the node refused the command.  A socket that fails raises
- * OSError (or TimeoutError): the replies of the other shards may be unread then. */
-PyObject *sarp_read_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    sarp_calls[CALL_READ_MATCH]++;
-    if (nargs != 3 || !PyList_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "read_match(query, shards: list, timeout_ms)");
-        return NULL;
-    }
-    int timeout_ms = PyLong_AsLong(args[2]) > 0 ? (int)PyLong_AsLong(args[2]) : -1;
-    if (PyErr_Occurred()) return NULL;
+/* The reads sent: each shard's answer taken in order by iterating (its reply read,
+ * parsed and walked), so that the caller's work on one overlaps the nodes' on the
+ * next ones.  Everything it holds (the query, the directories' arrays, the buffers)
+ * is let go when it is. */
+typedef struct {
+    PyObject_HEAD
+    Shard *shards;
+    Py_ssize_t nshards, next;
     Py_buffer q;
-    if (PyObject_GetBuffer(args[0], &q, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t nshards = PyList_GET_SIZE(args[1]);
-    Shard *shards = PyMem_Calloc((size_t)(nshards ? nshards : 1), sizeof(Shard));
-    PyObject *out = NULL;
-    if (shards == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < nshards; i++) {
-        Shard *s = &shards[i];
-        PyObject *t = PyList_GET_ITEM(args[1], i);
-        Py_ssize_t n = PyTuple_Check(t) ? PyTuple_GET_SIZE(t) : 0;
-        if (n != 6 && n != 9) {
-            PyErr_SetString(PyExc_TypeError, "read_match: a shard is (fd, head, index_id, "
-                            "watermark, keys, segs[, added, added_segs, gone])");
-            goto done;
-        }
-        s->fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
-        s->watermark = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 3));
-        if (PyErr_Occurred()) goto done;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 1), &s->head, PyBUF_SIMPLE) < 0) goto done;
-        s->has_head = 1;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 2), &s->index_id, PyBUF_SIMPLE) < 0)
-            goto done;
-        s->has_index_id = 1;
-        PyObject *probe_args[6] = {args[0]};
-        for (Py_ssize_t k = 4; k < n; k++) probe_args[k - 3] = PyTuple_GET_ITEM(t, k);
-        if (take_probe(&s->probe, probe_args, n - 3, "read_match") < 0) goto done;
-        s->probed = 1;
-        s->ids = PyMem_Malloc(sizeof(int64_t) * (size_t)(s->probe.n ? s->probe.n : 1));
-        if (s->ids == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        if ((s->count = predict_ids(&s->probe, s->ids)) < 0) goto done;
-        /* EVALSHA sha 2 meta seg key...: the count, the head, then each key */
-        if (grow(s, 32 + s->head.len + 14 * s->count) < 0) goto done;
-        s->len = sprintf(s->buf, "*%zd\r\n", 5 + s->count);
-        memcpy(s->buf + s->len, s->head.buf, (size_t)s->head.len);
-        s->len += s->head.len;
-        for (Py_ssize_t k = 0; k < s->count; k++) {
-            char *p = s->buf + s->len;
-            memcpy(p, "$8\r\n", 4);
-            for (int j = 0; j < 8; j++) p[4 + j] = (char)((uint64_t)s->ids[k] >> (56 - 8 * j));
-            memcpy(p + 12, "\r\n", 2);
-            s->len += 14;
-        }
-    }
-    for (Py_ssize_t i = 0; i < nshards; i++) {
-        if (send_all(shards[i].fd, shards[i].buf, shards[i].len, timeout_ms) < 0) goto done;
-    }
-    for (Py_ssize_t i = 0; i < nshards; i++) {
-        if (read_reply(&shards[i], timeout_ms) < 0) goto done;
-    }
-    out = PyList_New(nshards);
-    for (Py_ssize_t i = 0; out != NULL && i < nshards; i++) {
-        PyObject *a = answer(&shards[i], q.buf, q.len / 8);
-        if (a == NULL) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, a);
-    }
-done:
+    int has_q, timeout_ms, with_rows;
+} Reads;
+
+static void shards_free(Shard *shards, Py_ssize_t nshards) {
     for (Py_ssize_t i = 0; shards != NULL && i < nshards; i++) {
         Shard *s = &shards[i];
         if (s->probed) release_probe(&s->probe);
@@ -410,6 +340,125 @@ done:
         PyMem_Free(s->val_len);
     }
     PyMem_Free(shards);
-    PyBuffer_Release(&q);
-    return out;
+}
+
+static void reads_dealloc(Reads *r) {
+    shards_free(r->shards, r->nshards);
+    if (r->has_q) PyBuffer_Release(&r->q);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+/* The next shard's answer (see read_match); StopIteration after the last.  A socket
+ * that fails raises OSError, and so does every later one: their replies are unread. */
+static PyObject *reads_next(Reads *r) {
+    if (r->next >= r->nshards) return NULL;  /* (StopIteration) */
+    Shard *s = &r->shards[r->next++];
+    if (s->fd < 0) {
+        PyErr_SetString(PyExc_ConnectionError, "read_match: an earlier reply failed");
+        return NULL;
+    }
+    if (read_reply(s, r->timeout_ms) < 0) {
+        for (Py_ssize_t k = r->next; k < r->nshards; k++) r->shards[k].fd = -1;
+        return NULL;
+    }
+    return answer(s, r->q.buf, r->q.len / 8, r->with_rows);
+}
+
+PyTypeObject sarp_ReadsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sarp._native.Reads",
+    .tp_basicsize = sizeof(Reads),
+    .tp_dealloc = (destructor)reads_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The READs read_match sent: iterate for each shard's answer, in order",
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)reads_next,
+};
+
+/* read_match(query, shards, timeout_ms, with_rows) -> Reads (an answer per shard)
+ * query: the chain's hashes (uint64, native order).  shards: (fd, head, index_id,
+ * watermark, keys, segs[, added, added_segs, gone]) each: the match connection's
+ * socket, the READ command's bytes after its count (valkey_scripts.ReadAhead.head),
+ * the index id and log sequence the reader's memory stands at, and the directory's
+ * arrays (Directory.native_arrays).  Every shard's READ is sent before this returns;
+ * iterating the result reads the replies, in order.  An answer is (total, reads,
+ * {holder id: blocks} or, with_rows, {holder id: presence bytes}, stopped_at) as walk
+ * gives it (with with_presence); ("reply", meta, values): the READ's reply, for the
+ * Python path (the counters moved, or the walk needs what C does not do); or
+ * ("error", message): the node refused the command.  A socket that fails raises
+ * OSError (or TimeoutError): the replies after it are left unread then. */
+PyObject *sarp_read_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    sarp_calls[CALL_READ_MATCH]++;
+    if (nargs != 4 || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "read_match(query, shards: list, timeout_ms, "
+                                         "with_rows)");
+        return NULL;
+    }
+    int with_rows = PyObject_IsTrue(args[3]);
+    if (with_rows < 0) return NULL;
+    long timeout = PyLong_AsLong(args[2]);
+    if (timeout == -1 && PyErr_Occurred()) return NULL;
+    Reads *r = PyObject_New(Reads, &sarp_ReadsType);
+    if (r == NULL) return NULL;
+    r->nshards = PyList_GET_SIZE(args[1]);
+    r->next = 0;
+    r->has_q = 0;
+    r->timeout_ms = timeout > 0 && timeout < INT32_MAX ? (int)timeout : -1;
+    r->with_rows = with_rows;
+    r->shards = PyMem_Calloc((size_t)(r->nshards ? r->nshards : 1), sizeof(Shard));
+    if (r->shards == NULL) {
+        r->nshards = 0;
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (PyObject_GetBuffer(args[0], &r->q, PyBUF_SIMPLE) < 0) goto fail;
+    r->has_q = 1;
+    for (Py_ssize_t i = 0; i < r->nshards; i++) {
+        Shard *s = &r->shards[i];
+        PyObject *t = PyList_GET_ITEM(args[1], i);
+        Py_ssize_t n = PyTuple_Check(t) ? PyTuple_GET_SIZE(t) : 0;
+        if (n != 6 && n != 9) {
+            PyErr_SetString(PyExc_TypeError, "read_match: a shard is (fd, head, index_id, "
+                            "watermark, keys, segs[, added, added_segs, gone])");
+            goto fail;
+        }
+        s->fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 0));
+        s->watermark = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 3));
+        if (PyErr_Occurred()) goto fail;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 1), &s->head, PyBUF_SIMPLE) < 0) goto fail;
+        s->has_head = 1;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 2), &s->index_id, PyBUF_SIMPLE) < 0)
+            goto fail;
+        s->has_index_id = 1;
+        PyObject *probe_args[6] = {args[0]};
+        for (Py_ssize_t k = 4; k < n; k++) probe_args[k - 3] = PyTuple_GET_ITEM(t, k);
+        if (take_probe(&s->probe, probe_args, n - 3, "read_match") < 0) goto fail;
+        s->probed = 1;
+        s->ids = PyMem_Malloc(sizeof(int64_t) * (size_t)(s->probe.n ? s->probe.n : 1));
+        if (s->ids == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        if ((s->count = predict_ids(&s->probe, s->ids)) < 0) goto fail;
+        /* EVALSHA sha 2 meta seg key...: the count, the head, then each key */
+        if (grow(s, 32 + s->head.len + 14 * s->count) < 0) goto fail;
+        s->len = sprintf(s->buf, "*%zd\r\n", 5 + s->count);
+        memcpy(s->buf + s->len, s->head.buf, (size_t)s->head.len);
+        s->len += s->head.len;
+        for (Py_ssize_t k = 0; k < s->count; k++) {
+            char *p = s->buf + s->len;
+            memcpy(p, "$8\r\n", 4);
+            for (int j = 0; j < 8; j++) p[4 + j] = (char)((uint64_t)s->ids[k] >> (56 - 8 * j));
+            memcpy(p + 12, "\r\n", 2);
+            s->len += 14;
+        }
+    }
+    for (Py_ssize_t i = 0; i < r->nshards; i++) {
+        if (send_all(r->shards[i].fd, r->shards[i].buf, r->shards[i].len, r->timeout_ms) < 0)
+            goto fail;
+    }
+    return (PyObject *)r;
+fail:
+    Py_DECREF(r);
+    return NULL;
 }

@@ -8,9 +8,10 @@ the namespace's match connection; once every read is sent, each reply is parsed,
 counters checked against the reader's memory and the walk done over its records.  The
 Python path (:func:`sarp.recovery.current_read` and :func:`sarp.verify.match_one`) is
 the reference, and takes up what C hands back: a reply whose counters moved (the
-catch-up reads the log), an error reply, a walk C does not do (meta, presence, an
-instance in two media), a broken connection.  Like the rest of the Valkey backend, it
-calls the client its store hands it (:mod:`sarp.store_valkey` imports it).
+catch-up reads the log), an error reply, a walk C does not do (meta asked, more
+holders than it takes), a damaged record, a broken connection.  Like the rest of the
+Valkey backend, it calls the client its store hands it (:mod:`sarp.store_valkey`
+imports it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from . import native, recovery
 from .segment import Segment, decode
 from .store import BLOCK_VALUE, LOG_VALUE, U64, Capabilities, counter_value, holder_names
-from .verify import Match, plain_answer
+from .verify import Match, PrefixWalk, plain_answer
 
 if TYPE_CHECKING:
     from .store_valkey import ValkeyStore
@@ -165,8 +166,8 @@ def match_each(readings: Sequence[Reading], query: np.ndarray, with_meta: bool =
                with_presence: bool = False) -> list[Match]:
     """Each index's :meth:`sarp.Index.match` of ``query``, their reads at once.
 
-    Readers of Valkey (plain TCP, the C extension loaded, one medium per instance)
-    go through one ``read_match`` call; the others send their reads ahead
+    Readers of Valkey (plain TCP, the C extension loaded, no meta asked) go through
+    one ``read_match`` call; the others send their reads ahead
     (:func:`sarp.recovery.read_ahead`) and match as usual.  Every answer is exactly
     what ``match`` gives: C's walk is the Python walk's mirror, and whatever it hands
     back is matched by ``match`` on the reply C read.
@@ -176,13 +177,15 @@ def match_each(readings: Sequence[Reading], query: np.ndarray, with_meta: bool =
         lock.acquire()
     try:
         answers: list[Match | None] = [None] * len(readings)
-        parts = [None if with_meta or with_presence else _part(r) for r in readings]
+        parts = [None if with_meta else _part(r) for r in readings]
         fast = [i for i, part in enumerate(parts) if part is not None]
         for i, r in enumerate(readings):
             if parts[i] is None and r.readonly and r.store.capabilities.prefetch:
                 recovery.read_ahead(r.store, r.memory, query)
         if fast:
-            for i, answer in zip(fast, _read_match(readings, parts, fast, query), strict=True):
+            rows = with_presence or any(readings[i].memory.holders.multi_medium for i in fast)
+            for i, answer in zip(fast, _read_match(readings, parts, fast, query, rows,
+                                                   with_presence), strict=True):
                 answers[i] = answer
         return [answers[i] if answers[i] is not None else r.match(query, with_meta, with_presence)
                 for i, r in enumerate(readings)]
@@ -194,9 +197,8 @@ def match_each(readings: Sequence[Reading], query: np.ndarray, with_meta: bool =
 def _part(r: Reading) -> tuple | None:
     """``r``'s shard for ``read_match`` and its timeout, or None: the Python path."""
     store, memory = r.store, r.memory
-    if native.C is None or not r.readonly or memory.holders.multi_medium or \
-            memory.ahead is not None or not hasattr(store, "match_socket") or \
-            store.index_id is None:
+    if native.C is None or not r.readonly or memory.ahead is not None or \
+            not hasattr(store, "match_socket") or store.index_id is None:
         return None
     arrays = memory.directory.native_arrays()
     link = store.match_socket() if arrays is not None else None
@@ -206,35 +208,50 @@ def _part(r: Reading) -> tuple | None:
     return (fd, store.read_head, store.index_id, memory.watermark, *arrays), timeout_s
 
 
-def _read_match(readings, parts, fast: list[int], query: np.ndarray) -> list[Match | None]:
-    """The answers of the readings at ``fast``; None where the Python path answers."""
+def _read_match(readings, parts, fast: list[int], query: np.ndarray, rows: bool,
+                with_presence: bool) -> list[Match | None]:
+    """The answers of the readings at ``fast``; None where the Python path answers.
+    ``rows``: C gives each holder's presence (asked, or some instance in two media)."""
     timeout_ms = int(1000 * max(parts[i][1] for i in fast))
-    try:
-        got = native.C.read_match(query, [parts[i][0] for i in fast], timeout_ms)
+    out: list[Match | None] = []
+    try:  # every READ sent; each reply read (and named here) while the next are coming
+        for i, answer in zip(fast, native.C.read_match(
+                query, [parts[i][0] for i in fast], timeout_ms, rows), strict=True):
+            out.append(_taken(readings[i], query, answer, rows, with_presence))
     except BaseException as exc:  # a reply may be left unread: let the connections go
         for i in fast:
             readings[i].store.drop_match_connection()
         if isinstance(exc, OSError | ValueError):  # (TimeoutError is an OSError)
-            return [None] * len(fast)
+            return out + [None] * (len(fast) - len(out))
         raise
-    out: list[Match | None] = []
-    for i, answer in zip(fast, got, strict=True):
-        r = readings[i]
-        if answer[0] == "reply":  # the counters moved: the catch-up takes this reply
-            keys = r.memory.directory.predicted_keys(query)
-            r.store.adopt_reply(keys, [answer[1], answer[2]])
-            r.memory.ahead = (query, keys)
-            out.append(None)
-        elif answer[0] == "error" or answer[3] != -1:  # refused, or a damaged record
-            out.append(None)
-        else:
-            out.append(_named(r, query, *answer[:3]))
     return out
 
 
-def _named(r: Reading, query: np.ndarray, total: int, reads: int, runs: dict) -> Match:
-    """C's walk as ``match`` answers it (one medium per instance), counted."""
-    m = plain_answer(total, runs, r.memory.holders.names, reads)
+def _taken(r: Reading, query: np.ndarray, answer: tuple, rows: bool,
+           with_presence: bool) -> Match | None:
+    """One reader's answer from C, or None: the Python path answers it."""
+    if answer[0] == "reply":  # the counters moved: the catch-up takes this reply
+        keys = r.memory.directory.predicted_keys(query)
+        r.store.adopt_reply(keys, [answer[1], answer[2]])
+        r.memory.ahead = (query, keys)
+        return None
+    if answer[0] == "error" or answer[3] != -1:  # refused, or a damaged record
+        return None
+    return _named(r, query, *answer[:3], rows, with_presence)
+
+
+def _named(r: Reading, query: np.ndarray, total: int, reads: int, runs: dict, rows: bool,
+           with_presence: bool) -> Match:
+    """C's walk as ``match`` answers it, counted: each holder's run (one medium per
+    instance), or each holder's presence rows (:meth:`sarp.verify.PrefixWalk.take_rows`)."""
+    holders = r.memory.holders
+    if rows:
+        walk = PrefixWalk(holders.instance_of if holders.multi_medium else None, False,
+                          with_presence)
+        walk.take_rows(total, runs)
+        m = walk.result(holders.names, holders.instance_names, reads)
+    else:
+        m = plain_answer(total, runs, holders.names, reads)
     for observe in r.observers:
         observe(query)
     r.counters.matched([m])

@@ -202,35 +202,12 @@ static Py_ssize_t walk_step(const uint8_t *r, Py_ssize_t len, const uint8_t *que
     return any_run;
 }
 
-int walk_plain(const RecordSource *src, const uint8_t *query, Py_ssize_t size, PlainWalk *w) {
-    w->total = w->reads = w->nholders = 0;
-    w->stopped_at = -1;
-    Py_ssize_t pos = 0;
-    int first = 1, going;
-    while (pos < size) {
-        int64_t seg_id = src->probe(src->ctx, u64_at(query + 8 * pos));
-        if (seg_id < 0) break;
-        Py_ssize_t len = 0;
-        const uint8_t *r = src->record(src->ctx, seg_id, &len);
-        if (r == NULL && len < 0) return 1;
-        w->reads++;
-        if (r == NULL) break;
-        Step st;
-        Py_ssize_t step = walk_step(r, len, query, size, pos, seg_id, w->holders,
-                                    &w->nholders, &first, &going, &w->stopped_at, &st);
-        w->total += step;
-        if (w->stopped_at != -1 || step == 0 || !going) break;
-        pos += step;
-    }
-    return 0;
-}
-
 /* One step's part of the per-block presence (walk with presence): the record, kept
  * alive, and where in it the held run's rows are. */
-typedef struct {
+struct Rows {
     PyObject *record;
     Py_ssize_t presence_at, holders_at, n, nh, width, offset;
-} Rows;
+};
 
 #define MAX_PRESENCE_HOLDERS 1024
 
@@ -278,6 +255,149 @@ fail:
     return NULL;
 }
 
+/* Keep a step's record for the presence: `owner` (a new reference to bytes holding
+ * it, taken over) or a copy of the `len` bytes at `r`.  0, or -1 with an error. */
+static int keep_rows(Walk *w, const uint8_t *r, Py_ssize_t len, PyObject *owner,
+                     const Step *st, Py_ssize_t step) {
+    PyObject *kept = owner != NULL ? owner : PyBytes_FromStringAndSize((const char *)r, len);
+    if (kept == NULL) return -1;
+    if (w->nsteps == w->cap) {
+        Py_ssize_t grown = w->cap ? 2 * w->cap : 16;
+        Rows *more = PyMem_Realloc(w->steps, (size_t)grown * sizeof(Rows));
+        if (more == NULL) {
+            Py_DECREF(kept);
+            PyErr_NoMemory();
+            return -1;
+        }
+        w->steps = more;
+        w->cap = grown;
+    }
+    w->steps[w->nsteps++] = (Rows){kept, st->presence_at, st->holders_at, st->n, st->nh,
+                                   step, w->total};
+    return 0;
+}
+
+int walk_records(const RecordSource *src, const uint8_t *query, Py_ssize_t size, Walk *w) {
+    w->total = w->reads = w->nholders = w->nsteps = 0;
+    w->stopped_at = -1;
+    Py_ssize_t pos = 0;
+    int first = 1, going;
+    while (pos < size) {
+        int64_t seg_id = src->probe(src->ctx, u64_at(query + 8 * pos));
+        if (seg_id == -2) return -1;
+        if (seg_id < 0) break;
+        Py_ssize_t len = 0;
+        PyObject *owner = NULL;
+        const uint8_t *r = src->record(src->ctx, seg_id, &len, w->with_rows ? &owner : NULL);
+        if (r == NULL && len == -2) return -1;
+        if (r == NULL && len == -1) return 1;
+        w->reads++;
+        if (r == NULL) break;
+        Step st;
+        Py_ssize_t step = walk_step(r, len, query, size, pos, seg_id, w->holders,
+                                    &w->nholders, &first, &going, &w->stopped_at, &st);
+        if (step > 0 && w->with_rows) {
+            if (keep_rows(w, r, len, owner, &st, step) < 0) return -1;
+        } else {
+            Py_XDECREF(owner);
+        }
+        w->total += step;
+        if (w->stopped_at != -1 || step == 0 || !going) break;
+        pos += step;
+    }
+    return 0;
+}
+
+void walk_release(Walk *w) {
+    for (Py_ssize_t k = 0; k < w->nsteps; k++) Py_DECREF(w->steps[k].record);
+    PyMem_Free(w->steps);
+    w->steps = NULL;
+    w->nsteps = w->cap = 0;
+}
+
+PyObject *walk_answer(Walk *w) {
+    PyObject *third;
+    if (w->with_rows && w->stopped_at != -2) {
+        third = presence_of(w->steps, w->nsteps, w->total);
+        if (third == Py_None) {  /* more holders than the rows take: Python walks it */
+            Py_DECREF(third);
+            w->stopped_at = -2;
+            third = PyDict_New();
+        }
+    } else {
+        third = PyDict_New();
+        for (Py_ssize_t k = 0; third != NULL && k < w->nholders; k++) {
+            PyObject *id = PyLong_FromLong(w->holders[k].id);
+            PyObject *blocks = PyLong_FromSsize_t(w->holders[k].blocks);
+            if (id == NULL || blocks == NULL || PyDict_SetItem(third, id, blocks) < 0)
+                Py_CLEAR(third);
+            Py_XDECREF(id);
+            Py_XDECREF(blocks);
+        }
+    }
+    if (third == NULL) return NULL;
+    return Py_BuildValue("nnNn", w->total, w->reads, third, w->stopped_at);
+}
+
+/* walk's record source: the directory's two dicts, then its lookup, and the read
+ * transaction's get (the record it returned is kept until the next). */
+typedef struct {
+    PyObject *get, *lookup, *recent, *remembered, *record;
+    Py_buffer rec;
+} PySource;
+
+static int64_t py_probe(void *ctx, uint64_t first_hash) {
+    PySource *s = ctx;
+    PyObject *key = PyLong_FromUnsignedLongLong(first_hash);
+    if (key == NULL) return -2;
+    PyObject *seg = PyDict_GetItemWithError(s->recent, key);
+    if (seg == NULL && !PyErr_Occurred()) seg = PyDict_GetItemWithError(s->remembered, key);
+    if (seg != NULL) {
+        Py_INCREF(seg);
+    } else if (!PyErr_Occurred()) {
+        seg = PyObject_CallOneArg(s->lookup, key);
+    }
+    Py_DECREF(key);
+    if (seg == NULL) return -2;
+    if (seg == Py_None) {
+        Py_DECREF(seg);
+        return -1;
+    }
+    unsigned long long seg_id = PyLong_AsUnsignedLongLong(seg);
+    Py_DECREF(seg);
+    return PyErr_Occurred() ? -2 : (int64_t)seg_id;
+}
+
+static void py_drop_record(PySource *s) {
+    if (s->record == NULL) return;
+    PyBuffer_Release(&s->rec);
+    Py_CLEAR(s->record);
+}
+
+static const uint8_t *py_record(void *ctx, int64_t seg_id, Py_ssize_t *len, PyObject **owner) {
+    PySource *s = ctx;
+    py_drop_record(s);
+    *len = -2;
+    PyObject *key = be_key((uint64_t)seg_id);
+    if (key == NULL) return NULL;
+    PyObject *record = PyObject_CallOneArg(s->get, key);
+    Py_DECREF(key);
+    if (record == NULL) return NULL;
+    if (record == Py_None) {
+        Py_DECREF(record);
+        *len = 0;
+        return NULL;
+    }
+    if (PyObject_GetBuffer(record, &s->rec, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(record);
+        return NULL;
+    }
+    s->record = record;
+    *len = s->rec.len;
+    if (owner != NULL && PyBytes_CheckExact(record)) *owner = Py_NewRef(record);
+    return s->rec.buf;
+}
+
 /* walk(get, lookup, recent, remembered, query_bytes[, with_presence])
  *   -> (total, reads, {holder_id: blocks} | {holder_id: presence bytes}, stopped_at)
  * `match`'s walk.  The directory probe is Directory.lookup's:
@@ -301,118 +421,15 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     int with_presence = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
     if (with_presence < 0) return NULL;
-    Rows *steps = NULL;
-    Py_ssize_t nsteps = 0, cap = 0;
-    PyObject *get = args[0], *lookup = args[1], *recent = args[2], *remembered = args[3];
     Py_buffer q;
     if (PyObject_GetBuffer(args[4], &q, PyBUF_SIMPLE) < 0) return NULL;
-    const uint8_t *query = q.buf;
-    Py_ssize_t size = q.len / 8, pos = 0, total = 0, reads = 0, stopped_at = -1;
-    Holder holders[MAX_WALK_HOLDERS];
-    Py_ssize_t nholders = 0;
-    int first = 1;
-    PyObject *out = NULL;
-    while (pos < size) {
-        PyObject *key = PyLong_FromUnsignedLongLong(u64_at(query + 8 * pos));
-        if (key == NULL) goto done;
-        PyObject *seg = PyDict_GetItemWithError(recent, key);
-        if (seg == NULL && !PyErr_Occurred()) seg = PyDict_GetItemWithError(remembered, key);
-        if (seg != NULL) {
-            Py_INCREF(seg);
-        } else if (!PyErr_Occurred()) {
-            seg = PyObject_CallOneArg(lookup, key);
-        }
-        Py_DECREF(key);
-        if (seg == NULL) goto done;
-        if (seg == Py_None) {
-            Py_DECREF(seg);
-            break;
-        }
-        unsigned long long seg_id = PyLong_AsUnsignedLongLong(seg);
-        Py_DECREF(seg);
-        if (PyErr_Occurred()) goto done;
-        PyObject *seg_key = be_key(seg_id);
-        if (seg_key == NULL) goto done;
-        PyObject *record = PyObject_CallOneArg(get, seg_key);
-        Py_DECREF(seg_key);
-        if (record == NULL) goto done;
-        reads++;
-        if (record == Py_None) {
-            Py_DECREF(record);
-            break;
-        }
-        Py_buffer rec;
-        if (PyObject_GetBuffer(record, &rec, PyBUF_SIMPLE) < 0) {
-            Py_DECREF(record);
-            goto done;
-        }
-        const uint8_t *r = rec.buf;
-        Step st;
-        int going;
-        Py_ssize_t step = walk_step(r, rec.len, query, size, pos, (int64_t)seg_id, holders,
-                                    &nholders, &first, &going, &stopped_at, &st);
-        if (step > 0 && with_presence) {
-            /* kept to the end: bytes as they are, any other buffer copied */
-            PyObject *kept = PyBytes_CheckExact(record) ? Py_NewRef(record)
-                : PyBytes_FromStringAndSize((const char *)rec.buf, rec.len);
-            if (kept == NULL) {
-                PyBuffer_Release(&rec);
-                Py_DECREF(record);
-                goto done;
-            }
-            if (nsteps == cap) {
-                Py_ssize_t grown = cap ? 2 * cap : 16;
-                Rows *more = PyMem_Realloc(steps, (size_t)grown * sizeof(Rows));
-                if (more == NULL) {
-                    PyErr_NoMemory();
-                    Py_DECREF(kept);
-                    PyBuffer_Release(&rec);
-                    Py_DECREF(record);
-                    goto done;
-                }
-                steps = more;
-                cap = grown;
-            }
-            steps[nsteps++] = (Rows){kept, st.presence_at, st.holders_at, st.n, st.nh,
-                                     step, total};
-        }
-        total += step;
-        PyBuffer_Release(&rec);
-        Py_DECREF(record);
-        if (stopped_at != -1 || step == 0 || !going) break;
-        pos += step;
-    }
-    if (with_presence && stopped_at != -2) {
-        PyObject *rows = presence_of(steps, nsteps, total);
-        if (rows == NULL) goto done;
-        if (rows == Py_None) {
-            Py_DECREF(rows);
-            stopped_at = -2;
-            rows = PyDict_New();
-            if (rows == NULL) goto done;
-        }
-        out = Py_BuildValue("nnNn", total, reads, rows, stopped_at);
-        goto done;
-    }
-    PyObject *runs = PyDict_New();
-    if (runs == NULL) goto done;
-    for (Py_ssize_t k = 0; k < nholders; k++) {
-        PyObject *id = PyLong_FromLong(holders[k].id);
-        PyObject *blocks = PyLong_FromSsize_t(holders[k].blocks);
-        if (id == NULL || blocks == NULL || PyDict_SetItem(runs, id, blocks) < 0) {
-            Py_XDECREF(id);
-            Py_XDECREF(blocks);
-            Py_DECREF(runs);
-            goto done;
-        }
-        Py_DECREF(id);
-        Py_DECREF(blocks);
-    }
-    out = Py_BuildValue("nnNn", total, reads, runs, stopped_at);
-done:
-    for (Py_ssize_t k = 0; k < nsteps; k++) Py_DECREF(steps[k].record);
-    PyMem_Free(steps);
+    PySource source = {args[0], args[1], args[2], args[3], NULL};
+    RecordSource src = {py_probe, py_record, &source};
+    Walk w = {.with_rows = with_presence};
+    int done = walk_records(&src, q.buf, q.len / 8, &w);
+    py_drop_record(&source);
+    PyObject *out = done == 0 ? walk_answer(&w) : NULL;
+    walk_release(&w);
     PyBuffer_Release(&q);
     return out;
 }
-
