@@ -365,8 +365,10 @@ class ValkeyStore:
         through the client, which follows the slot and the topology."""
         ahead, self._ahead.pending = self._ahead.pending, None
         reply, self._ahead.reply = self._ahead.reply, None
-        if reply is not None and ahead == data:  # read by C (adopt_reply)
-            return reply
+        if reply is not None:  # read by C (adopt_reply): nothing of it left on the wire
+            if ahead == data:
+                return reply
+            ahead = None
         conn = self._match_connection()
         try:
             if ahead is not None and ahead != data:

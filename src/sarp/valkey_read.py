@@ -1,5 +1,5 @@
 """A reader's reads on Valkey: the read transaction (:class:`ValkeyReadTxn`), and
-readers matching one chain in one C call (:func:`match_each`: ``sarp._native``'s
+readers matching one chain in C (:func:`match_each`: ``sarp._native``'s
 ``read_match``, ``valkey_read.c``).
 
 :func:`match_each` does, for each namespace (the one index, or every shard of
