@@ -32,7 +32,9 @@ Run it from the project root (Dynamo from ``make dynamo``'s ``.venv-dynamo``)::
         --requests 3000 --repeat 3 --json bench-results/service-mooncake.json \\
         --plot bench-results/service-mooncake.png
 
-(``--replot JSON --plot PNG`` draws an earlier run's JSON again.)
+(``--replot JSON --plot PNG`` draws an earlier run's JSON again.  ``--sarp-valkey``
+puts sarp's index in a namespace of a Valkey server the run starts, for serve on
+Valkey; its restart then waits for the killed writer's lease to run out.)
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from sarp.serving.events import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama"
+VALKEY = None  # --sarp-valkey: the server sarp's indexes are namespaces of
 
 
 class _Tape:
@@ -113,12 +116,15 @@ class Service:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.index = str(work / "ix") if VALKEY is None else VALKEY.url(f"svc-{self.port}")
 
     def start(self) -> None:
         if self.kind == "sarp":
-            cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(self.work / "ix"),
+            cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", self.index,
                    "--durability", "nosync", "--http", f"127.0.0.1:{self.port}",
                    "--http-workers", "2"]
+            if VALKEY is not None:  # a restart takes over the killed writer's lease
+                cmd += ["--lease-s", "2", "--wait-for-lease-s", "30"]
         else:
             python = os.environ.get("SARP_DYNAMO_PYTHON", str(ROOT / ".venv-dynamo/bin/python"))
             cmd = [python, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "4"]
@@ -473,6 +479,8 @@ def main() -> int:
                     help="offered events/s of the rate sweep, comma-separated ('' for none)")
     ap.add_argument("--rate-s", type=float, default=2.0, help="seconds per offered rate")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sarp-valkey", action="store_true",
+                    help="sarp's index on a Valkey server the run starts (serve on Valkey)")
     ap.add_argument("--plot", type=Path, default=None,
                     help="draw the rate sweep and the ratios here (.png)")
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
@@ -487,6 +495,20 @@ def main() -> int:
     # again and again, and from an editable install with PYTHONDONTWRITEBYTECODE set
     # (as on these machines) each start would compile ~60 modules first (about 0.1 s)
     compileall.compile_dir(Path(sarp.__file__).parent, quiet=1)
+    if args.sarp_valkey:
+        from sarp.bench.valkey_server import ValkeyServer
+
+        global VALKEY
+        VALKEY = ValkeyServer()
+    try:
+        return run(args)
+    finally:
+        if VALKEY is not None:
+            VALKEY.stop()
+
+
+def run(args) -> int:
+    """The passes and their report (see the module)."""
     rates = [float(r) for r in args.rates.split(",") if r]
     requests = [r.hashes for _, r in zip(range(args.requests), read_requests(args.trace),
                                          strict=False)]
