@@ -165,3 +165,80 @@ def test_readers_matched_together_in_any_order_from_two_threads():
         assert [len(set(got)) for got in answers] == [1, 1]  # each thread: one answer
         assert sorted(got[0] for got in answers) == sorted(
             [str([{"a": 32}, {"b": 16}]), str([{"b": 16}, {"a": 32}])])
+
+
+def _resp(*items) -> bytes:
+    """RESP2 bytes: bytes as bulk strings, None as nil, lists as arrays."""
+    out = b""
+    for item in items:
+        if item is None:
+            out += b"$-1\r\n"
+        elif isinstance(item, list):
+            out += b"*%d\r\n" % len(item) + _resp(*item)
+        else:
+            out += b"$%d\r\n%s\r\n" % (len(item), item)
+    return out
+
+
+def test_read_match_reads_a_reply_in_pieces_and_refuses_what_is_not_reads(tmp_path):
+    """``read_match`` against a peer on a socket pair (the Valkey node's side played by
+    the test): the READ it sends, a reply arriving a byte at a time (walked as the
+    records' own index walks them), RESP3's null, counters that moved (the reply handed
+    back), an error reply, and the faults: a reply of another shape, the peer gone, no
+    reply in time.  Each fault is an exception the caller turns into the Python path."""
+    import socket
+    import threading
+
+    chain = np.arange(1, 41, dtype=np.uint64)
+    with sarp.open(tmp_path / "ix", segment_blocks=16) as index:
+        index.insert(chain, holder="a")
+        want = index.match(chain)
+        directory = index.directory
+        segs = [directory.lookup(int(chain[k])) for k in (0, 16, 32)]
+        with index._store.read() as r:
+            records = r.raw_records(segs)
+    index_id, seq = b"I" * 16, 7
+    meta = [b"index_id", index_id, b"next_seq", seq.to_bytes(8, "big")]
+
+    def ask(reply: bytes, *, piece: int = 1 << 20, timeout_ms: int = 5000,
+            close: bool = False, rows: bool = False):
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        sent = []
+
+        def node():
+            sent.append(b.recv(1 << 16))
+            for i in range(0, len(reply), piece):
+                b.sendall(reply[i:i + piece])
+            if close:
+                b.close()
+
+        peer = threading.Thread(target=node, daemon=True)
+        peer.start()
+        try:
+            shard = (a.fileno(), b"HEAD", index_id, seq, *directory.native_arrays())
+            return list(native.C.read_match(chain, [shard], timeout_ms, rows)), sent
+        finally:
+            peer.join(timeout=10)
+            a.close()
+            b.close()
+
+    answers, sent = ask(_resp([meta, records]), piece=1)
+    keys = b"".join(b"$8\r\n%s\r\n" % s.to_bytes(8, "big") for s in segs)
+    assert sent == [b"*8\r\nHEAD" + keys]  # EVALSHA's 5 fixed arguments, then the keys
+    total, reads, runs, stopped = answers[0]
+    assert (total, reads, stopped) == (want.num_blocks, 3, -1) and len(runs) == 1
+    (rows,), _ = ask(_resp([meta, records]), rows=True)
+    assert rows[0] == 40 and [bytes(v) for v in rows[2].values()] == [b"\x01" * 40]
+    nulls = _resp([meta, []])[:-4] + b"*3\r\n_\r\n_\r\n_\r\n"  # RESP3's null for each
+    assert ask(nulls)[0] == [(0, 1, {}, -1)]  # the first record gone: nothing held
+    moved = [b"index_id", index_id, b"next_seq", (seq + 1).to_bytes(8, "big")]
+    assert ask(_resp([moved, records]))[0] == [("reply", moved, records)]
+    assert ask(b"-NOSCRIPT No matching script\r\n")[0] == [
+        ("error", b"NOSCRIPT No matching script")]
+    with pytest.raises(ValueError, match="shape"):  # two records for three keys
+        ask(_resp([meta, records[:2]]))
+    with pytest.raises(ConnectionResetError):  # the node went away mid-reply
+        ask(_resp([meta, records])[:50], close=True)
+    with pytest.raises(TimeoutError):
+        ask(b"", timeout_ms=200)
