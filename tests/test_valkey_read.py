@@ -188,6 +188,7 @@ def test_read_match_reads_a_reply_in_pieces_and_refuses_what_is_not_reads(tmp_pa
     reply in time.  Each fault is an exception the caller turns into the Python path."""
     import socket
     import threading
+    import time
 
     chain = np.arange(1, 41, dtype=np.uint64)
     with sarp.open(tmp_path / "ix", segment_blocks=16) as index:
@@ -200,7 +201,7 @@ def test_read_match_reads_a_reply_in_pieces_and_refuses_what_is_not_reads(tmp_pa
     index_id, seq = b"I" * 16, 7
     meta = [b"index_id", index_id, b"next_seq", seq.to_bytes(8, "big")]
 
-    def ask(reply: bytes, *, piece: int = 1 << 20, timeout_ms: int = 5000,
+    def ask(reply: bytes, *, piece: int = 1 << 20, gap_s: float = 0.0, timeout_ms: int = 5000,
             close: bool = False, rows: bool = False):
         a, b = socket.socketpair()
         a.setblocking(False)
@@ -210,6 +211,7 @@ def test_read_match_reads_a_reply_in_pieces_and_refuses_what_is_not_reads(tmp_pa
             sent.append(b.recv(1 << 16))
             for i in range(0, len(reply), piece):
                 b.sendall(reply[i:i + piece])
+                time.sleep(gap_s)
             if close:
                 b.close()
 
@@ -217,7 +219,11 @@ def test_read_match_reads_a_reply_in_pieces_and_refuses_what_is_not_reads(tmp_pa
         peer.start()
         try:
             shard = (a.fileno(), b"HEAD", index_id, seq, *directory.native_arrays())
-            return list(native.C.read_match(chain, [shard], timeout_ms, rows)), sent
+            got = list(native.C.read_match(chain, [shard], timeout_ms, rows))
+            peer.join(timeout=10)
+            with pytest.raises(BlockingIOError):
+                a.recv(16)  # nothing of the reply left unread on the connection
+            return got, sent
         finally:
             peer.join(timeout=10)
             a.close()
@@ -234,8 +240,8 @@ def test_read_match_reads_a_reply_in_pieces_and_refuses_what_is_not_reads(tmp_pa
     assert ask(nulls)[0] == [(0, 1, {}, -1)]  # the first record gone: nothing held
     moved = [b"index_id", index_id, b"next_seq", (seq + 1).to_bytes(8, "big")]
     assert ask(_resp([moved, records]))[0] == [("reply", moved, records)]
-    assert ask(b"-NOSCRIPT No matching script\r\n")[0] == [
-        ("error", b"NOSCRIPT No matching script")]
+    assert ask(b"-NOSCRIPT No matching script\r\n", piece=1, gap_s=0.002)[0] == [
+        ("error", b"NOSCRIPT No matching script")]  # (its last byte read too)
     with pytest.raises(ValueError, match="shape"):  # two records for three keys
         ask(_resp([meta, records[:2]]))
     with pytest.raises(ConnectionResetError):  # the node went away mid-reply

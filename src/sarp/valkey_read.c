@@ -161,25 +161,27 @@ static int fill(const char *b, Py_ssize_t len, Py_ssize_t *at, Py_ssize_t count,
     return 1;
 }
 
+#define MAX_META_FIELDS 512  /* the meta hash's fields and values (it has about 16) */
+
 /* The READ reply in s->buf: [[meta field, value, ...], [record or nil, ...]], or an
  * error line.  1 parsed, 0 not all here, -1 another shape. */
 static int parse_reply(Shard *s) {
     const char *b = s->buf;
     Py_ssize_t len = s->len, at = 0;
     if (len == 0) return 0;
-    if (b[0] == '-') {
+    if (b[0] == '-') {  /* the whole line, its \n too: nothing of it left unread */
         const char *end = memchr(b, '\r', (size_t)len);
-        if (end == NULL) return 0;
+        if (end == NULL || end + 1 >= b + len) return 0;
         s->error = b + 1;
         s->error_len = end - b - 1;
-        return 1;
+        return end + 2 == b + len ? 1 : -1;
     }
     long long outer, nmeta, nvals;
     int got = resp_array(b, len, &at, &outer);
     if (got <= 0) return got;
     if (outer != 2) return -1;
     if ((got = resp_array(b, len, &at, &nmeta)) <= 0) return got;
-    if (nmeta % 2) return -1;
+    if (nmeta % 2 || nmeta > MAX_META_FIELDS) return -1;  /* (sized before it is read) */
     PyMem_Free(s->meta);
     PyMem_Free(s->meta_len);
     s->meta = PyMem_Malloc(sizeof(char *) * (size_t)(nmeta + 1));
