@@ -72,6 +72,17 @@ static int wait_for(int fd, short events, int timeout_ms) {
     return 0;
 }
 
+/* After a send or recv that failed: 0 to try again (interrupted, or the socket ready
+ * now), or -1 with an error set. */
+static int try_again(int fd, short events, int timeout_ms) {
+    if (errno == EINTR) return PyErr_CheckSignals() < 0 ? -1 : 0;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return wait_for(fd, events, timeout_ms);
+}
+
 static int send_all(int fd, const char *data, Py_ssize_t len, int timeout_ms) {
     while (len > 0) {
         ssize_t sent;
@@ -79,15 +90,7 @@ static int send_all(int fd, const char *data, Py_ssize_t len, int timeout_ms) {
         sent = send(fd, data, (size_t)len, MSG_NOSIGNAL);
         Py_END_ALLOW_THREADS
         if (sent < 0) {
-            if (errno == EINTR) {
-                if (PyErr_CheckSignals() < 0) return -1;
-                continue;
-            }
-            if (errno != EAGAIN && errno != EWOULDBLOCK) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                return -1;
-            }
-            if (wait_for(fd, POLLOUT, timeout_ms) < 0) return -1;
+            if (try_again(fd, POLLOUT, timeout_ms) < 0) return -1;
             continue;
         }
         data += sent;
@@ -210,15 +213,7 @@ static int read_reply(Shard *s, int timeout_ms) {
         got = recv(s->fd, s->buf + s->len, (size_t)(s->cap - s->len), 0);
         Py_END_ALLOW_THREADS
         if (got < 0) {
-            if (errno == EINTR) {
-                if (PyErr_CheckSignals() < 0) return -1;
-                continue;
-            }
-            if (errno != EAGAIN && errno != EWOULDBLOCK) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                return -1;
-            }
-            if (wait_for(s->fd, POLLIN, timeout_ms) < 0) return -1;
+            if (try_again(s->fd, POLLIN, timeout_ms) < 0) return -1;
             continue;
         }
         if (got == 0) {
