@@ -114,9 +114,12 @@ def test_a_reply_c_reads_after_a_write_is_the_catch_ups_read():
     """When the writer wrote since the reader's last look, C's read is handed to the
     catch-up as its first read (not asked again): the match makes two reads, that one
     and the one after the catch-up, as the Python path does; with nothing written, one."""
-    url = _url("c-handover")
+    from sarp.bench.valkey_server import ValkeyServer
+
     chain = np.arange(1, 65, dtype=np.uint64)
-    with sarp.open(url, segment_blocks=16, lease_s=60) as writer:  # no renewal meanwhile
+    with ValkeyServer() as server, \
+            sarp.open(server.url("handover"), segment_blocks=16, lease_s=60) as writer:
+        url = server.url("handover")  # (a server of its own: its command counts are ours)
         writer.insert(chain[:32], holder="a")
         client = writer._store.client
 
