@@ -96,9 +96,7 @@ class Directory:
         """
         keys = np.ascontiguousarray(first_hashes, np.uint64)
         changed = bool(self._added or self._removed)
-        if changed and self._pending is None and keys.size < len(self._added) + len(
-                self._removed):
-            # fewer keys than changes: probing the dicts beats sorting the changes
+        if self._dicts_first(keys.size):
             out = np.full(keys.size, -1, np.int64)
             _find(self.keys, self.segs, keys, out)
             added, removed = self._added, self._removed
@@ -136,14 +134,16 @@ class Directory:
         [2, 1]
         """
         keys = np.ascontiguousarray(query, np.uint64)
-        changed = bool(self._added or self._removed)
-        if not changed or self._pending is not None or keys.size >= len(self._added) + len(
-                self._removed):
+        if not self._dicts_first(keys.size):
             arrays = self.native_arrays()
             if arrays is not None:
                 return native.C.predict(keys, *arrays)
         ids = self.lookup_many(keys)
         return [int(s).to_bytes(8, "big") for s in dict.fromkeys(ids[ids >= 0].tolist())]
+
+    def _dicts_first(self, keys: int) -> bool:
+        """Fewer keys than changes not yet sorted: probing the dicts beats sorting them."""
+        return self._pending is None and keys < len(self._added) + len(self._removed)
 
     def native_arrays(self) -> tuple | None:
         """The arrays ``sarp._native``'s probes take (find, predict, read_match): keys,

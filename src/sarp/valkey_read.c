@@ -155,10 +155,17 @@ static int resp_array(const char *b, Py_ssize_t len, Py_ssize_t *at, long long *
     return got == 1 && *n < 0 ? -1 : got;
 }
 
-static int fill(const char *b, Py_ssize_t len, Py_ssize_t *at, Py_ssize_t count,
-                const char **s, Py_ssize_t *n) {
-    for (Py_ssize_t i = 0; i < count; i++) {
-        int got = resp_bulk(b, len, at, &s[i], &n[i]);
+/* `count` bulk strings (or nils) at *at into arrays allocated anew (*s, *n): 1, 0 not
+ * all here, -1 not bulk strings, -2 no memory. */
+static int fill(const char *b, Py_ssize_t len, Py_ssize_t *at, long long count,
+                const char ***s, Py_ssize_t **n) {
+    PyMem_Free(*s);
+    PyMem_Free(*n);
+    *s = PyMem_Malloc(sizeof(char *) * (size_t)(count + 1));
+    *n = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(count + 1));
+    if (*s == NULL || *n == NULL) return -2;
+    for (long long i = 0; i < count; i++) {
+        int got = resp_bulk(b, len, at, &(*s)[i], &(*n)[i]);
         if (got <= 0) return got;
     }
     return 1;
@@ -185,22 +192,12 @@ static int parse_reply(Shard *s) {
     if (outer != 2) return -1;
     if ((got = resp_array(b, len, &at, &nmeta)) <= 0) return got;
     if (nmeta % 2 || nmeta > MAX_META_FIELDS) return -1;  /* (sized before it is read) */
-    PyMem_Free(s->meta);
-    PyMem_Free(s->meta_len);
-    s->meta = PyMem_Malloc(sizeof(char *) * (size_t)(nmeta + 1));
-    s->meta_len = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(nmeta + 1));
-    if (s->meta == NULL || s->meta_len == NULL) return -2;
     s->nmeta = (Py_ssize_t)nmeta;
-    if ((got = fill(b, len, &at, s->nmeta, s->meta, s->meta_len)) <= 0) return got;
+    if ((got = fill(b, len, &at, nmeta, &s->meta, &s->meta_len)) <= 0) return got;
     if ((got = resp_array(b, len, &at, &nvals)) <= 0) return got;
     if (nvals != s->count) return -1;
-    PyMem_Free(s->vals);
-    PyMem_Free(s->val_len);
-    s->vals = PyMem_Malloc(sizeof(char *) * (size_t)(nvals + 1));
-    s->val_len = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(nvals + 1));
-    if (s->vals == NULL || s->val_len == NULL) return -2;
     s->nvals = (Py_ssize_t)nvals;
-    if ((got = fill(b, len, &at, s->nvals, s->vals, s->val_len)) <= 0) return got;
+    if ((got = fill(b, len, &at, nvals, &s->vals, &s->val_len)) <= 0) return got;
     return at == len ? 1 : -1;  /* one command, one reply: nothing after it */
 }
 
