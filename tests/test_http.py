@@ -186,6 +186,36 @@ def test_health_readiness_and_metrics_read_back_by_prometheus_client(service):
     assert samples[("sarp_ready", ())] == 1.0
 
 
+def test_forked_workers_count_their_metrics_apart_without_asking_for_the_pid(tmp_path):
+    """The zygote's import swaps prometheus_client's pid check at every update (a
+    ``getpid`` system call per request) for the pid the fork hook keeps: processes
+    forked after it still write files of their own, summed by /metrics."""
+    code = f"""
+import os
+from sarp.serving import http
+http.import_for_workers({str(tmp_path)!r})
+from prometheus_client import CollectorRegistry, Counter, multiprocess
+pids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        c = Counter("sarp_test", "counted in two processes")
+        for _ in range(3):
+            c.inc()
+        os._exit(0 if http._pid() == os.getpid() else 1)
+    pids.append(pid)
+assert all(os.waitpid(p, 0)[1] == 0 for p in pids), "a child's pid was not its own"
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(registry.get_sample_value("sarp_test_total"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == 6.0
+    assert len(list(tmp_path.glob("counter_*.db"))) == 2
+
+
 def test_a_request_without_a_full_block_matches_nothing(service):
     assert match(service["port"], {"block_hashes": []}) == (200, {"matched_blocks": 0,
                                                                  "instances": []})

@@ -4,11 +4,13 @@ each run asserts which path it took (`sarp.native.Tally`)."""
 import contextlib
 
 import numpy as np
+import orjson
 import pytest
 
 from sarp import native, verify
 from sarp.errors import CorruptRecordError, ParentNotFoundError
 from sarp.segment import Segment
+from sarp.serving import rfc
 
 pytestmark = pytest.mark.skipif(
     not native.AVAILABLE, reason=f"sarp._native {native.WHY} (SARP_REQUIRE_NATIVE=1, as "
@@ -96,13 +98,17 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_block
     import sarp
 
     rng = np.random.default_rng(segment_blocks + 100 * media)
+    # engines e0-e3 of one model, e1 and e4 both rank 1 of instance "7" (the answer keeps
+    # the last), an id JSON must escape; e5 is another model's
+    model = rfc.Model("m", "default", 16, 0, {"e0": ('9"\\\n\x01é', 0), "e1": ("7", 1),
+                                              "e2": ("7", 0), "e3": ("8", 3), "e4": ("7", 1)})
     chains = [rng.integers(0, 1 << 64, 40, dtype=np.uint64) for _ in range(6)]
     for c in chains[1:4]:  # branches off the first chain
         c[:10] = chains[0][:10]
     with sarp.open(tmp_path / "ix", durability="nosync", segment_blocks=segment_blocks) as ix:
         for _ in range(120):
             chain = chains[rng.integers(len(chains))]
-            holder = f"e{rng.integers(5)}"
+            holder = f"e{rng.integers(6)}"
             medium = ("GPU", "CPU", "DISK")[rng.integers(3)] if media else "GPU"
             lo, hi = sorted(rng.integers(0, 41, 2).tolist())
             middle = media and 0 < lo < hi and rng.random() < 0.3  # a tier's later blocks
@@ -129,6 +135,50 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_block
                         expected.storage_reads, expected.multi_medium)
                     assert {k: v.tolist() for k, v in got.presence.items()} == {
                         k: v.tolist() for k, v in expected.presence.items()}
+                    rows_path = presence or ix.multi_medium
+                    assert (in_c.c("rows_result"), in_c.python("rows_result")) == (
+                        int(rows_path), 0)
+                    if presence:  # RFC #1403's answer from the rows, in C
+                        with native.Tally() as answered:
+                            body = rfc.answer_json(got, model)
+                        assert answered.c("rfc_answer") == 1
+                        assert orjson.loads(body) == rfc.answer(expected, model)
+                        assert body == orjson.dumps(rfc.answer(got, model))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_c_runs_of_rows_and_rfc_answer_are_their_references(seed):
+    """Rows as a walk leaves them, with what a match meets at the edges: a holder with no
+    name (not verified), one newer than the instance table, one of no instance (-1),
+    several of one instance in one medium, two media ORed into an instance's run."""
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(1, 12))
+    nholders = int(rng.integers(0, 14))
+    rows = {int(h): (rng.random(total) < 0.7).astype(np.uint8).tobytes()
+            for h in rng.permutation(20)[:nholders]}
+    media = ("GPU", "CPU", "DISK", "EXTERNAL")
+    names = {h: (f"i{rng.integers(5)}", media[rng.integers(4)]) for h in rows
+             if rng.random() < 0.9}
+    instance_names = [f"i{k}" for k in range(5)]
+    instance_of = [int(rng.integers(-1, 5)) for _ in range(int(rng.integers(0, 21)))]
+    for grouping in (None, instance_of):
+        args = (rows, names, grouping, instance_names, total)
+        with native.Tally() as t:
+            got = native.C.rows_result(*args)
+        assert t.c("rows_result") == 1
+        assert got == verify.runs_of_rows(*args)
+        assert list(got[0]) == list(verify.runs_of_rows(*args)[0])  # in the same order
+    by_holder, by_medium = verify.runs_of_rows(rows, names, instance_of, instance_names, total)
+    presence = {names[h]: np.frombuffer(row, bool) for h, row in rows.items() if h in names}
+    match = verify.Match(total, by_holder, by_medium, {}, 1, presence, True,
+                         verify.HolderRows(rows, names))
+    ranks = {f"i{k}": (str(rng.integers(3)), int(rng.integers(2))) for k in range(5)
+             if rng.random() < 0.8}
+    model = rfc.Model("m", "default", int(rng.integers(1, 64)), 0, ranks)
+    assert native.C.rfc_answer(rows, names, ranks, model.block_size) == orjson.dumps(
+        rfc.answer(match, model))
+    many = {h: b"\x01" for h in range(300)}  # past what C scans: the Python answer
+    assert native.C.rfc_answer(many, {}, ranks, 16) is None
 
 
 def test_the_python_path_alone_passes_the_model_test():

@@ -433,3 +433,110 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyBuffer_Release(&q);
     return out;
 }
+
+/* The leading run of a row of 0 and 1 bytes: the blocks held from the first on. */
+static Py_ssize_t leading_run(const char *row, Py_ssize_t len) {
+    const char *gap = memchr(row, 0, len);
+    return gap == NULL ? len : gap - row;
+}
+
+/* rows_result(rows, names, instance_of, instance_names, total) -> (by_holder, by_medium)
+ * PrefixWalk._result_of_rows's runs (its Python is the reference): rows maps holder id
+ * -> presence bytes; names holder id -> (instance, medium), a holder without one left
+ * out; instance_of None (each instance one holder: its run is its instance's) or the
+ * instance of each holder id below its length (an instance's run is the leading run of
+ * its holders' rows ORed, over `total` blocks). */
+PyObject *sarp_rows_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])
+        || (args[2] != Py_None && !PyList_Check(args[2])) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "rows_result(rows: dict, names: dict, instance_of: "
+                                         "list | None, instance_names: list, total: int)");
+        return NULL;
+    }
+    Py_ssize_t total = PyLong_AsSsize_t(args[4]);
+    if (total == -1 && PyErr_Occurred()) return NULL;
+    sarp_calls[CALL_ROWS_RESULT]++;
+    PyObject *rows = args[0], *names = args[1], *instance_of = args[2];
+    Py_ssize_t known = instance_of == Py_None ? 0 : PyList_GET_SIZE(instance_of);
+    Py_ssize_t n = PyDict_GET_SIZE(rows), ngroups = 0, ngrouped = 0;
+    /* the instances of the grouped holders, in first-seen order, and each grouped row */
+    Py_ssize_t *group = PyMem_Malloc(2 * (n ? n : 1) * sizeof(Py_ssize_t)), *mine = group + n;
+    struct { Py_ssize_t g, len; const char *p; } *grouped = PyMem_Malloc((n ? n : 1)
+                                                                         * sizeof *grouped);
+    PyObject *by_holder = PyDict_New(), *by_medium = PyDict_New(), *out = NULL;
+    if (group == NULL || grouped == NULL || by_holder == NULL || by_medium == NULL) {
+        if (group == NULL || grouped == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    PyObject *hid, *row;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(rows, &pos, &hid, &row)) {
+        PyObject *name = PyDict_GetItemWithError(names, hid);
+        if (name == NULL) {
+            if (PyErr_Occurred()) goto done;
+            continue;
+        }
+        if (!PyBytes_Check(row) || !PyTuple_Check(name) || PyTuple_GET_SIZE(name) != 2) {
+            PyErr_SetString(PyExc_TypeError, "rows_result: rows of bytes, names of pairs");
+            goto done;
+        }
+        const char *p = PyBytes_AS_STRING(row);
+        Py_ssize_t len = PyBytes_GET_SIZE(row), run = leading_run(p, len);
+        PyObject *instance = PyTuple_GET_ITEM(name, 0);
+        if (run) {
+            PyObject *media = PyDict_GetItemWithError(by_medium, instance), *value;
+            if (media == NULL) {
+                if (PyErr_Occurred() || (media = PyDict_New()) == NULL) goto done;
+                int bad = PyDict_SetItem(by_medium, instance, media);
+                Py_DECREF(media); /* by_medium holds it */
+                if (bad < 0) goto done;
+            }
+            if ((value = PyLong_FromSsize_t(run)) == NULL) goto done;
+            int bad = PyDict_SetItem(media, PyTuple_GET_ITEM(name, 1), value);
+            if (!bad && instance_of == Py_None) bad = PyDict_SetItem(by_holder, instance, value);
+            Py_DECREF(value);
+            if (bad < 0) goto done;
+        }
+        if (instance_of == Py_None) continue;
+        Py_ssize_t h = PyLong_AsSsize_t(hid);
+        if (h == -1 && PyErr_Occurred()) goto done;
+        if (h < 0 || h >= known) continue; /* a holder newer than the names: no instance */
+        Py_ssize_t inst = PyLong_AsSsize_t(PyList_GET_ITEM(instance_of, h));
+        if (inst == -1 && PyErr_Occurred()) goto done;
+        Py_ssize_t g = 0;
+        while (g < ngroups && group[g] != inst) g++;
+        if (g == ngroups) group[ngroups++] = inst;
+        grouped[ngrouped].g = g;
+        grouped[ngrouped].len = len;
+        grouped[ngrouped++].p = p;
+    }
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        if (group[g] < 0) continue;
+        /* the leading run of the group's rows ORed: up to the first block none holds */
+        Py_ssize_t run = 0, nmine = 0;
+        for (Py_ssize_t k = 0; k < ngrouped; k++)
+            if (grouped[k].g == g) mine[nmine++] = k;
+        for (int any = 1; any && run < total; run += any) {
+            any = 0;
+            for (Py_ssize_t k = 0; k < nmine && !any; k++)
+                any = run < grouped[mine[k]].len && grouped[mine[k]].p[run];
+        }
+        if (!run) continue;
+        if (group[g] >= PyList_GET_SIZE(args[3])) {
+            PyErr_SetString(PyExc_IndexError, "rows_result: an instance without a name");
+            goto done;
+        }
+        PyObject *value = PyLong_FromSsize_t(run);
+        if (value == NULL) goto done;
+        int bad = PyDict_SetItem(by_holder, PyList_GET_ITEM(args[3], group[g]), value);
+        Py_DECREF(value);
+        if (bad < 0) goto done;
+    }
+    out = PyTuple_Pack(2, by_holder, by_medium);
+done:
+    PyMem_Free(group);
+    PyMem_Free(grouped);
+    Py_XDECREF(by_holder);
+    Py_XDECREF(by_medium);
+    return out;
+}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -168,6 +169,8 @@ class Match:
     ``multi_medium``: some instance held blocks in two media when this was answered
     (then ``by_holder`` is per instance over its media); when False, every instance
     is one holder, and ``by_medium[instance]`` has its one medium.
+    ``holder_rows``: what ``by_medium`` and ``presence`` were made from, when the walk
+    kept each holder's presence and ``with_presence`` was asked (else None).
     """
 
     num_blocks: int
@@ -177,6 +180,17 @@ class Match:
     storage_reads: int = 0
     presence: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     multi_medium: bool = False
+    holder_rows: HolderRows | None = field(default=None, repr=False, compare=False)
+
+
+class HolderRows(NamedTuple):
+    """Each holder's presence over a match's verified blocks as the walk kept it
+    (holder id -> bytes of 0 and 1), and the names the match was answered with (holder
+    id -> (instance, medium), a holder without one is not in the answer): what
+    :func:`sarp.serving.rfc.answer_json` reads in one C call."""
+
+    rows: dict[int, bytes]
+    names: dict[int, tuple[str, str]]
 
 
 class PrefixWalk:
@@ -340,46 +354,74 @@ class PrefixWalk:
 
     def _result_of_rows(self, holder_names: dict[int, tuple[str, str]],
                         instance_names: list[str], reads: int) -> Match:
-        """:meth:`result` from each holder's presence (:meth:`take_rows`): a holder's
-        prefix is its leading run; an instance's (over its media) is the leading run
-        of its rows ORed.  Cost: one ``bytes.find`` per holder, a numpy OR per
-        held in two media (as big ints)."""
-        by_holder: dict[str, int] = {}
-        by_medium: dict[str, dict[str, int]] = {}
-        presence = {}
-        grouped: dict[int, list[bytes]] = {}
-        instance_of = self._instance_of
-        known = len(instance_of) if instance_of is not None else 0
-        for holder_id, row in self._rows.items():
-            name = holder_names.get(holder_id)
-            if name is None:
-                continue
-            gap = row.find(0)
-            run = len(row) if gap < 0 else gap
-            instance, medium = name
-            if run:
-                by_medium.setdefault(instance, {})[medium] = run
-            if self._steps is not None:
-                presence[name] = np.frombuffer(row, bool)
-            if instance_of is None:
-                if run:
-                    by_holder[instance] = run
-            elif holder_id < known:  # a holder newer than the names: no instance
-                grouped.setdefault(instance_of[holder_id], []).append(row)
-        for i, rows in grouped.items():
-            if i < 0:
-                continue
-            if len(rows) > 1:  # bytes of 0 and 1: ORed as big ints, byte by byte
-                held = 0
-                for row in rows:
-                    held |= int.from_bytes(row, "big")
-                rows = [held.to_bytes(self.total, "big")]
-            gap = rows[0].find(0)
-            run = self.total if gap < 0 else gap
-            if run:
-                by_holder[instance_names[i]] = run
+        """:meth:`result` from each holder's presence (:meth:`take_rows`), by
+        :func:`runs_of_rows`.  Cost: one C call (``rows_result``), and a numpy array
+        per named holder when presence was asked."""
+        c = native.C
+        args = (self._rows, holder_names, self._instance_of, instance_names, self.total)
+        if c is not None:
+            by_holder, by_medium = c.rows_result(*args)
+        else:
+            native.ran_python("rows_result")
+            by_holder, by_medium = runs_of_rows(*args)
+        presence, rows = {}, None
+        if self._steps is not None:
+            for holder_id, row in self._rows.items():
+                name = holder_names.get(holder_id)
+                if name is not None:
+                    presence[name] = np.frombuffer(row, bool)
+            rows = HolderRows(self._rows, holder_names)
         return Match(self.total, by_holder, by_medium, {}, reads, presence,
-                     instance_of is not None)
+                     self._instance_of is not None, rows)
+
+
+def runs_of_rows(rows: dict[int, bytes], holder_names: dict[int, tuple[str, str]],
+                 instance_of: list[int] | None, instance_names: list[str], total: int
+                 ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """A match's ``by_holder`` and ``by_medium`` from each holder's presence over its
+    ``total`` verified blocks (bytes of 0 and 1, by holder id): a holder's prefix is its
+    leading run; an instance's over its media (``instance_of``, by holder id; None:
+    each instance is one holder) is the leading run of its rows ORed.  A holder without
+    a name, or newer than ``instance_of``, is in no answer.  The reference of C's
+    ``rows_result``.  Cost: a ``bytes.find`` per holder, an OR of big ints per instance
+    held in two media.
+
+    >>> names = {0: ("a", "GPU"), 1: ("a", "CPU"), 2: ("b", "GPU")}
+    >>> runs_of_rows({0: b"\\x01\\x00\\x01", 1: b"\\x00\\x01\\x00", 2: b"\\x00\\x00\\x00"},
+    ...              names, [0, 0, 1], ["a", "b"], 3)
+    ({'a': 3}, {'a': {'GPU': 1}})
+    """
+    by_holder: dict[str, int] = {}
+    by_medium: dict[str, dict[str, int]] = {}
+    grouped: dict[int, list[bytes]] = {}
+    known = len(instance_of) if instance_of is not None else 0
+    for holder_id, row in rows.items():
+        name = holder_names.get(holder_id)
+        if name is None:
+            continue
+        gap = row.find(0)
+        run = len(row) if gap < 0 else gap
+        instance, medium = name
+        if run:
+            by_medium.setdefault(instance, {})[medium] = run
+        if instance_of is None:
+            if run:
+                by_holder[instance] = run
+        elif holder_id < known:  # a holder newer than the names: no instance
+            grouped.setdefault(instance_of[holder_id], []).append(row)
+    for i, held_rows in grouped.items():
+        if i < 0:
+            continue
+        if len(held_rows) > 1:  # bytes of 0 and 1: ORed as big ints, byte by byte
+            held = 0
+            for row in held_rows:
+                held |= int.from_bytes(row, "big")
+            held_rows = [held.to_bytes(total, "big")]
+        gap = held_rows[0].find(0)
+        run = total if gap < 0 else gap
+        if run:
+            by_holder[instance_names[i]] = run
+    return by_holder, by_medium
 
 
 # -- the walk: one match's steps through the directory and the store ----------------------

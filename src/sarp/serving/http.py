@@ -288,7 +288,7 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
     (:mod:`sarp.serving.workers`) passes over ``channel``.  Its loop stamps
     ``heartbeats[slot]`` every ``HEARTBEAT_S``.  It stops at SIGTERM or SIGINT, or when
     serve closes (or loses) its end."""
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = config.metrics_dir  # before the import
+    import_for_workers(config.metrics_dir)  # (done by the zygote; not by a spawned worker)
     import sarp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -310,10 +310,23 @@ def import_for_workers(metrics_dir: str) -> None:
     multiprocess mode is chosen at its import from the environment, and the event
     loop): the HTTP zygote's, before it forks them.  Cost: about 25 ms, once."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    import prometheus_client  # noqa: F401
     import prometheus_client.multiprocess  # noqa: F401
+    from prometheus_client import values
 
+    # Its values ask os.getpid() at every update, to see a fork: a system call per
+    # request (strace of a worker under wrk: as many getpid as writes).  The pid the
+    # fork hook keeps instead, the same in every process, with no call.
+    values.ValueClass = values.MultiProcessValue(process_identifier=_pid)
     wire.import_loop()
+
+
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+def _pid() -> int:
+    """This process's id, as of its last fork (``os.getpid`` without the call)."""
+    return _PID[0]
 
 
 async def _heartbeat(heartbeats, slot: int) -> None:
@@ -431,10 +444,10 @@ def make_server(index, config: HttpConfig) -> wire.Server:
             return refuse("body", f"the body is not JSON ({exc})")
         except rfc.QueryError as exc:
             return refuse(exc.field, str(exc), exc.status)
-        got = rfc.answer(index.match(keys, with_presence=True), model) if keys.size \
-            else rfc.EMPTY
+        got = rfc.answer_json(index.match(keys, with_presence=True), model) if keys.size \
+            else _EMPTY_RFC
         matches.inc()
-        return wire.Response(orjson.dumps(got))
+        return wire.Response(got)
 
     def rfc_query(by_hash: bool):  # RFC #1403's /query and /query_by_hash
         def handle(request: wire.Request):
@@ -526,6 +539,7 @@ def _json(obj, status: int = 200, close: bool = False) -> wire.Response:
 
 
 _NOTHING = {"matched_blocks": 0, "instances": []}
+_EMPTY_RFC = orjson.dumps(rfc.EMPTY)
 OFFLOAD_BYTES = 64 << 10  # bodies parsed off the event loop from this size
 
 

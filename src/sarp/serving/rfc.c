@@ -1,0 +1,328 @@
+/*
+ * The C mirror of sarp/serving/rfc.py's `answer` (sarp._native; sarp/native.py loads
+ * it): RFC #1403's answer to a `/query`, as the JSON bytes orjson makes of `answer`'s
+ * dict, read straight from the match's rows (verify.HolderRows: each holder's
+ * presence over the verified blocks, and the holders' names), with no dict, numpy
+ * array or run per holder in Python.  rfc.answer_json calls it; tests hold its bytes
+ * equal to orjson.dumps(rfc.answer(match, model)).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../native.h"
+
+/* More holders than this go to the Python answer (each lookup below is a scan). */
+enum { MAX_ANSWER_HOLDERS = 256 };
+
+typedef struct {
+    char *p;
+    Py_ssize_t n, cap;
+} Buf;
+
+static int put(Buf *b, const char *s, Py_ssize_t n) {
+    if (b->n + n > b->cap) {
+        Py_ssize_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n) cap *= 2;
+        char *p = PyMem_Realloc(b->p, cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    return 0;
+}
+
+#define PUT(b, lit) put((b), (lit), (Py_ssize_t)sizeof(lit) - 1)
+
+static int put_int(Buf *b, long long v) { /* (snprintf was half of a call's time) */
+    char s[24], *end = s + sizeof s, *p = end;
+    unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+    do {
+        *--p = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) *--p = '-';
+    return put(b, p, end - p);
+}
+
+/* A str as JSON, escaped as orjson escapes it: '"', '\\', and the control characters
+ * (\b \t \n \f \r by name, the rest as \u00XX); anything else as its UTF-8. */
+static int put_str(Buf *b, PyObject *s) {
+    Py_ssize_t n;
+    const char *u = PyUnicode_AsUTF8AndSize(s, &n);
+    if (u == NULL || PUT(b, "\"") < 0) return -1;
+    Py_ssize_t from = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)u[i];
+        if (c >= 0x20 && c != '"' && c != '\\') continue;
+        if (put(b, u + from, i - from) < 0) return -1;
+        from = i + 1;
+        char esc[8] = {'\\', 0};
+        int len = 2;
+        switch (c) {
+            case '"': esc[1] = '"'; break;
+            case '\\': esc[1] = '\\'; break;
+            case '\b': esc[1] = 'b'; break;
+            case '\t': esc[1] = 't'; break;
+            case '\n': esc[1] = 'n'; break;
+            case '\f': esc[1] = 'f'; break;
+            case '\r': esc[1] = 'r'; break;
+            default: len = snprintf(esc, sizeof esc, "\\u%04x", c);
+        }
+        if (put(b, esc, len) < 0) return -1;
+    }
+    return put(b, u + from, n - from) < 0 || PUT(b, "\"") < 0 ? -1 : 0;
+}
+
+/* One instance (engine and rank) as `answer` sees it through Match: `order`, its place
+ * in by_medium (the first holder of it with a leading run; -1 none), `gpu` by_medium's
+ * GPU run (the last holder's that has one), and the last rows named CPU and DISK
+ * (presence's). */
+typedef struct {
+    PyObject *name;
+    Py_ssize_t order, gpu, cpu_len, disk_len;
+    const uint8_t *cpu, *disk;
+} Inst;
+
+/* An entry of one of the answer's maps keyed by instance id then rank, in the order
+ * Python's dicts would keep (the first insert's place; a later one overwrites). */
+typedef struct {
+    PyObject *iid;
+    long long rank, value;
+} Entry;
+
+/* A reported instance id's tiers (answer's "instances" entry), in first-insert order. */
+typedef struct {
+    PyObject *iid;
+    long long longest, gpu, cpu, disk;
+} Tiers;
+
+static Py_ssize_t run_from(const uint8_t *row, Py_ssize_t len, Py_ssize_t start) {
+    if (row == NULL || start >= len) return 0;
+    const uint8_t *gap = memchr(row + start, 0, len - start);
+    return (gap == NULL ? len : gap - row) - start;
+}
+
+/* 1 equal, 0 not, -1 error */
+static int same(PyObject *a, PyObject *b) { return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ); }
+
+/* Set (iid, rank) in `e` (n of them so far) to value; the new count, or -1. */
+static Py_ssize_t upsert(Entry *e, Py_ssize_t n, PyObject *iid, long long rank, long long value) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (e[i].rank != rank) continue;
+        int eq = same(e[i].iid, iid);
+        if (eq < 0) return -1;
+        if (eq) {
+            e[i].value = value;
+            return n;
+        }
+    }
+    e[n] = (Entry){iid, rank, value};
+    return n + 1;
+}
+
+/* Entries grouped by iid in the order each iid first came, each group in its order. */
+static int put_grouped(Buf *b, const Entry *e, Py_ssize_t n, Py_ssize_t i) {
+    /* the entries of e[i].iid, from i on (none of them before i) */
+    if (PUT(b, "{") < 0) return -1;
+    int first = 1;
+    for (Py_ssize_t j = i; j < n; j++) {
+        int eq = same(e[j].iid, e[i].iid);
+        if (eq < 0) return -1;
+        if (!eq) continue;
+        if ((!first && PUT(b, ",") < 0) || PUT(b, "\"") < 0 || put_int(b, e[j].rank) < 0
+            || PUT(b, "\":") < 0 || put_int(b, e[j].value) < 0)
+            return -1;
+        first = 0;
+    }
+    return PUT(b, "}");
+}
+
+/* Whether e[i] is its iid's first entry. 1, 0, -1 error. */
+static int first_of(const Entry *e, Py_ssize_t i) {
+    for (Py_ssize_t j = 0; j < i; j++) {
+        int eq = same(e[j].iid, e[i].iid);
+        if (eq != 0) return eq < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+/* A call's tables, room for `room` holders each, in one allocation. */
+typedef struct {
+    Inst *insts;
+    Py_ssize_t *ordered;
+    Entry *scores, *dp;
+    Tiers *tiers;
+    Buf out;
+} Work;
+
+static int work_init(Work *w, Py_ssize_t room) {
+    size_t each = sizeof(Inst) + sizeof(Py_ssize_t) + 2 * sizeof(Entry) + sizeof(Tiers);
+    char *p = PyMem_Malloc(room * each);
+    *w = (Work){(Inst *)p, NULL, NULL, NULL, NULL, {NULL, 0, 0}};
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    w->scores = (Entry *)(p + room * sizeof(Inst));
+    w->dp = w->scores + room;
+    w->tiers = (Tiers *)(w->dp + room);
+    w->ordered = (Py_ssize_t *)(w->tiers + room);
+    w->out.cap = 128 + 160 * room; /* an answer's usual size: no realloc */
+    w->out.p = PyMem_Malloc(w->out.cap);
+    if (w->out.p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void work_free(Work *w) {
+    PyMem_Free(w->insts);
+    PyMem_Free(w->out.p);
+}
+
+/* The instances of the named rows, in `w->insts`; how many by_medium holds (their
+ * indexes in w->ordered), -1 on error, -2 for the Python answer. */
+static Py_ssize_t gather(Work *w, PyObject *rows, PyObject *names, Py_ssize_t *ninsts) {
+    PyObject *hid, *row;
+    Py_ssize_t pos = 0, n = 0, ordered = 0;
+    while (PyDict_Next(rows, &pos, &hid, &row)) {
+        PyObject *name = PyDict_GetItemWithError(names, hid);
+        if (name == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue; /* a holder without a (verified) name is never reported */
+        }
+        if (!PyBytes_Check(row) || !PyTuple_Check(name) || PyTuple_GET_SIZE(name) != 2
+            || !PyUnicode_Check(PyTuple_GET_ITEM(name, 1)))
+            return -2;
+        PyObject *instance = PyTuple_GET_ITEM(name, 0), *medium = PyTuple_GET_ITEM(name, 1);
+        Py_ssize_t k = 0;
+        for (; k < n; k++) {
+            int eq = same(w->insts[k].name, instance);
+            if (eq < 0) return -1;
+            if (eq) break;
+        }
+        if (k == n) w->insts[n++] = (Inst){instance, -1, 0, 0, 0, NULL, NULL};
+        Inst *in = &w->insts[k];
+        const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(row);
+        Py_ssize_t len = PyBytes_GET_SIZE(row), run = run_from(p, len, 0);
+        if (run > 0 && in->order < 0) {
+            in->order = ordered;
+            w->ordered[ordered++] = k;
+        }
+        if (PyUnicode_CompareWithASCIIString(medium, "GPU") == 0) {
+            if (run > 0) in->gpu = run;
+        } else if (PyUnicode_CompareWithASCIIString(medium, "CPU") == 0) {
+            in->cpu = p;
+            in->cpu_len = len;
+        } else if (PyUnicode_CompareWithASCIIString(medium, "DISK") == 0) {
+            in->disk = p;
+            in->disk_len = len;
+        }
+    }
+    *ninsts = n;
+    return ordered;
+}
+
+/* rfc_answer(rows, names, ranks, block_size) -> bytes | None
+ * rows: holder id -> bytes of 0 and 1 over the verified blocks; names: holder id ->
+ * (instance, medium); ranks: instance -> (instance id, DP rank), the model's.  The
+ * JSON orjson.dumps(rfc.answer(match, model)) gives, or None (more holders than
+ * MAX_ANSWER_HOLDERS, or a shape it does not know) for that Python answer. */
+PyObject *sarp_rfc_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyDict_Check(args[0]) || !PyDict_Check(args[1]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "rfc_answer(rows: dict, names: dict, ranks: dict, "
+                                         "block_size: int)");
+        return NULL;
+    }
+    long long size = PyLong_AsLongLong(args[3]);
+    if (size == -1 && PyErr_Occurred()) return NULL;
+    sarp_calls[CALL_RFC_ANSWER]++;
+    Py_ssize_t nrows = PyDict_GET_SIZE(args[0]);
+    if (nrows > MAX_ANSWER_HOLDERS) Py_RETURN_NONE;
+    Work w = {0};
+    PyObject *result = NULL;
+    Py_ssize_t ninsts = 0, nscores = 0, ndp = 0, ntiers = 0;
+    if (work_init(&w, nrows ? nrows : 1) < 0) goto done;
+    Py_ssize_t ordered = gather(&w, args[0], args[1], &ninsts);
+    if (ordered == -2) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (ordered < 0) goto done;
+    for (Py_ssize_t o = 0; o < ordered; o++) {
+        Inst *in = &w.insts[w.ordered[o]];
+        PyObject *who = PyDict_GetItemWithError(args[2], in->name);
+        if (who == NULL) {
+            if (PyErr_Occurred()) goto done;
+            continue; /* not an engine of this model */
+        }
+        if (!PyTuple_Check(who) || PyTuple_GET_SIZE(who) != 2
+            || !PyUnicode_Check(PyTuple_GET_ITEM(who, 0))
+            || !PyLong_CheckExact(PyTuple_GET_ITEM(who, 1))) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyObject *iid = PyTuple_GET_ITEM(who, 0);
+        long long rank = PyLong_AsLongLong(PyTuple_GET_ITEM(who, 1));
+        if (rank == -1 && PyErr_Occurred()) goto done;
+        Py_ssize_t g = in->gpu, c = g + run_from(in->cpu, in->cpu_len, g);
+        Py_ssize_t d = c + run_from(in->disk, in->disk_len, c);
+        if (d == 0) continue;
+        if (g && (nscores = upsert(w.scores, nscores, iid, rank, g * size)) < 0) goto done;
+        if ((ndp = upsert(w.dp, ndp, iid, rank, g * size)) < 0) goto done;
+        Py_ssize_t t = 0;
+        for (; t < ntiers; t++) {
+            int eq = same(w.tiers[t].iid, iid);
+            if (eq < 0) goto done;
+            if (eq) break;
+        }
+        if (t == ntiers) w.tiers[ntiers++] = (Tiers){iid, 0, 0, 0, 0};
+        Tiers *tr = &w.tiers[t];
+        if (g * size > tr->gpu) tr->gpu = g * size;
+        if (c * size > tr->cpu) tr->cpu = c * size;
+        if (d * size > tr->disk) tr->disk = d * size;
+        if (d * size > tr->longest) tr->longest = d * size;
+    }
+    Buf *b = &w.out;
+    if (PUT(b, "{\"scores\":{") < 0) goto done;
+    int comma = 0;
+    for (Py_ssize_t i = 0; i < nscores; i++) {
+        int first = first_of(w.scores, i);
+        if (first < 0) goto done;
+        if (!first) continue;
+        if ((comma && PUT(b, ",") < 0) || put_str(b, w.scores[i].iid) < 0 || PUT(b, ":") < 0
+            || put_grouped(b, w.scores, nscores, i) < 0)
+            goto done;
+        comma = 1;
+    }
+    if (PUT(b, "},\"frequencies\":[],\"instances\":{") < 0) goto done;
+    for (Py_ssize_t t = 0; t < ntiers; t++) {
+        Tiers *tr = &w.tiers[t];
+        Py_ssize_t at = 0; /* the iid's first dp entry */
+        for (; at < ndp; at++) {
+            int eq = same(w.dp[at].iid, tr->iid);
+            if (eq < 0) goto done;
+            if (eq) break;
+        }
+        if ((t && PUT(b, ",") < 0) || put_str(b, tr->iid) < 0
+            || PUT(b, ":{\"longest_matched\":") < 0 || put_int(b, tr->longest) < 0
+            || PUT(b, ",\"gpu\":") < 0 || put_int(b, tr->gpu) < 0 || PUT(b, ",\"dp\":") < 0
+            || put_grouped(b, w.dp, ndp, at) < 0 || PUT(b, ",\"cpu\":") < 0
+            || put_int(b, tr->cpu) < 0 || PUT(b, ",\"disk\":") < 0 || put_int(b, tr->disk) < 0
+            || PUT(b, "}") < 0)
+            goto done;
+    }
+    if (PUT(b, "}}") < 0) goto done;
+    result = PyBytes_FromStringAndSize(b->p, b->n);
+done:
+    work_free(&w);
+    return result;
+}
