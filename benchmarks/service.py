@@ -15,7 +15,8 @@ fresh service:
    p50/p99; then the same with wrk (a C load generator, 2 threads, 8 connections),
    where it is installed (Debian's ``wrk``);
    The CPU the service's process tree used in the drain and under wrk is read too:
-   the cores it kept busy, and CPU µs per event and per request;
+   the cores it kept busy, and CPU µs per event and per request (and wrk's own CPU
+   per request: the machine is shared, so it bounds what any service's rate can be);
 3. **RSS, PSS and anonymous RSS**: of the service's process tree, after the drain;
 4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
    keeps no registrations: they are sent again; sarp keeps them with its index), each
@@ -275,14 +276,19 @@ def _wrk(url: str, bodies: list[bytes], seconds: float, work: Path, clients: int
         (folder / str(k)).write_bytes(
             b"POST /query HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (host, len(body), body))
+    before = os.times()
     out = subprocess.run(["wrk", "-t2", f"-c{clients}", f"-d{seconds:g}s", "-s", str(script),
                           url, "--", str(folder), str(len(bodies) // 2 * 2)],
                          capture_output=True, text=True, check=True)
+    after = os.times()  # wrk is the one child reaped meanwhile (services are reaped at stop)
+    client_cpu_s = (after.children_user + after.children_system
+                    - before.children_user - before.children_system)
     fields = next(ln for ln in out.stdout.splitlines() if ln.startswith("WRK ")).split()
     requests, duration_us, errors = int(fields[1]), int(fields[2]), int(fields[3])
     return {"requests_per_s": requests / (duration_us / 1e6), "p50_ms": float(fields[5]),
             "p99_ms": float(fields[6]), "requests": requests, "errors": errors,
-            "seconds": duration_us / 1e6}
+            "seconds": duration_us / 1e6,
+            "client_cpu_us_per_request": 1e6 * client_cpu_s / max(requests, 1)}
 
 
 @contextlib.contextmanager
