@@ -57,7 +57,7 @@ def query_handler(index_path: str):
                                           models.get())
             if not keys.size:
                 return 200, orjson.dumps(rfc.EMPTY)
-            return 200, orjson.dumps(rfc.answer(index.match(keys, with_presence=True), model))
+            return 200, rfc.answer_json(index.match(keys, with_presence=True), model)
         except (orjson.JSONDecodeError, rfc.QueryError) as exc:
             return 400, orjson.dumps({"error": str(exc)})
 
