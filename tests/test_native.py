@@ -146,6 +146,28 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_block
                         assert body == orjson.dumps(rfc.answer(got, model))
 
 
+@pytest.mark.parametrize("media", [False, True])
+def test_a_segment_with_more_holders_than_c_takes_is_walked_in_python(tmp_path, media):
+    """C hands back a walk whose segment has more holders than MAX_WALK_HOLDERS (64):
+    the match walks it in Python once, not in C again, and answers the same."""
+    import sarp
+
+    chain = np.arange(1, 9, dtype=np.uint64)
+    with sarp.open(tmp_path / "ix", durability="nosync") as ix:
+        for k in range(70):
+            ix.insert(chain[: 4 + k % 4], holder=f"e{k}",
+                      medium="CPU" if media and k % 2 else "GPU")
+        for presence in (False, True):
+            with native.Tally() as t:
+                got = ix.match(chain, with_presence=presence)
+            assert (t.c("walk"), t.python("walk")) == (1, 1)
+            with native.forced("python"):
+                expected = ix.match(chain, with_presence=presence)
+            assert (got.num_blocks, got.by_holder, got.by_medium) == (
+                expected.num_blocks, expected.by_holder, expected.by_medium)
+            assert got.num_blocks == 7 and len(got.by_holder) == 70
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_c_runs_of_rows_and_rfc_answer_are_their_references(seed):
     """Rows as a walk leaves them, with what a match meets at the edges: a holder with no

@@ -354,25 +354,33 @@ class PrefixWalk:
 
     def _result_of_rows(self, holder_names: dict[int, tuple[str, str]],
                         instance_names: list[str], reads: int) -> Match:
-        """:meth:`result` from each holder's presence (:meth:`take_rows`), by
-        :func:`runs_of_rows`.  Cost: one C call (``rows_result``), and a numpy array
-        per named holder when presence was asked."""
-        c = native.C
-        args = (self._rows, holder_names, self._instance_of, instance_names, self.total)
-        if c is not None:
-            by_holder, by_medium = c.rows_result(*args)
-        else:
-            native.ran_python("rows_result")
-            by_holder, by_medium = runs_of_rows(*args)
-        presence, rows = {}, None
-        if self._steps is not None:
-            for holder_id, row in self._rows.items():
-                name = holder_names.get(holder_id)
-                if name is not None:
-                    presence[name] = np.frombuffer(row, bool)
-            rows = HolderRows(self._rows, holder_names)
-        return Match(self.total, by_holder, by_medium, {}, reads, presence,
-                     self._instance_of is not None, rows)
+        """:meth:`result` from each holder's presence (:meth:`take_rows`)."""
+        return answer_of_rows(self.total, self._rows, holder_names, self._instance_of,
+                              instance_names, reads, self._steps is not None)
+
+
+def answer_of_rows(total: int, rows: dict[int, bytes], holder_names: dict[int, tuple[str, str]],
+                   instance_of: list[int] | None, instance_names: list[str], reads: int,
+                   with_presence: bool) -> Match:
+    """A match's answer from each holder's presence over its ``total`` verified blocks
+    (holder id -> bytes of 0 and 1), its runs by :func:`runs_of_rows`.  Cost: one C
+    call (``rows_result``), and a numpy array per named holder with presence."""
+    c = native.C
+    args = (rows, holder_names, instance_of, instance_names, total)
+    if c is not None:
+        by_holder, by_medium = c.rows_result(*args)
+    else:
+        native.ran_python("rows_result")
+        by_holder, by_medium = runs_of_rows(*args)
+    presence, kept = {}, None
+    if with_presence:
+        for holder_id, row in rows.items():
+            name = holder_names.get(holder_id)
+            if name is not None:
+                presence[name] = np.frombuffer(row, bool)
+        kept = HolderRows(rows, holder_names)
+    return Match(total, by_holder, by_medium, {}, reads, presence, instance_of is not None,
+                 kept)
 
 
 def runs_of_rows(rows: dict[int, bytes], holder_names: dict[int, tuple[str, str]],
@@ -453,9 +461,27 @@ def match_one(r, directory, holders, query: np.ndarray, on_damage, *, with_meta:
     Cost: about matched/S + 1 record reads (see :func:`walk_one`).
     """
     query_bytes = query.astype("<u8", copy=False).tobytes()
-    walk = PrefixWalk(holders.instance_of if holders.multi_medium else None, with_meta,
-                      with_presence)
-    walk_one(r, directory, walk, query, query_bytes, on_damage, prefetched=prefetched)
+    grouping = holders.instance_of if holders.multi_medium else None
+    c, get = native.C, r.native_get
+    in_c = c is not None and get is not None and not with_meta and (
+        prefetched or not r.capabilities.prefetch)
+    if in_c:
+        # the C walk and its answer, with no PrefixWalk between (walk_in_c's, inlined:
+        # a match of a few blocks spent more in the Python around the walk than in it)
+        rows = with_presence or grouping is not None
+        total, reads, runs, stopped_at = c.walk(get, directory.lookup,
+                                                *directory.probe_dicts(), query_bytes, rows)
+        if stopped_at != -2:
+            r.reads += reads
+            if stopped_at >= 0:
+                _report_damage(r, stopped_at, on_damage)
+            if rows:
+                return answer_of_rows(total, runs, holders.names, grouping,
+                                      holders.instance_names, r.reads, with_presence)
+            return plain_answer(total, runs, holders.names, r.reads)
+    walk = PrefixWalk(grouping, with_meta, with_presence)
+    walk_one(r, directory, walk, query, query_bytes, on_damage, prefetched=prefetched,
+             in_c=not in_c)  # (not again, when C handed this walk back)
     return walk.result(holders.names, holders.instance_names, r.reads)
 
 
@@ -520,11 +546,17 @@ def walk_in_c(r, directory, walk: PrefixWalk, query_bytes: bytes, on_damage) -> 
     else:
         walk.take(total, runs)
     if stopped_at >= 0:
-        try:
-            examine_py(stopped_at, r.raw_records([stopped_at])[0], b"", 0, None)
-        except CorruptRecordError as exc:
-            on_damage(exc)
+        _report_damage(r, stopped_at, on_damage)
     return True
+
+
+def _report_damage(r, seg_id: int, on_damage) -> None:
+    """The C walk stopped at segment ``seg_id``'s damaged record: the Python check
+    names the damage to ``on_damage``."""
+    try:
+        examine_py(seg_id, r.raw_records([seg_id])[0], b"", 0, None)
+    except CorruptRecordError as exc:
+        on_damage(exc)
 
 
 def advance(r, walk: PrefixWalk, seg_id: int, query_bytes: bytes, pos: int,
