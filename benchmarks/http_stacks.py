@@ -44,7 +44,7 @@ def query_handler(index_path: str):
 
     import sarp
     from sarp.serving import rfc
-    from sarp.serving.http import _with_fast_block_hashes
+    from sarp.serving.http import _with_fast_block_hashes, rfc_json
     from sarp.serving.status import STATUS_FILE, read_status
 
     index = sarp.open(index_path, readonly=True)
@@ -57,7 +57,7 @@ def query_handler(index_path: str):
                                           models.get())
             if not keys.size:
                 return 200, orjson.dumps(rfc.EMPTY)
-            return 200, rfc.answer_json(index.match(keys, with_presence=True), model)
+            return 200, rfc_json(index.match(keys, with_presence=True), model)
         except (orjson.JSONDecodeError, rfc.QueryError) as exc:
             return 400, orjson.dumps({"error": str(exc)})
 

@@ -56,7 +56,7 @@ static PyMethodDef methods[] = {
      "(sarp.valkey_read.match_each)"},
     {"rfc_answer", (PyCFunction)(void (*)(void))sarp_rfc_answer, METH_FASTCALL,
      "rfc_answer(rows, names, ranks, block_size): RFC #1403's /query answer as JSON "
-     "(sarp.serving.rfc.answer_json)"},
+     "(sarp.serving.rfc.answer_c)"},
     {"rows_result", (PyCFunction)(void (*)(void))sarp_rows_result, METH_FASTCALL,
      "rows_result(rows, names, instance_of, instance_names, total): a match's runs from "
      "its holders' rows (sarp.verify.PrefixWalk)"},

@@ -187,7 +187,7 @@ class HolderRows(NamedTuple):
     """Each holder's presence over a match's verified blocks as the walk kept it
     (holder id -> bytes of 0 and 1), and the names the match was answered with (holder
     id -> (instance, medium), a holder without one is not in the answer): what
-    :func:`sarp.serving.rfc.answer_json` reads in one C call."""
+    :func:`sarp.serving.rfc.answer_c` reads in one C call."""
 
     rows: dict[int, bytes]
     names: dict[int, tuple[str, str]]

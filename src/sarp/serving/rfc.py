@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import orjson
 
 from .. import native
 from ..hashing import as_hashes
@@ -199,31 +198,32 @@ def answer(match, model: Model) -> dict:
 EMPTY = {"scores": {}, "frequencies": [], "instances": {}}
 
 
-def answer_json(match, model: Model) -> bytes:
-    """``orjson.dumps(answer(match, model))``, in one C call (``serving/rfc.c``) from
-    the match's rows when it has them (``match(..., with_presence=True)``: see
-    :class:`sarp.verify.HolderRows`).
+def answer_c(match, model: Model) -> bytes | None:
+    """:func:`answer` as JSON, made in one C call (``serving/rfc.c``) from the match's
+    rows (``match(..., with_presence=True)``: see :class:`sarp.verify.HolderRows`): byte
+    for byte what ``orjson.dumps(answer(match, model))`` gives.  None when C cannot (no
+    extension, a match without rows, more holders than C scans): the caller encodes
+    :func:`answer`'s dict then (``serving.http``, orjson's one door).
 
-    Cost: a scan of each holder's row and a few operations per holder, in C; the
-    Python :func:`answer` (a few numpy calls per holder) when the extension is off or
-    the match has no rows.
+    Cost: a scan of each holder's row and a few operations per holder, in C.
 
+    >>> import json
     >>> from sarp.verify import HolderRows, Match
     >>> ms = models_of([{"name": "7", "model": "m", "block_size": 4}])
     >>> names = {0: ("7#0", GPU), 1: ("7#0", CPU)}
     >>> m = Match(3, {"7#0": 3}, {"7#0": {GPU: 1, CPU: 3}}, {}, 1,
     ...           {("7#0", GPU): np.array([1, 0, 0], bool), ("7#0", CPU): np.ones(3, bool)},
     ...           True, HolderRows({0: b"\\x01\\x00\\x00", 1: b"\\x01\\x01\\x01"}, names))
-    >>> answer_json(m, ms["m", DEFAULT_TENANT]) == orjson.dumps(answer(m, ms["m", DEFAULT_TENANT]))
+    >>> got = answer_c(m, ms["m", DEFAULT_TENANT])
+    >>> got is None or json.loads(got) == answer(m, ms["m", DEFAULT_TENANT])
     True
     """
     c = native.C
-    if c is not None and match.holder_rows is not None:
-        got = c.rfc_answer(*match.holder_rows, model.ranks, model.block_size)
-        if got is not None:
-            return got
-    native.ran_python("rfc_answer")
-    return orjson.dumps(answer(match, model))
+    got = None if c is None or match.holder_rows is None else c.rfc_answer(
+        *match.holder_rows, model.ranks, model.block_size)
+    if got is None:
+        native.ran_python("rfc_answer")
+    return got
 
 
 def _run(presence: np.ndarray | None, start: int) -> int:
