@@ -169,7 +169,7 @@ def test_a_segment_with_more_holders_than_c_takes_is_walked_in_python(tmp_path, 
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_c_runs_of_rows_and_rfc_answer_are_their_references(seed):
+def test_the_c_runs_and_rfc_answer_are_their_references(seed):
     """Rows as a walk leaves them, with what a match meets at the edges: a holder with no
     name (not verified), one newer than the instance table, one of no instance (-1),
     several of one instance in one medium, two media ORed into an instance's run."""
@@ -190,6 +190,10 @@ def test_the_c_runs_of_rows_and_rfc_answer_are_their_references(seed):
         assert t.c("rows_result") == 1
         assert got == verify.runs_of_rows(*args)
         assert list(got[0]) == list(verify.runs_of_rows(*args)[0])  # in the same order
+    runs = {h: int(rng.integers(0, total + 1)) for h in rows}  # a walk of one medium each
+    with native.Tally() as t:
+        assert native.C.plain_result(runs, names) == verify.plain_runs(runs, names)
+    assert t.c("plain_result") == 1
     by_holder, by_medium = verify.runs_of_rows(rows, names, instance_of, instance_names, total)
     presence = {names[h]: np.frombuffer(row, bool) for h, row in rows.items() if h in names}
     match = verify.Match(total, by_holder, by_medium, {}, 1, presence, True,

@@ -540,3 +540,47 @@ done:
     Py_XDECREF(by_medium);
     return out;
 }
+
+/* plain_result(runs, names) -> (by_holder, by_medium)
+ * plain_runs's (its Python is the reference): runs maps holder id -> its prefix (a walk
+ * where each instance is one holder); names holder id -> (instance, medium).  Each
+ * named holder with a prefix: by_holder[instance] = blocks, by_medium[instance] =
+ * {medium: blocks}; a holder without a name is left out. */
+PyObject *sarp_plain_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "plain_result(runs: dict, names: dict)");
+        return NULL;
+    }
+    sarp_calls[CALL_PLAIN_RESULT]++;
+    PyObject *by_holder = PyDict_New(), *by_medium = PyDict_New(), *out = NULL;
+    if (by_holder == NULL || by_medium == NULL) goto done;
+    PyObject *hid, *blocks;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(args[0], &pos, &hid, &blocks)) {
+        int held = PyObject_IsTrue(blocks);
+        if (held < 0) goto done;
+        if (!held) continue;
+        PyObject *name = PyDict_GetItemWithError(args[1], hid);
+        if (name == NULL) {
+            if (PyErr_Occurred()) goto done;
+            continue;
+        }
+        if (!PyTuple_Check(name) || PyTuple_GET_SIZE(name) != 2) {
+            PyErr_SetString(PyExc_TypeError, "plain_result: names of pairs");
+            goto done;
+        }
+        PyObject *instance = PyTuple_GET_ITEM(name, 0);
+        PyObject *media = PyDict_New();
+        if (media == NULL) goto done;
+        int bad = PyDict_SetItem(media, PyTuple_GET_ITEM(name, 1), blocks) < 0
+                  || PyDict_SetItem(by_holder, instance, blocks) < 0
+                  || PyDict_SetItem(by_medium, instance, media) < 0;
+        Py_DECREF(media);
+        if (bad) goto done;
+    }
+    out = PyTuple_Pack(2, by_holder, by_medium);
+done:
+    Py_XDECREF(by_holder);
+    Py_XDECREF(by_medium);
+    return out;
+}

@@ -441,7 +441,25 @@ LONG_CHAIN = 256  # blocks: match_many walks longer chains one at a time
 def plain_answer(total: int, runs: dict[int, int], holder_names: dict[int, tuple[str, str]],
                  reads: int) -> Match:
     """The answer of a walk where each instance holds blocks in one medium: ``runs``,
-    each holder's prefix by id, named (a holder without a verified name is left out)."""
+    each holder's prefix by id, named (:func:`plain_runs`; in C, ``plain_result``)."""
+    c = native.C
+    if c is not None:
+        by_holder, by_medium = c.plain_result(runs, holder_names)
+    else:
+        native.ran_python("plain_result")
+        by_holder, by_medium = plain_runs(runs, holder_names)
+    return Match(total, by_holder, by_medium, {}, reads, {}, False)
+
+
+def plain_runs(runs: dict[int, int], holder_names: dict[int, tuple[str, str]]
+               ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """``by_holder`` and ``by_medium`` of a walk where each instance is one holder:
+    each named holder with a prefix (a holder without a verified name is left out).
+    The reference of C's ``plain_result``.
+
+    >>> plain_runs({3: 2, 4: 0, 5: 1}, {3: ("a", "GPU"), 4: ("b", "GPU")})
+    ({'a': 2}, {'a': {'GPU': 2}})
+    """
     by_holder: dict[str, int] = {}
     by_medium: dict[str, dict[str, int]] = {}
     for holder_id, blocks in runs.items():
@@ -449,7 +467,7 @@ def plain_answer(total: int, runs: dict[int, int], holder_names: dict[int, tuple
             instance, medium = holder_names[holder_id]
             by_holder[instance] = blocks
             by_medium[instance] = {medium: blocks}
-    return Match(total, by_holder, by_medium, {}, reads, {}, False)
+    return by_holder, by_medium
 
 
 def match_one(r, directory, holders, query: np.ndarray, on_damage, *, with_meta: bool = False,
