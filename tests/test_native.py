@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
-from sarp import native, verify
+from sarp import answer, native, verify
 from sarp.errors import CorruptRecordError, ParentNotFoundError
 from sarp.segment import Segment
 from sarp.serving import rfc
@@ -188,16 +188,16 @@ def test_the_c_runs_and_rfc_answer_are_their_references(seed):
         with native.Tally() as t:
             got = native.C.rows_result(*args)
         assert t.c("rows_result") == 1
-        assert got == verify.runs_of_rows(*args)
-        assert list(got[0]) == list(verify.runs_of_rows(*args)[0])  # in the same order
+        assert got == answer.runs_of_rows(*args)
+        assert list(got[0]) == list(answer.runs_of_rows(*args)[0])  # in the same order
     runs = {h: int(rng.integers(0, total + 1)) for h in rows}  # a walk of one medium each
     with native.Tally() as t:
-        assert native.C.plain_result(runs, names) == verify.plain_runs(runs, names)
+        assert native.C.plain_result(runs, names) == answer.plain_runs(runs, names)
     assert t.c("plain_result") == 1
-    by_holder, by_medium = verify.runs_of_rows(rows, names, instance_of, instance_names, total)
+    by_holder, by_medium = answer.runs_of_rows(rows, names, instance_of, instance_names, total)
     presence = {names[h]: np.frombuffer(row, bool) for h, row in rows.items() if h in names}
-    match = verify.Match(total, by_holder, by_medium, {}, 1, presence, True,
-                         verify.HolderRows(rows, names))
+    match = answer.Match(total, by_holder, by_medium, {}, 1, presence, True,
+                         answer.HolderRows(rows, names))
     ranks = {f"i{k}": (str(rng.integers(3)), int(rng.integers(2))) for k in range(5)
              if rng.random() < 0.8}
     model = rfc.Model("m", "default", int(rng.integers(1, 64)), 0, ranks)

@@ -11,6 +11,7 @@
 # Most indexes are folders: the LMDB backend is imported with sarp, so that opening one
 # does not pay for importing lmdb (the valkey client is imported only for a URL).
 from . import store_lmdb  # noqa: F401
+from .answer import Match
 from .errors import (
     ChainConflictError,
     CorruptRecordError,
@@ -30,7 +31,6 @@ from .errors import (
 from .hashing import as_hashes, hash_blocks
 from .index import Index, open
 from .shards import ShardedIndex, open_shards
-from .verify import Match
 
 __version__ = "0.1.0"
 

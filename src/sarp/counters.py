@@ -48,7 +48,7 @@ class Counters:
         self.removed_blocks += plan.removed_blocks
 
     def matched(self, answers: list) -> None:
-        """Count these answers (:class:`sarp.verify.Match`)."""
+        """Count these answers (:class:`sarp.answer.Match`)."""
         for m in answers:
             self.matches += 1
             self.matched_blocks += m.num_blocks

@@ -15,7 +15,8 @@
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
- * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, plain_result): calls so far */
+ * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
+ * plain_result): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(KKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
@@ -59,9 +60,9 @@ static PyMethodDef methods[] = {
      "(sarp.serving.rfc.answer_c)"},
     {"rows_result", (PyCFunction)(void (*)(void))sarp_rows_result, METH_FASTCALL,
      "rows_result(rows, names, instance_of, instance_names, total): a match's runs from "
-     "its holders' rows (sarp.verify.PrefixWalk)"},
+     "its holders' rows (sarp.answer.runs_of_rows)"},
     {"plain_result", (PyCFunction)(void (*)(void))sarp_plain_result, METH_FASTCALL,
-     "plain_result(runs, names): a one-medium walk's runs named (sarp.verify.plain_runs)"},
+     "plain_result(runs, names): a one-medium walk's runs named (sarp.answer.plain_runs)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, plain_result) calls so far"},

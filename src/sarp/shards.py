@@ -28,12 +28,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .answer import Match
 from .errors import IndexClosedError, NotAnIndexError
 from .hashing import HashesLike, as_hashes
 from .index import Index
 from .index import open as open_index
 from .store import shard_registry
-from .verify import Match
 
 log = logging.getLogger("sarp")
 

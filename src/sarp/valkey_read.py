@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import native, recovery
+from .answer import Match, plain_answer
 from .segment import Segment, decode
 from .store import BLOCK_VALUE, LOG_VALUE, U64, Capabilities, counter_value, holder_names
-from .verify import Match, PrefixWalk, plain_answer
+from .verify import PrefixWalk
 
 if TYPE_CHECKING:
     from .store_valkey import ValkeyStore

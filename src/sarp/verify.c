@@ -441,7 +441,7 @@ static Py_ssize_t leading_run(const char *row, Py_ssize_t len) {
 }
 
 /* rows_result(rows, names, instance_of, instance_names, total) -> (by_holder, by_medium)
- * PrefixWalk._result_of_rows's runs (its Python is the reference): rows maps holder id
+ * sarp.answer.runs_of_rows's runs (its Python is the reference): rows maps holder id
  * -> presence bytes; names holder id -> (instance, medium), a holder without one left
  * out; instance_of None (each instance one holder: its run is its instance's) or the
  * instance of each holder id below its length (an instance's run is the leading run of
@@ -542,10 +542,10 @@ done:
 }
 
 /* plain_result(runs, names) -> (by_holder, by_medium)
- * plain_runs's (its Python is the reference): runs maps holder id -> its prefix (a walk
- * where each instance is one holder); names holder id -> (instance, medium).  Each
- * named holder with a prefix: by_holder[instance] = blocks, by_medium[instance] =
- * {medium: blocks}; a holder without a name is left out. */
+ * sarp.answer.plain_runs's (its Python is the reference): runs maps holder id -> its
+ * prefix (a walk where each instance is one holder); names holder id -> (instance,
+ * medium).  Each named holder with a prefix: by_holder[instance] = blocks,
+ * by_medium[instance] = {medium: blocks}; a holder without a name is left out. */
 PyObject *sarp_plain_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "plain_result(runs: dict, names: dict)");

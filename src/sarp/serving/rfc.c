@@ -1,7 +1,7 @@
 /*
  * The C mirror of sarp/serving/rfc.py's `answer` (sarp._native; sarp/native.py loads
  * it): RFC #1403's answer to a `/query`, as the JSON bytes orjson makes of `answer`'s
- * dict, read straight from the match's rows (verify.HolderRows: each holder's
+ * dict, read straight from the match's rows (answer.HolderRows: each holder's
  * presence over the verified blocks, and the holders' names), with no dict, numpy
  * array or run per holder in Python.  rfc.answer_c calls it; tests hold its bytes
  * equal to orjson.dumps(rfc.answer(match, model)).

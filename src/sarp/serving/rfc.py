@@ -200,7 +200,7 @@ EMPTY = {"scores": {}, "frequencies": [], "instances": {}}
 
 def answer_c(match, model: Model) -> bytes | None:
     """:func:`answer` as JSON, made in one C call (``serving/rfc.c``) from the match's
-    rows (``match(..., with_presence=True)``: see :class:`sarp.verify.HolderRows`): byte
+    rows (``match(..., with_presence=True)``: see :class:`sarp.answer.HolderRows`): byte
     for byte what ``orjson.dumps(answer(match, model))`` gives.  None when C cannot (no
     extension, a match without rows, more holders than C scans): the caller encodes
     :func:`answer`'s dict then (``serving.http``, orjson's one door).
@@ -208,7 +208,7 @@ def answer_c(match, model: Model) -> bytes | None:
     Cost: a scan of each holder's row and a few operations per holder, in C.
 
     >>> import json
-    >>> from sarp.verify import HolderRows, Match
+    >>> from sarp.answer import HolderRows, Match
     >>> ms = models_of([{"name": "7", "model": "m", "block_size": 4}])
     >>> names = {0: ("7#0", GPU), 1: ("7#0", CPU)}
     >>> m = Match(3, {"7#0": 3}, {"7#0": {GPU: 1, CPU: 3}}, {}, 1,

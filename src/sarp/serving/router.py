@@ -16,8 +16,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from ..answer import Match
 from ..hashing import HashesLike, hash_blocks
-from ..verify import Match
 from .media import canonical_medium
 
 log = logging.getLogger("sarp.router")
