@@ -481,6 +481,51 @@ def test_token_ids_parsed_in_c_are_the_general_parse_s_or_refused():
     assert taken > 500
 
 
+def test_a_query_s_fields_read_in_c_are_the_general_parse_s_or_left_to_it():
+    """/query's one C pass (rfc.query_fields): for bodies in the shape routers send, the
+    token ids, model, group and LoRA name the general parse reads; for any other body
+    (an escape, another or a repeated field, a value of another type, bytes after the
+    object, a cut body), None, and the general parse reads or refuses it."""
+    import random
+
+    import orjson
+
+    from sarp import native
+    from sarp.serving import rfc
+
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}: only the general parse runs")
+    rng = random.Random(5)
+    strings = ['"llama"', '"m-1.b"', '"é ü"', '""', '"a\\"b"', '"a\\u0041"', "null", "7",
+               "[]", '"tab\there"']
+    taken = 0
+    for _ in range(3000):
+        ids = ", ".join(str(rng.getrandbits(17)) for _ in range(rng.randint(0, 12)))
+        pairs = [f'"token_ids"{rng.choice(["", " "])}:{rng.choice(["", " "])}[{ids}]']
+        keys = ["model_name"] + rng.sample(["routing_group", "tenant_id", "lora_name",
+                                            "model_name", "other"], rng.randint(0, 3))
+        for key in keys:
+            value = rng.choice(strings[:4]) if rng.random() < 0.8 else rng.choice(strings)
+            pairs.append(f'"{key}": {value}')
+        text = "{" + rng.choice([",", ", ", " ,\n"]).join(pairs) + "}"
+        if rng.random() < 0.05:
+            text = text[: rng.randint(0, len(text))]
+        if rng.random() < 0.05:
+            text += rng.choice([" ", "x", "{}"])
+        body = text.encode()
+        got = rfc.query_fields(body)
+        if got is None:
+            continue
+        taken += 1
+        obj = orjson.loads(body)  # what C read, the general parse reads: a valid body
+        tenant = obj.get("routing_group", obj.get("tenant_id"))
+        assert (got[0].tolist(), got[1], got[2], got[3]) == (
+            obj["token_ids"], obj["model_name"], tenant, obj.get("lora_name")), body
+        assert set(obj) <= {"token_ids", "model_name", "routing_group", "tenant_id",
+                            "lora_name"} and body.count(b'"model_name"') == 1, body
+    assert taken > 1000
+
+
 def test_long_arrays_read_through_bitmaps_are_the_general_parse_s_or_refused():
     """Arrays of hundreds to thousands of ids, as agentic requests send, are read from
     bitmaps of 64 bytes a word (``classify`` in http.c): numbers crossing words,

@@ -10,21 +10,22 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 20
+#define ABI_VERSION 21
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result): calls so far */
+ * plain_result, query_fields): calls so far */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
                          sarp_calls[CALL_DECODE_INTO], sarp_calls[CALL_FIND],
                          sarp_calls[CALL_READ_MATCH], sarp_calls[CALL_RFC_ANSWER],
-                         sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT]);
+                         sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
+                         sarp_calls[CALL_QUERY_FIELDS]);
 }
 
 static PyMethodDef methods[] = {
@@ -63,9 +64,13 @@ static PyMethodDef methods[] = {
      "its holders' rows (sarp.answer.runs_of_rows)"},
     {"plain_result", (PyCFunction)(void (*)(void))sarp_plain_result, METH_FASTCALL,
      "plain_result(runs, names): a one-medium walk's runs named (sarp.answer.plain_runs)"},
+    {"query_fields", (PyCFunction)(void (*)(void))sarp_query_fields, METH_FASTCALL,
+     "query_fields(body): a /query body's token ids and names, or None "
+     "(sarp.serving.rfc.query_fields)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
-     "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, plain_result) calls so far"},
+     "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
+     "plain_result, query_fields) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -73,7 +78,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
-    "rfc_answer, rows_result, plain_result); each "
+    "rfc_answer, rows_result, plain_result, query_fields); each "
     "has a Python reference.", -1,
     methods,
 };

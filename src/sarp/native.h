@@ -1,11 +1,10 @@
 /* What sarp._native's translation units share.  Each C file sits beside the Python it
- * mirrors and is named after it: verify.c (examine, walk, rows_result,
- * plain_result), packing.c (pack_batch),
- * serving/events.c (decode_batch), serving/http.c (u64_array), tokenkeys.c (token_keys),
- * directory.c (find, predict), valkey_read.c (read_match), serving/rfc.c (rfc_answer);
- * native.c is the module
- * (native.py is its only loader).  The segment record's layout is read in one place,
- * here (segment.py is the reference). */
+ * mirrors and is named after it: verify.c (examine, walk; rows_result and plain_result,
+ * whose references are in answer.py), packing.c (pack_batch), serving/events.c
+ * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields),
+ * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match);
+ * native.c is the module (native.py is its only loader).  The segment record's layout
+ * is read in one place, here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
 #define SARP_NATIVE_H
 #include <Python.h>
@@ -31,6 +30,7 @@ PyObject *sarp_read_match(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *sarp_rfc_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_rows_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_plain_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_query_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 
@@ -85,7 +85,7 @@ void walk_release(Walk *w);
 enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
-       CALL_PLAIN_RESULT, CALL_KINDS };
+       CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -430,16 +431,21 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         return match_answer(body, started)
 
     def rfc_answer(body: bytes, by_hash: bool) -> wire.Response:
-        field = b"block_hashes" if by_hash else b"token_ids"
         try:
-            obj = _with_fast_block_hashes(body, field)  # the ids parsed in C, when it can
-            obj = orjson.loads(body) if obj is None else obj
+            fields = None if by_hash else rfc.query_fields(body)  # one C pass, when it can
+            if fields is None:
+                obj = _with_fast_block_hashes(body, b"block_hashes" if by_hash
+                                              else b"token_ids")  # the ids parsed in C
+                obj = orjson.loads(body) if obj is None else obj
+                parse = functools.partial(rfc.parse_query, obj, by_hash)
+            else:
+                parse = functools.partial(rfc.query_keys, fields)
             try:
-                model, keys = rfc.parse_query(obj, by_hash, models.get())
+                model, keys = parse(models.get())
             except rfc.QueryError as exc:  # no such model, maybe as of a table a moment old
                 if exc.status != 404:
                     raise
-                model, keys = rfc.parse_query(obj, by_hash, models.get(fresh=True))
+                model, keys = parse(models.get(fresh=True))
         except orjson.JSONDecodeError as exc:
             return refuse("body", f"the body is not JSON ({exc})")
         except rfc.QueryError as exc:

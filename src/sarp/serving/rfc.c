@@ -4,7 +4,8 @@
  * dict, read straight from the match's rows (answer.HolderRows: each holder's
  * presence over the verified blocks, and the holders' names), with no dict, numpy
  * array or run per holder in Python.  rfc.answer_c calls it; tests hold its bytes
- * equal to orjson.dumps(rfc.answer(match, model)).
+ * equal to orjson.dumps(rfc.answer(match, model)).  And a /query body's fields read in one
+ * pass (query_fields), where routers' bodies take no Python parse.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -325,4 +326,104 @@ PyObject *sarp_rfc_answer(PyObject *self, PyObject *const *args, Py_ssize_t narg
 done:
     work_free(&w);
     return result;
+}
+
+/* A JSON string without escapes or control characters at *p (its opening quote), as
+ * str; *p moves past its closing quote.  NULL with no error set on any doubt. */
+static PyObject *plain_string(const uint8_t **p, const uint8_t *end) {
+    const uint8_t *q = *p + 1, *from = q;
+    while (q < end && *q != '"') {
+        if (*q == '\\' || *q < 0x20) return NULL;
+        q++;
+    }
+    if (q == end) return NULL;
+    *p = q + 1;
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)from, q - from, "strict");
+    if (s == NULL) PyErr_Clear();
+    return s;
+}
+
+static const uint8_t *skip_ws(const uint8_t *p, const uint8_t *end) {
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+enum { F_MODEL, F_GROUP, F_TENANT, F_LORA, NFIELDS };
+static const char *const FIELD_NAMES[NFIELDS] = {"model_name", "routing_group", "tenant_id",
+                                                 "lora_name"};
+
+/* query_fields(body) -> (token_ids: bytes, model_name, group, lora) | None
+ * (rfc.query_fields; the general parse, orjson then rfc.parse_query, its reference)
+ * RFC #1403's /query body in the shape routers send, read in one pass: an object whose
+ * first field is "token_ids" (an array of ints, parsed as u64_array(..., u32) does),
+ * then "model_name" and optionally "routing_group" (or "tenant_id", the first of them
+ * given) and "lora_name" (a string or null), each string without escapes.  group and
+ * lora are None when absent (lora also when null).  None for anything else, which the
+ * general parse (orjson, then rfc.parse_query) then reads and, if wrong, names. */
+PyObject *sarp_query_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "query_fields(body: bytes)");
+        return NULL;
+    }
+    sarp_calls[CALL_QUERY_FIELDS]++;
+    const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    const uint8_t *end = base + PyBytes_GET_SIZE(args[0]), *p = skip_ws(base, end);
+    static const char head[] = "\"token_ids\"";
+    if (p == end || *p++ != '{') Py_RETURN_NONE;
+    p = skip_ws(p, end);
+    if (end - p < (Py_ssize_t)sizeof head - 1 || memcmp(p, head, sizeof head - 1) != 0)
+        Py_RETURN_NONE;
+    p = skip_ws(p + sizeof head - 1, end);
+    if (p == end || *p++ != ':') Py_RETURN_NONE;
+    p = skip_ws(p, end);
+    if (p == end || *p++ != '[') Py_RETURN_NONE;
+    const uint8_t *close = memchr(p, ']', end - p);
+    if (close == NULL) Py_RETURN_NONE;
+    PyObject *fields[NFIELDS] = {NULL}, *out = NULL, *ids = NULL;
+    PyObject *range[4] = {args[0], PyLong_FromSsize_t(p - base),
+                          PyLong_FromSsize_t(close - base), Py_True};
+    if (range[1] == NULL || range[2] == NULL) goto done;
+    ids = sarp_u64_array(NULL, range, 4);
+    if (ids == NULL || ids == Py_None) goto done;
+    for (p = skip_ws(close + 1, end);; p = skip_ws(p, end)) {
+        if (p == end) goto none;
+        if (*p == '}') break;
+        if (*p++ != ',') goto none;
+        p = skip_ws(p, end);
+        if (p == end || *p != '"') goto none;
+        int k = 0;
+        for (; k < NFIELDS; k++) {
+            size_t len = strlen(FIELD_NAMES[k]);
+            if ((size_t)(end - p) > len + 1 && memcmp(p + 1, FIELD_NAMES[k], len) == 0
+                && p[len + 1] == '"')
+                break;
+        }
+        if (k == NFIELDS || fields[k] != NULL) goto none; /* another field, or twice */
+        p = skip_ws(p + strlen(FIELD_NAMES[k]) + 2, end);
+        if (p == end || *p++ != ':') goto none;
+        p = skip_ws(p, end);
+        if (k == F_LORA && end - p >= 4 && memcmp(p, "null", 4) == 0) {
+            fields[k] = Py_NewRef(Py_None);
+            p += 4;
+            continue;
+        }
+        if (p == end || *p != '"' || (fields[k] = plain_string(&p, end)) == NULL) {
+            if (PyErr_Occurred()) goto done;
+            goto none;
+        }
+    }
+    if (skip_ws(p + 1, end) != end || fields[F_MODEL] == NULL) goto none;
+    PyObject *group = fields[F_GROUP] ? fields[F_GROUP] : fields[F_TENANT];
+    out = PyTuple_Pack(4, ids, fields[F_MODEL], group ? group : Py_None,
+                       fields[F_LORA] ? fields[F_LORA] : Py_None);
+    goto done;
+none:
+    out = Py_NewRef(Py_None);
+done:
+    if (out == NULL && !PyErr_Occurred()) out = Py_NewRef(Py_None);
+    for (int k = 0; k < NFIELDS; k++) Py_XDECREF(fields[k]);
+    Py_XDECREF(ids);
+    Py_XDECREF(range[1]);
+    Py_XDECREF(range[2]);
+    return out;
 }

@@ -167,6 +167,51 @@ def parse_query(obj: object, by_hash: bool, models: dict[tuple[str, str], Model]
     return model, token_keys(tokens, model.block_size, parent=model.root, lora_name=lora)[0]
 
 
+def query_fields(body: bytes) -> tuple[np.ndarray, str, str | None, str | None] | None:
+    """A ``/query`` body's token ids (uint32), ``model_name``, routing group
+    (``routing_group``, else ``tenant_id``) and ``lora_name``, read in one C pass when
+    the body has the shape routers send (``query_fields`` in ``http.c``: "token_ids"
+    first, then those fields alone, their strings without escapes); None for any other
+    body, or without the extension, and the general parse (orjson, then
+    :func:`parse_query`, the reference) reads it.
+
+    >>> f = query_fields(b'{"token_ids": [1, 2], "model_name": "m", "lora_name": null}')
+    >>> f is None or (f[0].tolist(), f[1:]) == ([1, 2], ("m", None, None))
+    True
+    """
+    c = native.C
+    if c is None:
+        native.ran_python("query_fields")
+        return None
+    got = c.query_fields(body)
+    if got is None:
+        return None
+    return np.frombuffer(got[0], np.uint32), got[1], got[2], got[3]
+
+
+def query_keys(fields: tuple[np.ndarray, str, str | None, str | None],
+               models: dict[tuple[str, str], Model]) -> tuple[Model, np.ndarray]:
+    """:func:`parse_query` of a ``/query`` whose fields were read and checked already
+    (:func:`query_fields`, in C): ``(token ids as uint32, model_name,
+    routing group or None, lora_name or None)``.
+
+    >>> ms = models_of([{"name": "7", "model": "m", "block_size": 4}])
+    >>> model, keys = query_keys((np.arange(9, dtype=np.uint32), "m", None, None), ms)
+    >>> bool((keys == parse_query({"token_ids": list(range(9)), "model_name": "m"},
+    ...                           False, ms)[1]).all())
+    True
+    """
+    tokens, name, tenant, lora = fields
+    tenant = DEFAULT_TENANT if tenant is None else tenant
+    model = models.get((name, tenant))
+    if model is None:
+        raise QueryError("model_name", f"no indexer for model={name} routing_group={tenant}: "
+                                       "no engine is registered with them (GET /workers)", 404)
+    if tokens.size // model.block_size > MAX_QUERY_BLOCKS:
+        raise _too_many(tokens.size // model.block_size)
+    return model, token_keys(tokens, model.block_size, parent=model.root, lora_name=lora)[0]
+
+
 def answer(match, model: Model) -> dict:
     """Dynamo's answer for a match (``index.match(keys, with_presence=True)``).
 
