@@ -142,10 +142,7 @@ def parse_query(obj: object, by_hash: bool, models: dict[tuple[str, str], Model]
     tenant = obj.get("routing_group", obj.get("tenant_id", DEFAULT_TENANT))
     if not isinstance(tenant, str):
         raise QueryError("routing_group", f"routing_group={tenant!r}; pass a string")
-    model = models.get((name, tenant))
-    if model is None:
-        raise QueryError("model_name", f"no indexer for model={name} routing_group={tenant}: "
-                                       "no engine is registered with them (GET /workers)", 404)
+    model = _model(models, name, tenant)
     wanted = "block_hashes" if by_hash else "token_ids"
     values = obj.get(wanted)  # a list, or a uint64 array parsed in C (serving.http)
     if not isinstance(values, list | np.ndarray):
@@ -159,18 +156,16 @@ def parse_query(obj: object, by_hash: bool, models: dict[tuple[str, str], Model]
             raise _too_many(local.size)
         return model, chain_locals(local, parent=model.root)
     tokens = _tokens(values)
-    if tokens.size // model.block_size > MAX_QUERY_BLOCKS:
-        raise _too_many(tokens.size // model.block_size)
     lora = obj.get("lora_name")
     if lora is not None and not isinstance(lora, str):
         raise QueryError("lora_name", f"lora_name={lora!r}; pass the adapter's name, or omit it")
-    return model, token_keys(tokens, model.block_size, parent=model.root, lora_name=lora)[0]
+    return model, _keys(model, tokens, lora)
 
 
 def query_fields(body: bytes) -> tuple[np.ndarray, str, str | None, str | None] | None:
     """A ``/query`` body's token ids (uint32), ``model_name``, routing group
     (``routing_group``, else ``tenant_id``) and ``lora_name``, read in one C pass when
-    the body has the shape routers send (``query_fields`` in ``http.c``: "token_ids"
+    the body has the shape routers send (``query_fields`` in ``rfc.c``: "token_ids"
     first, then those fields alone, their strings without escapes); None for any other
     body, or without the extension, and the general parse (orjson, then
     :func:`parse_query`, the reference) reads it.
@@ -202,14 +197,23 @@ def query_keys(fields: tuple[np.ndarray, str, str | None, str | None],
     True
     """
     tokens, name, tenant, lora = fields
-    tenant = DEFAULT_TENANT if tenant is None else tenant
+    model = _model(models, name, DEFAULT_TENANT if tenant is None else tenant)
+    return model, _keys(model, tokens, lora)
+
+
+def _model(models: dict[tuple[str, str], Model], name: str, tenant: str) -> Model:
     model = models.get((name, tenant))
     if model is None:
         raise QueryError("model_name", f"no indexer for model={name} routing_group={tenant}: "
                                        "no engine is registered with them (GET /workers)", 404)
+    return model
+
+
+def _keys(model: Model, tokens: np.ndarray, lora: str | None) -> np.ndarray:
+    """A query's token keys under ``model``, refused past MAX_QUERY_BLOCKS blocks."""
     if tokens.size // model.block_size > MAX_QUERY_BLOCKS:
         raise _too_many(tokens.size // model.block_size)
-    return model, token_keys(tokens, model.block_size, parent=model.root, lora_name=lora)[0]
+    return token_keys(tokens, model.block_size, parent=model.root, lora_name=lora)[0]
 
 
 def answer(match, model: Model) -> dict:
