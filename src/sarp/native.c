@@ -10,22 +10,22 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 21
+#define ABI_VERSION 22
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields): calls so far */
+ * plain_result, query_fields, conn): calls so far (conn: requests a Conn answered) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
                          sarp_calls[CALL_DECODE_INTO], sarp_calls[CALL_FIND],
                          sarp_calls[CALL_READ_MATCH], sarp_calls[CALL_RFC_ANSWER],
                          sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
-                         sarp_calls[CALL_QUERY_FIELDS]);
+                         sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN]);
 }
 
 static PyMethodDef methods[] = {
@@ -70,7 +70,7 @@ static PyMethodDef methods[] = {
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields) calls so far"},
+     "plain_result, query_fields, conn) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -78,7 +78,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
-    "rfc_answer, rows_result, plain_result, query_fields); each "
+    "rfc_answer, rows_result, plain_result, query_fields, Conn); each "
     "has a Python reference.", -1,
     methods,
 };
@@ -96,7 +96,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (mod != NULL && (PyType_Ready(&sarp_BlockTableType) < 0
                         || PyModule_AddType(mod, &sarp_BlockTableType) < 0
                         || PyType_Ready(&sarp_ReadsType) < 0
-                        || PyModule_AddType(mod, &sarp_ReadsType) < 0)) {
+                        || PyModule_AddType(mod, &sarp_ReadsType) < 0
+                        || PyType_Ready(&sarp_ConnType) < 0
+                        || PyModule_AddType(mod, &sarp_ConnType) < 0)) {
         Py_DECREF(mod);
         return NULL;
     }

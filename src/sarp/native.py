@@ -3,7 +3,8 @@
 
 Every C call has a Python reference beside the C file that mirrors it (``verify.c``
 beside ``verify.py``, ``packing.c``, ``serving/events.c``, ``serving/http.c``,
-``serving/rfc.c``, ``directory.c``).  A
+``serving/rfc.c``, ``serving/wire.c`` (whose reference is ``wire.Connection``),
+``directory.c``).  A
 caller reads :data:`C` at call time, never at import, so that :func:`forced` reaches
 it::
 
@@ -31,11 +32,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 21  # native.c's ABI_VERSION
+ABI = 22  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
          "resolve_aliases", "block_table", "decode_into", "find", "read_match", "rfc_answer",
-         "rows_result", "plain_result", "query_fields")
+         "rows_result", "plain_result", "query_fields", "conn")
 _TRUE = ("1", "true", "yes", "on")
 
 

@@ -387,10 +387,11 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     def beside(work, *args) -> asyncio.Future:
         return offload(answered_beside, work, args)
 
-    def guarded(handler, probe: bool = False):
-        def handle(request: wire.Request) -> wire.Response:
+    def guarded(handler, probe: bool = False, authorization=lambda r: r.headers.get(
+            b"authorization")):
+        def handle(request, *more):  # a Request, or a fast route's body and authorization
             if token is not None and not probe and not hmac.compare_digest(
-                    request.headers.get(b"authorization", b""), token):
+                    authorization(request, *more) or b"", token):
                 return _json({"error": "send the token of --http-token-file as "
                                        "'Authorization: Bearer TOKEN'",
                               "field": "Authorization"}, 401)
@@ -430,7 +431,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
             return beside(match_answer, body, started)
         return match_answer(body, started)
 
-    def rfc_answer(body: bytes, by_hash: bool) -> wire.Response:
+    def rfc_answer(body: bytes, by_hash: bool) -> bytes | wire.Response:
         try:
             fields = None if by_hash else rfc.query_fields(body)  # one C pass, when it can
             if fields is None:
@@ -453,17 +454,23 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         got = rfc_json(index.match(keys, with_presence=True), model) if keys.size \
             else _EMPTY_RFC
         matches.inc()
-        return wire.Response(got)
+        return got  # (200 JSON: the fast routes send it as it is)
+
+    def rfc_response(body: bytes, by_hash: bool) -> wire.Response:
+        got = rfc_answer(body, by_hash)
+        return wire.Response(got) if isinstance(got, bytes) else got
 
     def rfc_query(by_hash: bool):  # RFC #1403's /query and /query_by_hash
         def handle(request: wire.Request):
             if remote or len(request.body) > OFFLOAD_BYTES:  # beside the event loop
-                return beside(rfc_answer, request.body, by_hash)
-            return rfc_answer(request.body, by_hash)
+                return beside(rfc_response, request.body, by_hash)
+            return rfc_response(request.body, by_hash)
         return handle
 
+    alive = orjson.dumps({"status": "alive", "pid": os.getpid()})  # (a worker's, forked)
+
     def healthz(_: wire.Request) -> wire.Response:
-        return _json({"status": "alive", "pid": os.getpid()})
+        return wire.Response(alive)
 
     def readyz(_: wire.Request) -> wire.Response:
         status = read_status(path)
@@ -524,13 +531,21 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     }
     probes = ("/healthz", "/readyz")
     routes = {p: {m: guarded(h, p in probes) for m, h in r.items()} for p, r in routes.items()}
+    # The same answers, answered in C while a connection stays in the simple shape
+    # routers send (wire.take); bodies from OFFLOAD_BYTES, and Valkey, stay beside.
+    fast = {} if remote else {
+        "POST /query": lambda body: rfc_answer(body, False),
+        "POST /query_by_hash": lambda body: rfc_answer(body, True),
+        "GET /healthz": lambda body: alive}
     return wire.Server(
         routes, max_body_bytes=MAX_BODY_BYTES, request_timeout_s=config.request_timeout_s,
         answer_timeout_s=config.answer_timeout_s, idle_timeout_s=config.idle_timeout_s,
         on_cut=lambda reason: closed.labels(reason).inc(),
         too_large=lambda length: refuse("body", f"the body ({length} bytes) is over "
                                                 f"{MAX_BODY_BYTES} bytes; send fewer hashes",
-                                        413, close=True))
+                                        413, close=True),
+        fast={key: guarded(h, key.endswith("/healthz"), lambda body, auth: auth)
+              for key, h in fast.items()}, fast_body_bytes=OFFLOAD_BYTES)
 
 
 async def _submitted(path: Path, command: dict) -> wire.Response:

@@ -24,8 +24,16 @@ What a connection gets:
   logged, and the connection goes on.
 
 Cost per request: the parser's C pass, about six Python callbacks, one dict lookup
-for the route, and one ``transport.write``.  This module is the only one that imports
-httptools and uvloop.
+for the route, and one ``transport.write``.
+
+The routes a server names ``fast`` (``{"POST /query": handler(body, authorization)}``)
+are answered in C while a connection's requests stay in a strict subset of HTTP/1.1
+(``sarp._native.Conn``, ``serving/wire.c``; :func:`take`): one ``recv``, the request
+framed and the handler called, its answer framed and sent, with no Python but the
+handler's.  At the first request outside the subset, or an answer the socket does
+not take at once, the connection and the bytes it holds go to :class:`Connection`,
+the reference, for good.  This module is the only one that imports httptools and
+uvloop.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import signal
 import socket
@@ -45,6 +54,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 import httptools
+
+from .. import native
 
 log = logging.getLogger("sarp.http")
 
@@ -97,12 +108,18 @@ class Server:
     ``routes``: path -> {method: handler}; ``GET`` routes answer ``HEAD`` too.
     ``on_cut(reason)``: a connection closed for taking too long (request, answer or
     idle).  ``too_large(length)``: the refusal of a body over ``max_body_bytes``.
+    ``fast``: ``"METHOD /path"`` -> ``handler(body, authorization)`` answering at once
+    (200 JSON bytes, or a :class:`Response`), for bodies up to ``fast_body_bytes``: the
+    same answers as ``routes`` give, answered in C when the extension is built (see the
+    module docstring); ``authorization`` is the header's value, or None.
     """
 
     def __init__(self, routes: dict[str, dict[str, Handler]], *, max_body_bytes: int,
                  request_timeout_s: float, answer_timeout_s: float, idle_timeout_s: float,
                  on_cut: Callable[[str], None] = lambda reason: None,
-                 too_large: Callable[[int], Response] | None = None) -> None:
+                 too_large: Callable[[int], Response] | None = None,
+                 fast: dict[str, Callable[[bytes, bytes | None], bytes | Response]] | None = None,
+                 fast_body_bytes: int = 64 << 10) -> None:
         self.routes = routes
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s, self.answer_timeout_s = request_timeout_s, answer_timeout_s
@@ -110,8 +127,37 @@ class Server:
         self.on_cut = on_cut
         self.too_large = too_large or (lambda length: error(
             413, "body", f"the body is over {max_body_bytes} bytes", close=True))
-        self.connections: set[Connection] = set()
+        self.connections: set = set()  # Connection, or sarp._native.Conn
         self._failures = 0
+        self.fast = {key.encode(): self._caught(key, h) for key, h in (fast or {}).items()}
+        self.fast_body_bytes = min(fast_body_bytes, max_body_bytes)
+        self._adopting: set[asyncio.Task] = set()
+
+    def _caught(self, key: str, handler: Callable) -> Callable:
+        method, _, path = key.partition(" ")
+
+        def call(body: bytes, authorization: bytes | None) -> bytes | Response:
+            try:
+                return handler(body, authorization)
+            except Exception as exc:  # noqa: BLE001 - as handle: a 500, and the next request
+                return self.failed(Request(method, path, {}, body), exc)
+        return call
+
+    def adopt(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, rest: bytes = b"",
+              out: bytes = b"", linger: bool = False) -> None:
+        """Serve ``sock`` with a :class:`Connection` (``out`` written first, then
+        ``rest`` read as if it had just arrived, or closed after ``out`` with
+        ``linger``)."""
+        async def adopted() -> None:
+            try:
+                await loop.connect_accepted_socket(
+                    lambda: Connection(self, rest, out, linger), sock)
+            except OSError:  # the client left before we got to it
+                sock.close()
+
+        task = loop.create_task(adopted())
+        self._adopting.add(task)
+        task.add_done_callback(self._adopting.discard)
 
     def handle(self, request: Request) -> Response | Awaitable[Response]:
         """The route's answer; 404 and 405 in the JSON shape; a handler's error 500."""
@@ -147,7 +193,7 @@ class Server:
                 if why is not None:
                     self.connections.discard(conn)
                     self.on_cut(why)
-                    conn.transport.abort()
+                    conn.abort()
 
 
 class _Refused(Exception):
@@ -159,9 +205,14 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("server", "parser", "transport", "queue", "busy", "closing", "eof",
                  "pending_since", "inflight_since", "last_activity", "_url", "_headers",
-                 "_header_bytes", "_body", "_size", "_paused", "_lingering", "_blocked")
+                 "_header_bytes", "_body", "_size", "_paused", "_lingering", "_blocked",
+                 "_taken")
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, rest: bytes = b"", out: bytes = b"",
+                 linger: bool = False) -> None:
+        # (what a C connection handed over: its answers not yet sent, its bytes not yet
+        # answered, and whether it was closing)
+        self._taken = (rest, out, linger) if rest or out or linger else None
         self.server = server
         self.parser = httptools.HttpRequestParser(self)
         self.transport = None
@@ -181,6 +232,30 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
+        if self._taken is not None:
+            rest, out, linger = self._taken
+            self._taken = None
+            if out:
+                transport.write(out)  # may call pause_writing
+            if linger:
+                self.closing = True
+                self._linger()
+            elif rest:
+                self.data_received(rest)
+            if self._paused:  # the transport starts reading once this returns: pause again
+                asyncio.get_running_loop().call_soon(self._pause_again)
+
+    def _pause_again(self) -> None:
+        if self._paused and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def abort(self) -> None:
+        """Close now, dropping what waits to be sent (the sweep's cut)."""
+        self.transport.abort()
+
+    def close(self) -> None:
+        """Close once what waits is sent (the worker's stop)."""
+        self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
@@ -311,16 +386,7 @@ class Connection(asyncio.Protocol):
 
     def _write(self, response: Response, keep: bool, method: str) -> None:
         close = response.close or not keep
-        head = [b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-                % (response.status, _REASONS.get(response.status, b"-"),
-                   response.content_type, len(response.body))]
-        head += [b"%s: %s\r\n" % pair for pair in response.headers]
-        if close:
-            head.append(b"Connection: close\r\n")
-        head.append(b"\r\n")
-        if method != "HEAD":
-            head.append(response.body)
-        self.transport.write(b"".join(head))  # may call pause_writing
+        self.transport.write(frame(response, close, method))  # may call pause_writing
         if not self._blocked:
             self.inflight_since = None
         self.last_activity = time.monotonic()
@@ -360,6 +426,64 @@ class Connection(asyncio.Protocol):
         if self.pending_since is not None:
             return "request" if now - self.pending_since > server.request_timeout_s else None
         return "idle" if now - self.last_activity > server.idle_timeout_s else None
+
+
+def frame(response: Response, close: bool = False, method: str = "GET") -> bytes:
+    """The bytes of an answer: status line, headers, body (none to a ``HEAD``)."""
+    head = [b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+            % (response.status, _REASONS.get(response.status, b"-"), response.content_type,
+               len(response.body))]
+    head += [b"%s: %s\r\n" % pair for pair in response.headers]
+    if close:
+        head.append(b"Connection: close\r\n")
+    head.append(b"\r\n")
+    if method != "HEAD":
+        head.append(response.body)
+    return b"".join(head)
+
+
+def take(server: Server, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Serve an accepted connection: in C (``sarp._native.Conn``) when the server has
+    fast routes and the extension is built, else, or once C hands it over, with a
+    :class:`Connection`.  Cost: one object and one reader on the loop."""
+    c = native.C
+    if c is None or not server.fast:
+        native.ran_python("conn")
+        server.adopt(loop, sock)
+        return
+    sock.setblocking(False)
+    fd = sock.detach()
+    try:
+        conn = c.Conn(fd, server.fast, _Side(server, loop), server.request_timeout_s,
+                      server.idle_timeout_s, server.fast_body_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    server.connections.add(conn)
+    loop.add_reader(fd, conn.readable)
+
+
+class _Side:
+    """What a C connection calls back (``serving/wire.c``): ``release`` before its
+    descriptor is closed or handed over, ``hand_over`` to a :class:`Connection`, and
+    ``frame`` for an answer that is not plain 200 JSON."""
+
+    __slots__ = ("server", "loop")
+
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.loop = server, loop
+
+    def release(self, conn, fd: int) -> None:
+        self.loop.remove_reader(fd)
+        self.server.connections.discard(conn)
+
+    def hand_over(self, fd: int, rest: bytes, out: bytes, linger: bool) -> None:
+        native.ran_python("conn")
+        self.server.adopt(self.loop, socket.socket(fileno=fd), rest, out, linger)
+
+    @staticmethod
+    def frame(response: Response) -> tuple[bytes, bool]:
+        return frame(response, response.close), response.close
 
 
 class Beside:
@@ -434,15 +558,8 @@ async def _serve_dealt(server: Server, channel: socket.socket,
         loop.add_signal_handler(signum, done.set)
     every_s = min(1.0, server.request_timeout_s / 4, server.idle_timeout_s / 4)
     tasks = [loop.create_task(server.sweep(every_s))] + [loop.create_task(c()) for c in chores]
-    adopting: set[asyncio.Task] = set()
 
-    async def adopt(conn: socket.socket) -> None:
-        try:
-            await loop.connect_accepted_socket(lambda: Connection(server), conn)
-        except OSError:  # the client left before we got to it
-            conn.close()
-
-    def take() -> None:
+    def dealt() -> None:
         while True:
             try:
                 msg, fds, _, _ = socket.recv_fds(channel, 64, 64)
@@ -455,12 +572,10 @@ async def _serve_dealt(server: Server, channel: socket.socket,
                 loop.remove_reader(channel.fileno())
                 return
             for fd in fds:
-                task = loop.create_task(adopt(socket.socket(fileno=fd)))
-                adopting.add(task)
-                task.add_done_callback(adopting.discard)
+                take(server, loop, socket.socket(fileno=fd))
 
     channel.setblocking(False)
-    loop.add_reader(channel.fileno(), take)
+    loop.add_reader(channel.fileno(), dealt)
     try:
         await done.wait()
     finally:
@@ -472,4 +587,4 @@ async def _serve_dealt(server: Server, channel: socket.socket,
         while any(c.busy for c in server.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for conn in list(server.connections):
-            conn.transport.close()
+            conn.close()
