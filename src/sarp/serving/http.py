@@ -60,7 +60,14 @@ from .. import __version__, native
 from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
 from . import openapi, rfc, wire
-from .status import STATUS_FILE, STATUS_FRESH_S, read_status, registration_problem, submit
+from .status import (
+    STATUS_FILE,
+    read_status,
+    readiness,
+    registration_problem,
+    submit,
+    workers_listed,
+)
 
 log = logging.getLogger("sarp.http")
 
@@ -473,16 +480,8 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         return wire.Response(alive)
 
     def readyz(_: wire.Request) -> wire.Response:
-        status = read_status(path)
-        fresh = status is not None and time.time() - status["heartbeat"] < STATUS_FRESH_S
-        ready = fresh and status["caught_up"]
-        body = {"ready": bool(ready), "caught_up": bool(status and status["caught_up"]),
-                "writer_heartbeat_fresh": bool(fresh),
-                # engines whose hashes token-id queries cannot find (the index is fine)
-                "hash_mismatches": {key: s["hash_note"] for key, s in
-                                    (status or {}).get("sources", {}).items()
-                                    if s.get("hash_mismatches")}}
-        return _json(body, 200 if ready else 503)
+        body = readiness(read_status(path))
+        return _json(body, 200 if body["ready"] else 503)
 
     def metrics(_: wire.Request) -> wire.Response:
         registry = CollectorRegistry()
@@ -503,17 +502,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         return handle
 
     def workers(_: wire.Request) -> wire.Response:
-        # Dynamo's shape: [{"instance_id": 1, "model_name": ..., "endpoints": {"0": ...}}]
-        listed: dict[tuple, dict] = {}
-        for e in (read_status(path) or {}).get("engines", []):
-            n = e["name"]
-            entry = listed.setdefault((n, e.get("model")), {
-                "instance_id": int(n) if n.isdigit() else n, "source": "zmq",
-                "status": "active", "model_name": e.get("model"),
-                "routing_group": e.get("tenant"), "block_size": e.get("block_size"),
-                "endpoints": {}})
-            entry["endpoints"][str(e["dp_rank"] or 0)] = e["endpoint"]
-        return _json([listed[k] for k in sorted(listed, key=str)])
+        return _json(workers_listed(read_status(path)))
 
     described = wire.Response(orjson.dumps(openapi.document(__version__)))
 

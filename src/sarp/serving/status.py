@@ -58,6 +58,34 @@ def read_status(status_dir: Path) -> dict | None:
         return None
 
 
+def readiness(status: dict | None) -> dict:
+    """``GET /readyz``'s body: ready when every source has been caught up since serve
+    started and the writer's heartbeat is fresh; and the engines whose hashes
+    token-id queries cannot find (the index is fine)."""
+    fresh = status is not None and time.time() - status["heartbeat"] < STATUS_FRESH_S
+    return {"ready": bool(fresh and status["caught_up"]),
+            "caught_up": bool(status and status["caught_up"]),
+            "writer_heartbeat_fresh": bool(fresh),
+            "hash_mismatches": {key: s["hash_note"] for key, s in
+                                (status or {}).get("sources", {}).items()
+                                if s.get("hash_mismatches")}}
+
+
+def workers_listed(status: dict | None) -> list[dict]:
+    """``GET /workers``'s body, in Dynamo's shape: ``[{"instance_id": 1, "model_name":
+    ..., "endpoints": {"0": ...}}]``, one entry per engine and model, its DP ranks'
+    endpoints together."""
+    listed: dict[tuple, dict] = {}
+    for e in (status or {}).get("engines", []):
+        n = e["name"]
+        entry = listed.setdefault((n, e.get("model")), {
+            "instance_id": int(n) if n.isdigit() else n, "source": "zmq", "status": "active",
+            "model_name": e.get("model"), "routing_group": e.get("tenant"),
+            "block_size": e.get("block_size"), "endpoints": {}})
+        entry["endpoints"][str(e["dp_rank"] or 0)] = e["endpoint"]
+    return [listed[k] for k in sorted(listed, key=str)]
+
+
 def running_serve(index: str) -> dict | None:
     """The counters of the ``sarp serve`` writing the folder index ``index`` now, from
     its status file (for ``sarp stats``); None when no serve runs there (or the index
