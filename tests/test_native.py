@@ -144,6 +144,15 @@ def test_the_c_walk_answers_what_the_python_walk_answers(tmp_path, segment_block
                         assert answered.c("rfc_answer") == 1 and body is not None
                         assert orjson.loads(body) == rfc.answer(expected, model)
                         assert body == orjson.dumps(rfc.answer(got, model))
+                        # the rows alone (serve's /query): the same answer and rows, no
+                        # array per holder, and the Python answer makes them
+                        rows = ix.match(query, with_presence="rows")
+                        assert (rows.num_blocks, rows.by_holder, rows.by_medium,
+                                rows.holder_rows, rows.presence) == (
+                            got.num_blocks, got.by_holder, got.by_medium, got.holder_rows,
+                            {})
+                        assert rfc.answer_c(rows, model) == body
+                        assert rfc.answer(rows, model) == rfc.answer(got, model)
 
 
 @pytest.mark.parametrize("media", [False, True])

@@ -294,6 +294,13 @@ def test_source_engines_of_a_model_answer_rfc_queries(tmp_path):
                                "model_name": "llama"}).encode()
             serve.wait_for(lambda: call(serve.port, "POST", "/query", body)[1]["scores"]
                            == {"7": {"0": 16 * len(work[0])}}, what="the engine's blocks")
+            # the same answer from the worker's C connection (a keep-alive request in
+            # routers' shape) and from the reference (one that asks to close)
+            closing = {"Content-Type": "application/json", "Connection": "close"}
+            for asked in (body, json.dumps({"token_ids": _tokens_of(work[1]),
+                                            "model_name": "llama"}).encode()):
+                assert call(serve.port, "POST", "/query", asked) == call(
+                    serve.port, "POST", "/query", asked, headers=closing)
             other = json.dumps({"token_ids": _tokens_of(work[0]), "model_name": "qwen"})
             assert call(serve.port, "POST", "/query", other.encode())[0] == 404
     finally:

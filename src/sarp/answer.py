@@ -34,7 +34,9 @@ class Match:
     (then ``by_holder`` is per instance over its media); when False, every instance
     is one holder, and ``by_medium[instance]`` has its one medium.
     ``holder_rows``: what ``by_medium`` and ``presence`` were made from, when the walk
-    kept each holder's presence and ``with_presence`` was asked (else None).
+    kept each holder's presence and ``with_presence`` was asked (else None); with
+    ``with_presence="rows"`` the walk's rows alone, ``presence`` left empty
+    (:func:`presence_of` makes it from them).
     """
 
     num_blocks: int
@@ -91,10 +93,11 @@ def plain_runs(runs: dict[int, int], holder_names: dict[int, tuple[str, str]]
 
 def answer_of_rows(total: int, rows: dict[int, bytes], holder_names: dict[int, tuple[str, str]],
                    instance_of: list[int] | None, instance_names: list[str], reads: int,
-                   with_presence: bool) -> Match:
+                   with_presence: bool | str) -> Match:
     """A match's answer from each holder's presence over its ``total`` verified blocks
     (holder id -> bytes of 0 and 1), its runs by :func:`runs_of_rows`.  Cost: one C
-    call (``rows_result``), and a numpy array per named holder with presence."""
+    call (``rows_result``), and a numpy array per named holder with presence (not
+    with ``with_presence="rows"``)."""
     c = native.C
     args = (rows, holder_names, instance_of, instance_names, total)
     if c is not None:
@@ -102,15 +105,17 @@ def answer_of_rows(total: int, rows: dict[int, bytes], holder_names: dict[int, t
     else:
         native.ran_python("rows_result")
         by_holder, by_medium = runs_of_rows(*args)
-    presence, kept = {}, None
-    if with_presence:
-        for holder_id, row in rows.items():
-            name = holder_names.get(holder_id)
-            if name is not None:
-                presence[name] = np.frombuffer(row, bool)
-        kept = HolderRows(rows, holder_names)
+    kept = HolderRows(rows, holder_names) if with_presence else None
+    presence = presence_of(kept) if with_presence and with_presence != "rows" else {}
     return Match(total, by_holder, by_medium, {}, reads, presence, instance_of is not None,
                  kept)
+
+
+def presence_of(kept: HolderRows) -> dict[tuple[str, str], np.ndarray]:
+    """``Match.presence`` from the walk's rows: a bool array per named holder (about a
+    µs each, which a ``/query`` answered from the rows in C does without)."""
+    return {name: np.frombuffer(row, bool) for holder_id, row in kept.rows.items()
+            if (name := kept.names.get(holder_id)) is not None}
 
 
 def runs_of_rows(rows: dict[int, bytes], holder_names: dict[int, tuple[str, str]],

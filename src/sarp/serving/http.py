@@ -458,7 +458,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
             return refuse("body", f"the body is not JSON ({exc})")
         except rfc.QueryError as exc:
             return refuse(exc.field, str(exc), exc.status)
-        got = rfc_json(index.match(keys, with_presence=True), model) if keys.size \
+        got = rfc_json(index.match(keys, with_presence="rows"), model) if keys.size \
             else _EMPTY_RFC
         matches.inc()
         return got  # (200 JSON: the fast routes send it as it is)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import native
+from ..answer import presence_of
 from ..hashing import as_hashes
 from ..tokenkeys import DEFAULT_TENANT, chain_locals, model_root, token_keys
 from .applier import holder_name
@@ -217,21 +218,24 @@ def _keys(model: Model, tokens: np.ndarray, lora: str | None) -> np.ndarray:
 
 
 def answer(match, model: Model) -> dict:
-    """Dynamo's answer for a match (``index.match(keys, with_presence=True)``).
+    """Dynamo's answer for a match (``index.match(keys, with_presence=True)``, or
+    ``"rows"``).
 
     Cost: a few numpy calls per holder in the answer.
     """
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict] = {}
     size = model.block_size
+    presence = match.presence if match.presence or match.holder_rows is None \
+        else presence_of(match.holder_rows)  # (a match asked with_presence="rows")
     for holder, media in match.by_medium.items():
         who = model.ranks.get(holder)
         if who is None:
             continue  # not an engine of this model (another model cannot share a key)
         iid, rank = who
         g = media.get(GPU, 0)
-        c = g + _run(match.presence.get((holder, CPU)), g)
-        d = c + _run(match.presence.get((holder, DISK)), c)
+        c = g + _run(presence.get((holder, CPU)), g)
+        d = c + _run(presence.get((holder, DISK)), c)
         if d == 0:
             continue
         if g:
