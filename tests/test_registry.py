@@ -301,6 +301,15 @@ def test_source_engines_of_a_model_answer_rfc_queries(tmp_path):
                                             "model_name": "llama"}).encode()):
                 assert call(serve.port, "POST", "/query", asked) == call(
                     serve.port, "POST", "/query", asked, headers=closing)
+            # a worker's /query answers reach sarp_matches_total read from the other
+            # worker (each folds its count every 0.1 s)
+            one, other = _two_workers(serve.port)
+            before = _matches_total(other)
+            for _ in range(5):
+                one.request("POST", "/query", body)
+                assert one.getresponse().read().startswith(b'{"scores"')
+            serve.wait_for(lambda: _matches_total(other) >= before + 5, timeout_s=5,
+                           what="the other worker's /query answers counted in /metrics")
             other = json.dumps({"token_ids": _tokens_of(work[0]), "model_name": "qwen"})
             assert call(serve.port, "POST", "/query", other.encode())[0] == 404
     finally:
@@ -332,3 +341,29 @@ def test_the_model_table_is_read_again_at_most_every_interval_and_at_once_for_a_
     assert [m for m, _ in always.get()] == ["qwen"]
     write("llama")
     assert [m for m, _ in always.get()] == ["llama"]
+
+
+def _two_workers(port: int) -> tuple:
+    """Two keep-alive connections that serve's dealer gave to different workers."""
+    import http.client
+
+    def opened() -> tuple:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/healthz")
+        return conn, json.loads(conn.getresponse().read())["pid"]
+
+    first, pid = opened()
+    for _ in range(10):
+        conn, other = opened()
+        if other != pid:
+            return first, conn
+    raise AssertionError("the dealer gave 10 connections in a row to one worker")
+
+
+def _matches_total(conn) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == "sarp_matches_total")

@@ -411,9 +411,8 @@ class Index:
               with_presence: bool | str = False) -> Match:
         """Longest verified prefix of ``hashes``, overall and per holder.
 
-        Every block counted was compared hash-for-hash with a stored record and is
-        held by the holder named: no false positives.  ``with_presence="rows"`` keeps
-        the holders' rows (``Match.holder_rows``) without an array per holder.
+        Every block counted was compared hash-for-hash with a stored record and is held
+        by the holder named: no false positives.  ``with_presence="rows"``: see Match.
 
         Cost: one directory probe and one LMDB read per segment step, about
         matched/S + 1 reads; numpy work per segment, none per block in Python.

@@ -26,6 +26,23 @@ STATUS_FILE = "serve-status.json"
 STATUS_FRESH_S = 10.0  # /readyz wants a writer heartbeat at most this old
 REGISTRY = "registry"
 ANSWER_S = 10.0  # a worker waits this long for the writer to apply a request
+# The counters each source's status holds, and what each counts (in /metrics as
+# sarp_source_<name>_total)
+SOURCE_COUNTERS = (
+    ("batches", "batches applied"), ("events", "events applied"),
+    ("gaps", "sequence gaps seen"), ("replayed", "batches applied from replays"),
+    ("restarts", "engine restarts detected"),
+    ("unrecoverable_gaps", "gaps no replay could fill (holders cleared)"),
+    ("probes", "liveness probes sent to silent engines"),
+    ("gone", "engines taken as gone (no answer to a probe; holders cleared)"),
+    ("bad_payloads", "batches that could not be decoded"),
+    ("disconnects", "live connections dropped (engine gone, or a frame over "
+                    "--max-frame-bytes)"),
+    ("failed_replays", "replays over budget or without their end (holders cleared, "
+                       "retried with backoff)"),
+    ("bad_frames", "frames dropped (bad sequence or shape)"),
+    ("hash_mismatches", "engine stores whose hashes do not follow from their tokens with "
+                        "--hash-scheme and --hash-seed"))
 
 
 def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: float,

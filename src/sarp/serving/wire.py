@@ -111,7 +111,8 @@ class Server:
     ``fast``: ``"METHOD /path"`` -> ``handler(body, authorization)`` answering at once
     (200 JSON bytes, or a :class:`Response`), for bodies up to ``fast_body_bytes``: the
     same answers as ``routes`` give, answered in C when the extension is built (see the
-    module docstring); ``authorization`` is the header's value, or None.
+    module docstring); ``authorization`` is the header's value, or None.  ``chores``:
+    coroutine functions :func:`run` keeps running beside the connections.
     """
 
     def __init__(self, routes: dict[str, dict[str, Handler]], *, max_body_bytes: int,
@@ -119,7 +120,8 @@ class Server:
                  on_cut: Callable[[str], None] = lambda reason: None,
                  too_large: Callable[[int], Response] | None = None,
                  fast: dict[str, Callable[[bytes, bytes | None], bytes | Response]] | None = None,
-                 fast_body_bytes: int = 64 << 10) -> None:
+                 fast_body_bytes: int = 64 << 10,
+                 chores: list[Callable[[], Awaitable]] = ()) -> None:
         self.routes = routes
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s, self.answer_timeout_s = request_timeout_s, answer_timeout_s
@@ -132,6 +134,7 @@ class Server:
         self.fast = {key.encode(): self._caught(key, h) for key, h in (fast or {}).items()}
         self.fast_body_bytes = min(fast_body_bytes, max_body_bytes)
         self._adopting: set[asyncio.Task] = set()
+        self.chores = list(chores)
 
     def _caught(self, key: str, handler: Callable) -> Callable:
         method, _, path = key.partition(" ")
@@ -557,7 +560,8 @@ async def _serve_dealt(server: Server, channel: socket.socket,
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, done.set)
     every_s = min(1.0, server.request_timeout_s / 4, server.idle_timeout_s / 4)
-    tasks = [loop.create_task(server.sweep(every_s))] + [loop.create_task(c()) for c in chores]
+    tasks = [loop.create_task(server.sweep(every_s))] + [
+        loop.create_task(c()) for c in [*chores, *server.chores]]
 
     def dealt() -> None:
         while True:
