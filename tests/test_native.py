@@ -2,6 +2,7 @@
 each run asserts which path it took (`sarp.native.Tally`)."""
 
 import contextlib
+import multiprocessing as mp
 
 import numpy as np
 import orjson
@@ -291,3 +292,117 @@ def test_the_c_directory_lookup_refuses_arrays_of_another_shape():
         native.C.predict(np.zeros(3, np.uint64), np.zeros(2, np.uint64), np.zeros(1, np.uint32))
     with pytest.raises(TypeError):
         native.C.predict(np.zeros(3, np.uint64))
+
+
+def _rfc_general(ix, body: bytes, models: dict) -> bytes:
+    """The general path of serve's /query (the reference of rfc_query)."""
+    from sarp.serving import http
+
+    model, keys = rfc.query_keys(rfc.query_fields(body), models)
+    return http.rfc_json(ix.match(keys, with_presence="rows"), model)
+
+
+@pytest.mark.parametrize("media", [False, True])
+def test_a_whole_query_in_c_is_the_general_path_s_and_never_ahead_of_the_store(tmp_path,
+                                                                             media):
+    """rfc_query on a reader beside a writer: after each of the writer's commits C
+    leaves the query to the general path (the reader's memory is behind the store),
+    which catches up; then C answers, byte for byte as the general path does; and C
+    leaves to it what it does not answer."""
+    import sarp
+    from sarp.tokenkeys import model_root
+
+    rng = np.random.default_rng(7 + media)
+    root = model_root("m")
+    models = {("m", "default"): rfc.Model("m", "default", 4, root, {
+        "e0": ("7", 0), "e1": ("7", 1), "e2": ("8", 0), "e3": ('9"\\', 2)})}
+    chains = [rng.integers(0, 151_936, 4 * 12, dtype=np.uint32) for _ in range(4)]
+    for c in chains[1:]:
+        c[:12] = chains[0][:12]  # three blocks in common
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    writer = context.Process(target=_writer_main, args=(str(tmp_path / "ix"), theirs),
+                             daemon=True)
+    writer.start()
+    assert ours.poll(60) and ours.recv() == "ready"
+    with contextlib.ExitStack() as stack:
+        stack.callback(writer.join, 30)
+        stack.callback(ours.send, None)  # (first: the writer stops, however this ends)
+        _answer_beside_a_writer(stack.enter_context(sarp.open(tmp_path / "ix", readonly=True)),
+                                ours, rng, chains, root, models, media)
+    with sarp.open(tmp_path / "ix") as index:
+        assert rfc.reading_of(index.reading()) is None  # a writer's: the general path
+
+
+def _answer_beside_a_writer(reader, ours, rng, chains, root, models, media) -> None:
+    """The test above, its writer at the other end of ``ours``."""
+    import threading
+
+    from sarp.tokenkeys import token_keys
+
+    reading = rfc.reading_of(reader.reading())
+    assert reading is not None
+    for step in range(60):
+        chain = chains[rng.integers(len(chains))]
+        keys = token_keys(chain, 4, parent=root)[0]
+        holder, medium = f"e{rng.integers(5)}", ("GPU", "CPU")[rng.integers(2)] \
+            if media else "GPU"
+        hi = int(rng.integers(1, 13))
+        if rng.random() < 0.7:
+            ours.send(("insert", keys[:hi].tolist(), holder, medium))
+        else:
+            ours.send(("remove", keys[hi - 1:].tolist(), holder, medium))
+        assert ours.poll(30) and ours.recv() == "done"
+        body = orjson.dumps({"token_ids": chain[: int(rng.integers(4, 49))].tolist(),
+                             "model_name": "m"})
+        state = reader.reading()
+        behind = state.store.counter("next_seq") != state.memory.watermark
+        with native.Tally() as t:
+            got = rfc.answer_now(body, models, reading)
+        assert (got is None, t.python("rfc_query")) == (behind, int(behind)), step
+        expected = _rfc_general(reader, body, models)  # caught up
+        with native.Tally() as t:
+            got = rfc.answer_now(body, models, reading)
+        assert (t.c("rfc_query"), t.python("rfc_query"), t.c("walk")) == (1, 0, 1)
+        assert got == expected, step
+    body = orjson.dumps({"token_ids": chains[0].tolist(), "model_name": "m"})
+    assert rfc.answer_now(body, models, reading) == _rfc_general(reader, body, models)
+    # what C leaves to the general path
+    other = {"token_ids": chains[0].tolist(), "model_name": "m"}
+    for asked in ({**other, "lora_name": "a"}, {**other, "model_name": "q"},
+                  {**other, "routing_group": "b"}, {**other, "token_ids": [1, 2, 3]},
+                  {"model_name": "m", **other}):
+        assert rfc.answer_now(orjson.dumps(asked), models, reading) is None, asked
+    held = threading.Event()
+    done = threading.Event()
+
+    def hold() -> None:
+        with reader._lock:  # the parse thread, matching
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(10)
+        assert rfc.answer_now(body, models, reading) is None
+    finally:
+        done.set()
+        thread.join(10)
+    assert rfc.answer_now(body, models, reading) is not None
+    reader.observe_matches(lambda query: None)
+    assert rfc.answer_now(body, models, reading) is None
+
+
+def _writer_main(path: str, conn) -> None:
+    """The writer beside the reader of the test above, in a process of its own (LMDB
+    opens an environment once per process)."""
+    import sarp
+
+    with sarp.open(path, durability="nosync", segment_blocks=4) as index:
+        conn.send("ready")
+        while (msg := conn.recv()) is not None:
+            op, keys, holder, medium = msg
+            with contextlib.suppress(ParentNotFoundError):
+                getattr(index, op)(keys, holder=holder, medium=medium)
+            conn.send("done")

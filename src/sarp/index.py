@@ -427,7 +427,7 @@ class Index:
         """
         query = as_hashes(hashes)
         if self.readonly and self._live_store().capabilities.prefetch:  # Valkey's: in C
-            return valkey_read.match_each([self._reading()], query, with_meta, with_presence)[0]
+            return valkey_read.match_each([self.reading()], query, with_meta, with_presence)[0]
         return self._match(query, with_meta, with_presence)
 
     def _match(self, query: np.ndarray, with_meta: bool, with_presence: bool) -> Match:
@@ -443,8 +443,7 @@ class Index:
 
     def read_ahead(self, hashes: HashesLike) -> None:
         """A reader of a remote store: send the read ``match(hashes)`` makes and return;
-        that match takes the reply and answers as of it.  Otherwise nothing.  Cost: one
-        send."""
+        that match takes the reply and answers as of it.  Else nothing.  Cost: a send."""
         if self.readonly and self._live_store().capabilities.prefetch:
             with self._lock:
                 recovery.read_ahead(self._live_store(), self._memory, as_hashes(hashes))
@@ -453,12 +452,13 @@ class Index:
     def match_each(indexes: Sequence[Index], hashes: HashesLike, *, with_meta: bool = False,
                    with_presence: bool = False) -> list[Match]:
         """``[index.match(hashes) for index in indexes]``, the readers' reads at once:
-        readers of Valkey namespaces (:mod:`sarp.shards`' shards) send every read before
-        the first reply is read (:func:`sarp.valkey_read.match_each`): one wait in all."""
-        return valkey_read.match_each([i._reading() for i in indexes], as_hashes(hashes),
+        readers of Valkey namespaces send every read before the first reply is read
+        (:func:`sarp.valkey_read.match_each`): one wait in all."""
+        return valkey_read.match_each([i.reading() for i in indexes], as_hashes(hashes),
                                       with_meta, with_presence)
 
-    def _reading(self) -> valkey_read.Reading:
+    def reading(self) -> valkey_read.Reading:
+        """What a match reads, for matches in C (Valkey readers', serve's ``/query``)."""
         return valkey_read.Reading(self._lock, self._live_store(), self._memory, self._counters,
                                    self._match_observers, self._match, self.readonly)
 

@@ -10,22 +10,24 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 22
+#define ABI_VERSION 23
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields, conn): calls so far (conn: requests a Conn answered) */
+ * plain_result, query_fields, conn, rfc_query): calls so far (conn: requests a Conn
+ * answered) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
                          sarp_calls[CALL_DECODE_INTO], sarp_calls[CALL_FIND],
                          sarp_calls[CALL_READ_MATCH], sarp_calls[CALL_RFC_ANSWER],
                          sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
-                         sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN]);
+                         sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
+                         sarp_calls[CALL_RFC_QUERY]);
 }
 
 static PyMethodDef methods[] = {
@@ -67,10 +69,13 @@ static PyMethodDef methods[] = {
     {"query_fields", (PyCFunction)(void (*)(void))sarp_query_fields, METH_FASTCALL,
      "query_fields(body): a /query body's token ids and names, or None "
      "(sarp.serving.rfc.query_fields)"},
+    {"rfc_query", (PyCFunction)(void (*)(void))sarp_rfc_query, METH_FASTCALL,
+     "rfc_query(body, models, tenant, seed, max_blocks, reading): a whole /query's answer, "
+     "or None (sarp.serving.rfc.answer_now)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields, conn) calls so far"},
+     "plain_result, query_fields, conn, rfc_query) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -78,7 +83,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
-    "rfc_answer, rows_result, plain_result, query_fields, Conn); each "
+    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query); each "
     "has a Python reference.", -1,
     methods,
 };

@@ -1,7 +1,7 @@
 /* What sarp._native's translation units share.  Each C file sits beside the Python it
  * mirrors and is named after it: verify.c (examine, walk; rows_result and plain_result,
  * whose references are in answer.py), packing.c (pack_batch), serving/events.c
- * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields),
+ * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields, rfc_query),
  * serving/wire.c (Conn, whose reference is wire.Connection),
  * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match);
  * native.c is the module (native.py is its only loader).  The segment record's layout
@@ -32,6 +32,7 @@ PyObject *sarp_rfc_answer(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *sarp_rows_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_plain_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_query_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 extern PyTypeObject sarp_ConnType; /* serving/wire.c: a connection answered in C */
@@ -87,7 +88,8 @@ void walk_release(Walk *w);
 enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
-       CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_KINDS };
+       CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY,
+       CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -32,11 +32,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 22  # native.c's ABI_VERSION
+ABI = 23  # native.c's ABI_VERSION
 # in the order of _native.calls()
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
          "resolve_aliases", "block_table", "decode_into", "find", "read_match", "rfc_answer",
-         "rows_result", "plain_result", "query_fields", "conn")
+         "rows_result", "plain_result", "query_fields", "conn", "rfc_query")
 _TRUE = ("1", "true", "yes", "on")
 
 

@@ -151,7 +151,7 @@ class ValkeyReadTxn:
 
 @dataclass(slots=True)
 class Reading:
-    """What an :class:`sarp.Index` reads with (``Index._reading``): its lock, store,
+    """What an :class:`sarp.Index` reads with (``Index.reading``): its lock, store,
     memory, counters and match observers, and its own ``match`` (the Python path)."""
 
     lock: threading.RLock

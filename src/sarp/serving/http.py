@@ -378,6 +378,9 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     # snapshot from it: all of them beside the loop (a thread hop costs a fraction of
     # the round trip), so /healthz never waits behind one.
     remote = "://" in config.index_path
+    # a /query answered in one C call when it can be (rfc.answer_now; an Index's
+    # internal seam, as Index.match_each reads it)
+    reading = None if remote or config.sharded else rfc.reading_of(index.reading())
 
     def refuse(field: str, message: str, status: int = 400, close: bool = False
                ) -> wire.Response:
@@ -442,6 +445,9 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         return match_answer(body, started)
 
     def rfc_answer(body: bytes, by_hash: bool) -> bytes | wire.Response:
+        if not by_hash and (got := rfc.answer_now(body, models.get(), reading)) is not None:
+            next(answered)
+            return got  # answered in one C call
         try:
             fields = None if by_hash else rfc.query_fields(body)  # one C pass, when it can
             if fields is None:

@@ -5,7 +5,9 @@
  * presence over the verified blocks, and the holders' names), with no dict, numpy
  * array or run per holder in Python.  rfc.answer_c calls it; tests hold its bytes
  * equal to orjson.dumps(rfc.answer(match, model)).  And a /query body's fields read in one
- * pass (query_fields), where routers' bodies take no Python parse.
+ * pass (query_fields), where routers' bodies take no Python parse; and the whole of a
+ * /query on a readonly LMDB index in one call (rfc_query: rfc.answer_now), whose
+ * reference is the general path those parts are called from.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -425,5 +427,157 @@ done:
     Py_XDECREF(ids);
     Py_XDECREF(range[1]);
     Py_XDECREF(range[2]);
+    return out;
+}
+
+/* rfc_query(body, models, tenant, seed, max_blocks, reading) -> bytes | None
+ * A whole /query in one call, when it can be: the body read as query_fields reads it,
+ * its model found in `models` ((model_name, routing group) -> rfc.Model; `tenant` when
+ * the body names none), its token keys (token_keys, with the local hashes' `seed`),
+ * the match on a readonly LMDB index (`reading`, rfc.reading_of's: the index's lock,
+ * its env's begin, the kwargs naming the segments' and the meta tables, its store,
+ * memory and match observers), and the answer from the walk's rows (rfc_answer).  The
+ * same bytes as the general path (serving.http's rfc_answer: rfc.query_keys,
+ * Index.match(keys, with_presence="rows"), rfc.answer_c), which answers whenever this
+ * gives None: a body in another shape, a LoRA adapter, a model not in the table, no
+ * full block or more than `max_blocks`, the lock held (the parse thread matches), a
+ * match observer, a writer's commit since this reader caught up (the Python path
+ * catches up), a walk C hands back or a damaged record, more holders than C answers,
+ * or any error (the general path meets it again, and says what it is).  The index's
+ * match counters are not counted here. */
+static PyObject *call_kw(PyObject *fn, PyObject *arg, PyObject *kwargs) {
+    PyObject *args = arg == NULL ? PyTuple_New(0) : PyTuple_Pack(1, arg);
+    PyObject *out = args == NULL ? NULL : PyObject_Call(fn, args, kwargs);
+    Py_XDECREF(args);
+    return out;
+}
+
+/* a meta counter's 8 big-endian bytes (store.counter_value; absent: 0), or -1 */
+static int counter_of(PyObject *raw, unsigned long long *value) {
+    if (raw == Py_None) {
+        *value = 0;
+        return 0;
+    }
+    if (!PyBytes_Check(raw) || PyBytes_GET_SIZE(raw) != 8) return -1;
+    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(raw);
+    unsigned long long v = 0;
+    for (int i = 0; i < 8; i++) v = v << 8 | p[i];
+    *value = v;
+    return 0;
+}
+
+PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyBytes_Check(args[0]) || !PyDict_Check(args[1])
+        || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 7) {
+        PyErr_SetString(PyExc_TypeError, "rfc_query(body: bytes, models: dict, tenant, seed, "
+                                         "max_blocks, reading: tuple of 7)");
+        return NULL;
+    }
+    sarp_calls[CALL_RFC_QUERY]++;
+    long long max_blocks = PyLong_AsLongLong(args[4]);
+    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
+    PyObject *lock = PyTuple_GET_ITEM(args[5], 0), *begin = PyTuple_GET_ITEM(args[5], 1),
+             *at_segments = PyTuple_GET_ITEM(args[5], 2),
+             *at_meta = PyTuple_GET_ITEM(args[5], 3), *store = PyTuple_GET_ITEM(args[5], 4),
+             *memory = PyTuple_GET_ITEM(args[5], 5), *observers = PyTuple_GET_ITEM(args[5], 6);
+    PyObject *fields = NULL, *key = NULL, *bs = NULL, *root = NULL, *ranks = NULL,
+             *keyed = NULL, *txn = NULL, *get = NULL, *id = NULL, *seq = NULL,
+             *store_id = NULL, *mark = NULL, *dir = NULL, *lookup = NULL, *dicts = NULL,
+             *walked = NULL, *holders = NULL, *names = NULL, *out = NULL, *got;
+    int locked = 0;
+    fields = sarp_query_fields(NULL, args, 1);
+    if (fields == NULL || fields == Py_None || PyTuple_GET_ITEM(fields, 3) != Py_None)
+        goto done;  /* another shape, or a LoRA adapter's keys */
+    PyObject *tenant = PyTuple_GET_ITEM(fields, 2);
+    key = PyTuple_Pack(2, PyTuple_GET_ITEM(fields, 1), tenant == Py_None ? args[2] : tenant);
+    PyObject *model = key ? PyDict_GetItemWithError(args[1], key) : NULL;  /* borrowed */
+    if (model == NULL) goto done;
+    bs = PyObject_GetAttrString(model, "block_size");
+    root = bs ? PyObject_GetAttrString(model, "root") : NULL;
+    ranks = root ? PyObject_GetAttrString(model, "ranks") : NULL;
+    long size = ranks && PyDict_Check(ranks) ? PyLong_AsLong(bs) : -1;
+    if (size <= 0) goto done;
+    Py_ssize_t blocks = PyBytes_GET_SIZE(PyTuple_GET_ITEM(fields, 0)) / 4 / size;
+    if (blocks == 0 || blocks > max_blocks || !PyList_Check(observers)
+        || PyList_GET_SIZE(observers) != 0)
+        goto done;
+    PyObject *four = PyLong_FromLong(4);
+    PyObject *kargs[5] = {PyTuple_GET_ITEM(fields, 0), four, bs, args[3], root};
+    keyed = four ? sarp_token_keys(NULL, kargs, 5) : NULL;
+    Py_XDECREF(four);
+    if (keyed == NULL) goto done;
+    /* Index.match on a reader: under its lock, a transaction its memory is current
+     * with (recovery.catch_up's first test: the same index, no commit since) */
+    got = PyObject_CallMethod(lock, "acquire", "O", Py_False);
+    locked = got == Py_True;
+    Py_XDECREF(got);
+    if (!locked) goto done;
+    txn = call_kw(begin, NULL, at_segments);
+    get = txn ? PyObject_GetAttrString(txn, "get") : NULL;
+    PyObject *name = get ? PyBytes_FromString("index_id") : NULL;
+    id = name ? call_kw(get, name, at_meta) : NULL;
+    Py_XDECREF(name);
+    name = id ? PyBytes_FromString("next_seq") : NULL;
+    seq = name ? call_kw(get, name, at_meta) : NULL;
+    Py_XDECREF(name);
+    store_id = seq ? PyObject_GetAttrString(store, "index_id") : NULL;
+    mark = store_id ? PyObject_GetAttrString(memory, "watermark") : NULL;
+    unsigned long long next_seq, watermark = mark ? PyLong_AsUnsignedLongLong(mark) : 0;
+    if (mark == NULL || PyErr_Occurred() || counter_of(seq, &next_seq) < 0
+        || next_seq != watermark || PyObject_RichCompareBool(id, store_id, Py_EQ) != 1)
+        goto done;
+    dir = PyObject_GetAttrString(memory, "directory");
+    lookup = dir ? PyObject_GetAttrString(dir, "lookup") : NULL;
+    dicts = lookup ? PyObject_CallMethod(dir, "probe_dicts", NULL) : NULL;
+    if (dicts == NULL || !PyTuple_Check(dicts) || PyTuple_GET_SIZE(dicts) != 2) goto done;
+    PyObject *wargs[6] = {get, lookup, PyTuple_GET_ITEM(dicts, 0), PyTuple_GET_ITEM(dicts, 1),
+                          PyTuple_GET_ITEM(keyed, 0), Py_True};
+    walked = sarp_walk(NULL, wargs, 6);
+    if (walked == NULL || PyLong_AsLong(PyTuple_GET_ITEM(walked, 3)) != -1)
+        goto done;  /* handed back (-2), or a damaged record: the Python walk says so */
+    holders = PyObject_GetAttrString(memory, "holders");
+    names = holders ? PyObject_GetAttrString(holders, "names") : NULL;
+    if (names == NULL) goto done;
+    PyObject *rargs[4] = {PyTuple_GET_ITEM(walked, 2), names, ranks, bs};
+    out = sarp_rfc_answer(NULL, rargs, 4);  /* None past MAX_ANSWER_HOLDERS */
+done:
+    if (txn != NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        got = PyObject_CallMethod(txn, "abort", NULL);
+        Py_XDECREF(got);
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    if (locked) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        got = PyObject_CallMethod(lock, "release", NULL);
+        Py_XDECREF(got);
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    Py_XDECREF(fields);
+    Py_XDECREF(key);
+    Py_XDECREF(bs);
+    Py_XDECREF(root);
+    Py_XDECREF(ranks);
+    Py_XDECREF(keyed);
+    Py_XDECREF(txn);
+    Py_XDECREF(get);
+    Py_XDECREF(id);
+    Py_XDECREF(seq);
+    Py_XDECREF(store_id);
+    Py_XDECREF(mark);
+    Py_XDECREF(dir);
+    Py_XDECREF(lookup);
+    Py_XDECREF(dicts);
+    Py_XDECREF(walked);
+    Py_XDECREF(holders);
+    Py_XDECREF(names);
+    if (out == NULL) {  /* an error here is the general path's to meet and name */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
     return out;
 }

@@ -34,7 +34,7 @@ import numpy as np
 from .. import native
 from ..answer import presence_of
 from ..hashing import as_hashes
-from ..tokenkeys import DEFAULT_TENANT, chain_locals, model_root, token_keys
+from ..tokenkeys import DEFAULT_TENANT, SEED, chain_locals, model_root, token_keys
 from .applier import holder_name
 from .media import CPU, DISK, GPU
 
@@ -249,6 +249,44 @@ def answer(match, model: Model) -> dict:
 
 
 EMPTY = {"scores": {}, "frequencies": [], "instances": {}}
+
+
+def reading_of(reading) -> tuple | None:
+    """What :func:`answer_now` reads of an index (``Index.reading()``): a readonly
+    one on LMDB (its lock; its environment's ``begin`` and the keyword arguments naming
+    the segments' and the meta tables, as ``LmdbReadTxn`` reads them; the store, memory
+    and match observers); None for any other (Valkey, a writer): the general path's.
+    """
+    store = reading.store
+    env = getattr(store, "env", None)  # (an LmdbStore's)
+    if not reading.readonly or store.capabilities.prefetch or env is None:
+        return None
+    return (reading.lock, env.begin, {"db": store.segments_db}, {"db": store.meta_db}, store,
+            reading.memory, reading.observers)
+
+
+def answer_now(body: bytes, models: dict[tuple[str, str], Model],
+               reading: tuple | None) -> bytes | None:
+    """A ``/query``'s answer in one C call (``rfc_query`` in ``rfc.c``): the body read,
+    the model found, the token keys, the match on a readonly LMDB index (``reading``:
+    :func:`reading_of`) and the answer from its rows; byte for byte what the general
+    path gives (:func:`query_fields`, :func:`query_keys`, ``Index.match(keys,
+    with_presence="rows")``, :func:`answer_c`).  None whenever C leaves it to that
+    path: another body shape, a LoRA adapter, a model not in ``models``, no full
+    block, the index's lock held or its memory behind the store (a writer committed
+    since: the Python path catches up), a walk C hands back, a damaged record, any
+    error; or without the extension.  Not counted in the index's match counters.
+
+    Cost: the C parts of the general path, with none of its Python between them.
+    """
+    c = native.C
+    if c is None or reading is None:
+        native.ran_python("rfc_query")
+        return None
+    got = c.rfc_query(body, models, DEFAULT_TENANT, SEED, MAX_QUERY_BLOCKS, reading)
+    if got is None:
+        native.ran_python("rfc_query")
+    return got
 
 
 def answer_c(match, model: Model) -> bytes | None:
