@@ -49,7 +49,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -121,7 +121,7 @@ class Server:
                  too_large: Callable[[int], Response] | None = None,
                  fast: dict[str, Callable[[bytes, bytes | None], bytes | Response]] | None = None,
                  fast_body_bytes: int = 64 << 10,
-                 chores: list[Callable[[], Awaitable]] = ()) -> None:
+                 chores: Sequence[Callable[[], Awaitable]] = ()) -> None:
         self.routes = routes
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s, self.answer_timeout_s = request_timeout_s, answer_timeout_s
