@@ -160,6 +160,16 @@ def test_routers_requests_get_the_reference_s_bytes_answered_in_c(cut):
     assert b'"auth": "Bearer t"' in reference and b"HTTP/1.1 500 " in reference
 
 
+def test_a_request_larger_than_an_idle_connection_s_buffer_is_answered_in_c():
+    """Bodies of 20 KB and 99 KB (a connection keeps 16 KB while idle, and grows to
+    take a request up to its bound), sent whole and in pieces, between small ones."""
+    stream = (post("/query", b"a") + post("/query", b"x" * 20_000) + post("/query", b"b")
+              + post("/query", b"y" * 99_000) + post("/query", b"c"))
+    for chunks in ([stream], [stream[i:i + 7_000] for i in range(0, len(stream), 7_000)]):
+        in_c, reference, answered_in_c = both(chunks, 5)
+        assert in_c == reference and answered_in_c == 5 and count(reference) == 5
+
+
 # Each request here leaves the subset: C answers what came before it, and the
 # reference everything from it on, in order.
 OUTSIDE = [

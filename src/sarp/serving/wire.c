@@ -46,6 +46,7 @@ enum {
     MAX_HEADERS = 100,          /* wire.MAX_HEADERS */
     MAX_HEAD_BYTES = 8 << 10,   /* the request line and headers; more: the reference's */
     FLUSH_BYTES = 256 << 10,    /* answers sent once this much waits */
+    KEPT_BYTES = 16 << 10,      /* what an idle connection keeps of each buffer */
 };
 
 typedef struct {
@@ -58,7 +59,7 @@ typedef struct {
     double request_timeout, idle_timeout, pending_since, last_activity;
     Py_ssize_t max_body;
     uint8_t *in;
-    Py_ssize_t in_len, in_cap;
+    Py_ssize_t in_len, in_cap, in_max;  /* in_max: a request's head and body, and more */
     uint8_t *out;
     Py_ssize_t out_len, out_cap;
 } Conn;
@@ -299,8 +300,24 @@ static void answer_all(Conn *c, double now) {
 }
 
 /* readable(): the loop's reader callback: one recv, then every whole request answered */
+/* Resize a buffer (the bytes kept); -1 with MemoryError set. */
+static int resize(uint8_t **buf, Py_ssize_t *cap, Py_ssize_t to) {
+    uint8_t *p = PyMem_Realloc(*buf, to);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buf = p;
+    *cap = to;
+    return 0;
+}
+
 static PyObject *conn_readable(Conn *c, PyObject *unused) {
     if (c->fd < 0) Py_RETURN_NONE;
+    if (c->in_cap - c->in_len < 4096 && c->in_cap < c->in_max) {  /* a large request */
+        Py_ssize_t to = 2 * c->in_cap < c->in_max ? 2 * c->in_cap : c->in_max;
+        if (resize(&c->in, &c->in_cap, to) < 0) return NULL;
+    }
     if (c->in_len == c->in_cap) {  /* cannot happen: a request fits, or was handed over */
         leave(c, 1, 0, 0);
         Py_RETURN_NONE;
@@ -315,6 +332,15 @@ static PyObject *conn_readable(Conn *c, PyObject *unused) {
     c->last_activity = now;
     c->in_len += k;
     answer_all(c, now);
+    /* an idle connection keeps little: its buffers back to KEPT_BYTES once emptied */
+    if (c->fd >= 0 && c->in_len <= KEPT_BYTES && c->in_cap > KEPT_BYTES
+        && resize(&c->in, &c->in_cap, KEPT_BYTES) < 0)
+        return NULL;
+    if (c->fd >= 0 && c->out_cap > KEPT_BYTES) {
+        PyMem_Free(c->out);
+        c->out = NULL;
+        c->out_cap = 0;
+    }
     Py_RETURN_NONE;
 }
 
@@ -371,7 +397,8 @@ static int conn_init(Conn *c, PyObject *args, PyObject *kwargs) {
     c->hand_over = c->release ? PyObject_GetAttrString(side, "hand_over") : NULL;
     c->frame = c->hand_over ? PyObject_GetAttrString(side, "frame") : NULL;
     if (c->frame == NULL) return -1;
-    c->in_cap = MAX_HEAD_BYTES + 4 + c->max_body + 4096;
+    c->in_max = MAX_HEAD_BYTES + 4 + c->max_body + 4096;
+    c->in_cap = c->in_max < KEPT_BYTES ? c->in_max : KEPT_BYTES;
     c->in = PyMem_Malloc(c->in_cap);
     if (c->in == NULL) {
         PyErr_NoMemory();
