@@ -378,8 +378,8 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     # snapshot from it: all of them beside the loop (a thread hop costs a fraction of
     # the round trip), so /healthz never waits behind one.
     remote = "://" in config.index_path
-    # a /query answered in one C call when it can be (rfc.answer_now; an Index's
-    # internal seam, as Index.match_each reads it)
+    # a /query answered in one C call when it can be (rfc.answer_now), from what the
+    # index's match reads (Index.reading())
     reading = None if remote or config.sharded else rfc.reading_of(index.reading())
 
     def refuse(field: str, message: str, status: int = 400, close: bool = False
