@@ -452,6 +452,16 @@ static PyObject *call_kw(PyObject *fn, PyObject *arg, PyObject *kwargs) {
     return out;
 }
 
+/* obj.name(), the error set before it (if any) kept, its own dropped */
+static void call_aside(PyObject *obj, const char *name) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *got = PyObject_CallMethod(obj, name, NULL);
+    Py_XDECREF(got);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
 /* a meta counter's 8 big-endian bytes (store.counter_value; absent: 0), or -1 */
 static int counter_of(PyObject *raw, unsigned long long *value) {
     if (raw == Py_None) {
@@ -541,22 +551,8 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *rargs[4] = {PyTuple_GET_ITEM(walked, 2), names, ranks, bs};
     out = sarp_rfc_answer(NULL, rargs, 4);  /* None past MAX_ANSWER_HOLDERS */
 done:
-    if (txn != NULL) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        got = PyObject_CallMethod(txn, "abort", NULL);
-        Py_XDECREF(got);
-        PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-    }
-    if (locked) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        got = PyObject_CallMethod(lock, "release", NULL);
-        Py_XDECREF(got);
-        PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-    }
+    if (txn != NULL) call_aside(txn, "abort");
+    if (locked) call_aside(lock, "release");
     Py_XDECREF(fields);
     Py_XDECREF(key);
     Py_XDECREF(bs);

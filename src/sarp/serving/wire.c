@@ -215,7 +215,8 @@ static void leave(Conn *c, int hand, Py_ssize_t rest_at, int linger) {
         close(fd);
     } else {
         got = PyObject_CallFunction(c->hand_over, "iy#y#i", fd, c->in + rest_at,
-                                    c->in_len - rest_at, c->out, c->out_len, linger);
+                                    c->in_len - rest_at, c->out ? (char *)c->out : "",
+                                    c->out_len, linger);  /* (y# of NULL is None) */
         if (got == NULL) {
             PyErr_WriteUnraisable(c->hand_over);
             close(fd);
