@@ -367,3 +367,41 @@ def _matches_total(conn) -> float:
     text = conn.getresponse().read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples if sample.name == "sarp_matches_total")
+
+
+def test_a_restart_is_never_ready_from_the_status_a_killed_serve_left(tmp_path):
+    """The workers start, and answer, before serve has checked the engines: the status
+    file a killed serve left (caught up, its heartbeat fresh) must never make them
+    ready, and `/workers` lists the engines from the first answer."""
+    import zmq
+    from servekit import Serve, call
+
+    from sarp.serving.status import STATUS_FILE
+
+    ctx = zmq.Context.instance()
+    pub, replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)  # the replay never answers
+    spec = (f"eng=tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')},"
+            f"tcp://127.0.0.1:{replay.bind_to_random_port('tcp://127.0.0.1')}")
+    ix = tmp_path / "ix"
+    try:
+        with Serve(ix, [spec]) as first:
+            first.wait_for(lambda: call(first.port, "GET", "/healthz")[0] == 200, what="up")
+        left = json.loads((ix / STATUS_FILE).read_text())
+        (ix / STATUS_FILE).write_text(json.dumps(left | {"caught_up": True,
+                                                         "heartbeat": time.time() + 60}))
+        with Serve(ix, [spec], "--replay-idle-timeout-s", "30") as again:
+            answers = []
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                try:
+                    answers.append(call(again.port, "GET", "/readyz", timeout_s=2))
+                    if len(answers) == 1:
+                        listed = call(again.port, "GET", "/workers")[1]
+                except OSError:
+                    time.sleep(0.002)  # not listening yet
+            assert answers and {s for s, _ in answers} == {503}, answers[:3]
+            assert not any(body["ready"] or body["caught_up"] for _, body in answers)
+            assert [w["instance_id"] for w in listed] == ["eng"]
+    finally:
+        pub.close(0)
+        replay.close(0)

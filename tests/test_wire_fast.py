@@ -212,6 +212,37 @@ def test_an_answer_that_closes_is_read_by_the_client_then_the_connection_closes(
     assert reference.endswith(b'"bye"') and b"Connection: close" in reference
 
 
+@pytest.mark.parametrize("ask", [b"Connection: close\r\n", b"connection: CLOSE\r\n"])
+@pytest.mark.parametrize("last", [b"a", b"refuse"])
+def test_a_request_that_asks_to_close_is_answered_in_c_then_the_connection_closes(ask, last):
+    """One-shot clients (urllib, probes): the answer says it closes, what follows it in
+    the stream is never answered, and the client reads the answer, then the end."""
+    chunks = [post("/query", b"first") + post("/query", last, ask) + post("/query", b"never")]
+    in_c, reference, answered_in_c = both(chunks, 3)
+    assert in_c == reference and answered_in_c == 2
+    assert reference.count(b"HTTP/1.1 ") == 2 and b"never" not in reference
+    assert reference.count(b"Connection: close") == 1
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_after_an_answer_that_closes_what_the_client_sends_is_dropped_within_the_bound(path):
+    """A client that reads the closing answer but keeps sending and never closes:
+    its bytes are read and dropped (no reset before it has read the answer), and the
+    request bound ends the connection."""
+    with serving(path, request_timeout_s=0.4) as srv, \
+            socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(post("/query", b"x", b"Connection: close\r\n"))
+        got = read(s, 2, 5)  # the answer, then the server's end of sending
+        assert count(got) == 1 and b"Connection: close" in got
+        started, sent = time.monotonic(), 0
+        while srv.connections and time.monotonic() - started < 3:
+            s.sendall(post("/query", b"ignored"))  # read and dropped meanwhile
+            sent += 1
+            time.sleep(0.01)
+        assert not srv.connections and srv.cuts == ["request"] and sent > 10
+        assert 0.3 < time.monotonic() - started < 1.5
+
+
 @pytest.mark.parametrize("path", ["c", "python"])
 def test_the_request_and_idle_bounds_cut_a_c_connection(path):
     with serving(path, request_timeout_s=0.4, idle_timeout_s=0.8) as srv:

@@ -51,7 +51,6 @@ import re
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +69,7 @@ from .status import (
     submit,
     workers_listed,
 )
+from .workers import HttpConfig
 
 log = logging.getLogger("sarp.http")
 
@@ -84,24 +84,6 @@ FOLD_S = 0.1  # a worker's /query count reaches its Prometheus counter this ofte
 SWITCH_INTERVAL_S = 0.001  # the workers' GIL hand-over interval (Python's default: 5 ms)
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
-
-
-@dataclass(frozen=True, slots=True)
-class HttpConfig:
-    """What a worker needs: the index, where the metrics go, how to hash token ids
-    (serve listens; the workers are dealt accepted connections)."""
-
-    index_path: str
-    metrics_dir: str
-    scheme: str = "vllm-sha256"  # vLLM's default (--prefix-caching-hash-algo sha256)
-    seed: str | None = None
-    block_size: int | None = None
-    status_dir: str | None = None  # where the writer's status file is (default: the index)
-    token: str | None = None  # the bearer token every endpoint but the probes asks for
-    request_timeout_s: float = 10.0  # a request's headers and body arrive within this
-    answer_timeout_s: float = 30.0  # ... and its answer goes out within this
-    idle_timeout_s: float = 30.0  # a keep-alive connection with nothing asked is closed
-    sharded: bool = False  # index_path is a sharded index: answer from every shard
 
 
 class BadRequest(ValueError):

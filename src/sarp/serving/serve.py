@@ -125,12 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: bool,
          lease: dict) -> int:
-    # imported after the HTTP zygote is forked (ZeroMQ, the decoder): it imports what
-    # the workers need meanwhile, on the other core
     import sarp
-
-    from .hashcheck import HashCheck
-    from .subscriber import Subscriber
 
     http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
@@ -151,20 +146,35 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
         sources, registered = _chosen(args, sources, load_sources(index))
         save_sources(index, sources, registered)
-        subscriber = Subscriber(index, sources,
-                                replay_idle_timeout_s=args.replay_idle_timeout_s,
-                                probe_after_s=args.probe_after_s or None,
-                                dead_after_s=args.dead_after_s,
-                                max_frame_bytes=args.max_frame_bytes,
-                                replay_budget=ReplayBudget(seconds=args.replay_budget_s),
-                                hash_check=HashCheck(args.hash_scheme, args.hash_seed))
+        from .hashcheck import HashCheck
+
+        hash_check = HashCheck(args.hash_scheme, args.hash_seed)  # a bad flag: refused here
+        service = None
         if http:
             # what a killed serve left says it was caught up: the workers must not
             # answer /readyz from it before this serve has checked the engines
             from .status import write_status
 
-            write_status(Path(status_dir), subscriber, caught_up=False, started=time.time())
-        service = _start_http(args, dealer, zygote, status_dir) if http else None
+            write_status(Path(status_dir), None, caught_up=False, started=time.time(),
+                         engines=sources)
+            # the workers open the index and answer while the subscriber is built
+            service = _start_http(args, dealer, zygote, status_dir)
+        # imported after the HTTP workers are started (ZeroMQ, the decoder): the
+        # zygote imports and forks them meanwhile, on the other core
+        from .subscriber import Subscriber
+
+        try:
+            subscriber = Subscriber(index, sources,
+                                    replay_idle_timeout_s=args.replay_idle_timeout_s,
+                                    probe_after_s=args.probe_after_s or None,
+                                    dead_after_s=args.dead_after_s,
+                                    max_frame_bytes=args.max_frame_bytes,
+                                    replay_budget=ReplayBudget(seconds=args.replay_budget_s),
+                                    hash_check=hash_check)
+        except BaseException:
+            if service is not None:
+                service.close()
+            raise
         try:
             with collector_tuned():
                 # the status file: for the workers, and for `sarp stats` beside serve
@@ -437,8 +447,7 @@ def _report(subscriber: Subscriber) -> None:
 
 
 def _start_http(args, dealer, zygote, status_dir: str):
-    from .http import HttpConfig
-    from .workers import HttpService
+    from .workers import HttpConfig, HttpService
 
     host, port = dealer.listener.getsockname()[:2]
     config = HttpConfig(str(args.index), zygote.metrics_dir, scheme=args.hash_scheme,

@@ -46,11 +46,13 @@ SOURCE_COUNTERS = (
 
 
 def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: float,
-                 worker_restarts: int = 0) -> None:
-    """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``."""
+                 worker_restarts: int = 0, engines=()) -> None:
+    """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``;
+    with ``subscriber`` None (serve starting), no counters yet and ``engines`` (the
+    sources to follow) as the engines followed."""
     now = time.time()
     sources = {}
-    for key, summary in subscriber.summary().items():
+    for key, summary in (subscriber.summary() if subscriber else {}).items():
         applied = summary.pop("applied")
         last = subscriber.last_applied_at.get(key)
         sources[key] = {**summary, "events": applied["events"],
@@ -59,9 +61,10 @@ def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: floa
                         "seconds_since_last_applied": None if last is None else now - last}
     status = {"pid": os.getpid(), "started": started, "heartbeat": now,
               "caught_up": caught_up, "sources": sources,
-              "engines": [asdict(s) for s in subscriber.sources.values()],
+              "engines": [asdict(s) for s in
+                          (subscriber.sources.values() if subscriber else engines)],
               "http_worker_restarts": worker_restarts,
-              "store_errors": getattr(subscriber, "store_errors", 0)}
+              "store_errors": getattr(subscriber, "store_errors", 0) if subscriber else 0}
     tmp = status_dir / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps(status))
     os.replace(tmp, status_dir / STATUS_FILE)

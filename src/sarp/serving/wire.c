@@ -11,22 +11,26 @@
  * lines `Name: value` ending in CRLF, names of token characters, values without
  * control characters, at most MAX_HEADERS of them in MAX_HEAD_BYTES; a
  * Content-Length of digits on a POST (none, or 0, on a GET) of at most `max_body`;
- * no Transfer-Encoding, Expect or Upgrade, and Connection only as "keep-alive".
- * Anything else (HEAD, HTTP/1.0, a query string, an unknown path, chunked bodies, a
- * request that asks to close, a header line folded or too long) is the reference's,
- * with every bound and refusal it has.
+ * no Transfer-Encoding, Expect or Upgrade, and Connection only as "keep-alive" or
+ * "close".  Anything else (HEAD, HTTP/1.0, a query string, an unknown path, chunked
+ * bodies, a header line folded or too long) is the reference's, with every bound and
+ * refusal it has.
  *
- * What stays the reference's as well: an answer the socket does not take at once
- * (the rest is handed over, and the Python transport's flow control and answer bound
- * take it), and an answer that closes the connection.  Here a connection never waits
- * on a handler or on the client, so of wire.Connection's time bounds two apply, read
- * by Server.sweep through expired(): a request's bytes within `request_timeout_s` of
- * its first, and at most `idle_timeout_s` between requests.
+ * An answer that closes the connection (the request asked to, or the handler's
+ * Response does) is sent, then the connection lingers as the reference's does: our
+ * side shut (FIN), what the client still sends read and dropped (up to
+ * MAX_LINGER_BYTES) until it closes, within the request bound.  What stays the
+ * reference's: an answer the socket does not take at once (the rest is handed over,
+ * and the Python transport's flow control and answer bound take it).  Here a
+ * connection never waits on a handler or on the client, so of wire.Connection's time
+ * bounds two apply, read by Server.sweep through expired(): a request's bytes (or a
+ * linger) within `request_timeout_s` of its first, and at most `idle_timeout_s`
+ * between requests.
  *
  * The side object (wire._Side) gives three calls: release(conn, fd) before the
  * descriptor is closed or handed over (the loop's reader removed, the server's set
- * left), hand_over(fd, rest, out, linger), and frame(response) -> (bytes, close) for
- * a handler's answer that is not plain 200 JSON bytes.
+ * left), hand_over(fd, rest, out, linger), and frame(response, close) -> (bytes,
+ * close) for a handler's answer that is not plain 200 JSON bytes.
  */
 #define _GNU_SOURCE /* memmem */
 #define PY_SSIZE_T_CLEAN
@@ -48,6 +52,7 @@ enum {
     FLUSH_BYTES = 256 << 10,    /* answers sent once this much waits */
     KEPT_BYTES = 16 << 10,      /* what an idle connection keeps of each buffer */
 };
+#define MAX_LINGER_BYTES ((Py_ssize_t)64 << 20) /* wire.MAX_LINGER_BYTES */
 
 typedef struct {
     PyObject_HEAD
@@ -62,6 +67,7 @@ typedef struct {
     Py_ssize_t in_len, in_cap, in_max;  /* in_max: a request's head and body, and more */
     uint8_t *out;
     Py_ssize_t out_len, out_cap;
+    Py_ssize_t lingering;  /* -1, or the bytes dropped since the answer that closes */
 } Conn;
 
 static double now_s(void) { /* time.monotonic()'s clock */
@@ -85,6 +91,7 @@ typedef struct {
     Py_ssize_t body_at, body_len, total;
     const uint8_t *auth;
     Py_ssize_t auth_len;
+    int close;  /* Connection: close */
 } Parsed;
 
 /* One request at p[0:n]: 1 with `r` filled, 0 when its bytes are not all here yet, -1
@@ -114,6 +121,7 @@ static int parse_one(Conn *c, const uint8_t *p, Py_ssize_t n, Parsed *r) {
     int headers = 0;
     r->auth = NULL;
     r->auth_len = 0;
+    r->close = 0;
     for (const uint8_t *q = eol + 1; q < end + 2;) {
         const uint8_t *e = memchr(q, '\n', end + 2 - q);
         if (e == NULL || e[-1] != '\r' || ++headers > MAX_HEADERS) return -1;
@@ -138,7 +146,10 @@ static int parse_one(Conn *c, const uint8_t *p, Py_ssize_t n, Parsed *r) {
             r->auth = v;
             r->auth_len = vlen;
         } else if (named(q, nlen, "connection")) {
-            if (!named(v, vlen, "keep-alive")) return -1;
+            if (named(v, vlen, "close"))
+                r->close = 1;
+            else if (!named(v, vlen, "keep-alive"))
+                return -1;
         } else if (named(q, nlen, "transfer-encoding") || named(q, nlen, "expect")
                    || named(q, nlen, "upgrade")) {
             return -1;
@@ -168,11 +179,12 @@ static int reserve_out(Conn *c, Py_ssize_t more) {
     return 0;
 }
 
-/* wire.frame of Response(body) with keep-alive: the same bytes */
-static int put_ok(Conn *c, const char *body, Py_ssize_t n) {
-    char head[128];
+/* wire.frame(Response(body), close): the same bytes */
+static int put_ok(Conn *c, const char *body, Py_ssize_t n, int close) {
+    char head[160];
     int h = snprintf(head, sizeof head, "HTTP/1.1 200 OK\r\nContent-Type: application/json"
-                     "\r\nContent-Length: %zd\r\n\r\n", n);
+                     "\r\nContent-Length: %zd\r\n%s\r\n", n,
+                     close ? "Connection: close\r\n" : "");
     if (reserve_out(c, h + n) < 0) return -1;
     memcpy(c->out + c->out_len, head, h);
     memcpy(c->out + c->out_len + h, body, n);
@@ -254,11 +266,11 @@ static void answer_all(Conn *c, double now) {
         pos += r.total;
         answered = 1;
         sarp_calls[CALL_CONN]++;
-        int close_after = 0, ok;
+        int close_after = r.close, ok;
         if (out != NULL && PyBytes_CheckExact(out)) {
-            ok = put_ok(c, PyBytes_AS_STRING(out), PyBytes_GET_SIZE(out)) == 0;
+            ok = put_ok(c, PyBytes_AS_STRING(out), PyBytes_GET_SIZE(out), r.close) == 0;
         } else if (out != NULL) {  /* a Response: the reference frames it */
-            PyObject *framed = PyObject_CallOneArg(c->frame, out);
+            PyObject *framed = PyObject_CallFunction(c->frame, "Oi", out, r.close);
             const char *bytes;
             Py_ssize_t n;
             ok = framed != NULL && PyArg_ParseTuple(framed, "y#p", &bytes, &n, &close_after)
@@ -277,9 +289,15 @@ static void answer_all(Conn *c, double now) {
             leave(c, 0, 0, 0);
             return;
         }
-        if (close_after) {  /* nothing after it is read; the reference closes politely */
-            c->in_len = pos;
-            leave(c, 1, pos, 1);
+        if (close_after) {  /* nothing after it is read; then the connection lingers */
+            c->in_len = 0;
+            int sent = flush(c);
+            if (sent == 1 && shutdown(c->fd, SHUT_WR) == 0) {
+                c->lingering = 0;
+                if (c->pending_since < 0) c->pending_since = now;
+            } else {  /* the rest is the reference's to send (then it lingers) */
+                leave(c, sent == 0, 0, 1);
+            }
             return;
         }
         if (c->out_len >= FLUSH_BYTES) {
@@ -313,8 +331,17 @@ static int resize(uint8_t **buf, Py_ssize_t *cap, Py_ssize_t to) {
     return 0;
 }
 
+/* A lingering connection: what the client sends is dropped until it closes. */
+static PyObject *linger_read(Conn *c) {
+    ssize_t k = recv(c->fd, c->in, c->in_cap, 0);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) Py_RETURN_NONE;
+    if (k <= 0 || (c->lingering += k) > MAX_LINGER_BYTES) leave(c, 0, 0, 0);
+    Py_RETURN_NONE;
+}
+
 static PyObject *conn_readable(Conn *c, PyObject *unused) {
     if (c->fd < 0) Py_RETURN_NONE;
+    if (c->lingering >= 0) return linger_read(c);
     if (c->in_cap - c->in_len < 4096 && c->in_cap < c->in_max) {  /* a large request */
         Py_ssize_t to = 2 * c->in_cap < c->in_max ? 2 * c->in_cap : c->in_max;
         if (resize(&c->in, &c->in_cap, to) < 0) return NULL;
@@ -406,6 +433,7 @@ static int conn_init(Conn *c, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     c->pending_since = -1;
+    c->lingering = -1;
     c->last_activity = now_s();
     c->fd = fd;
     return 0;

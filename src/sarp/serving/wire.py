@@ -490,8 +490,9 @@ class _Side:
         self.server.adopt(self.loop, socket.socket(fileno=fd), rest, out, linger)
 
     @staticmethod
-    def frame(response: Response) -> tuple[bytes, bool]:
-        return frame(response, response.close), response.close
+    def frame(response: Response, close: bool = False) -> tuple[bytes, bool]:
+        close = close or response.close
+        return frame(response, close), close
 
 
 class Beside:

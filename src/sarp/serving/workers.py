@@ -17,16 +17,31 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .http import HttpConfig
 
 log = logging.getLogger("sarp.http")
 
 STALE_S = 0.5  # a worker stamped longer ago gets no new connections ...
 HUNG_S = 5.0  # ... and is killed and replaced after this
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """What a worker needs: the index, where the metrics go, how to hash token ids
+    (serve listens; the workers are dealt accepted connections)."""
+
+    index_path: str
+    metrics_dir: str
+    scheme: str = "vllm-sha256"  # vLLM's default (--prefix-caching-hash-algo sha256)
+    seed: str | None = None
+    block_size: int | None = None
+    status_dir: str | None = None  # where the writer's status file is (default: the index)
+    token: str | None = None  # the bearer token every endpoint but the probes asks for
+    request_timeout_s: float = 10.0  # a request's headers and body arrive within this
+    answer_timeout_s: float = 30.0  # ... and its answer goes out within this
+    idle_timeout_s: float = 30.0  # a keep-alive connection with nothing asked is closed
+    sharded: bool = False  # index_path is a sharded index: answer from every shard
 
 
 class ConnectionDealer:
