@@ -125,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: bool,
          lease: dict) -> int:
+    # imported after the HTTP zygote is forked (ZeroMQ, the decoder): the zygote
+    # imports what the workers need meanwhile, on the other core
     import sarp
+
+    from .hashcheck import HashCheck
+    from .subscriber import Subscriber
 
     http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
@@ -146,8 +151,6 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
                  index.recovered_from, 1e3 * index.recovery_s, ", ".join(s.key for s in sources))
         sources, registered = _chosen(args, sources, load_sources(index))
         save_sources(index, sources, registered)
-        from .hashcheck import HashCheck
-
         hash_check = HashCheck(args.hash_scheme, args.hash_seed)  # a bad flag: refused here
         service = None
         if http:
@@ -159,11 +162,7 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
                          engines=sources)
             # the workers open the index and answer while the subscriber is built
             service = _start_http(args, dealer, zygote, status_dir)
-        # imported after the HTTP workers are started (ZeroMQ, the decoder): the
-        # zygote imports and forks them meanwhile, on the other core
-        from .subscriber import Subscriber
-
-        try:
+        try:  # built once the workers are asked for (they start meanwhile)
             subscriber = Subscriber(index, sources,
                                     replay_idle_timeout_s=args.replay_idle_timeout_s,
                                     probe_after_s=args.probe_after_s or None,
