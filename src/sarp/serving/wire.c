@@ -295,7 +295,8 @@ static void answer_all(Conn *c, double now) {
             if (sent == 1 && shutdown(c->fd, SHUT_WR) == 0) {
                 c->lingering = 0;
                 if (c->pending_since < 0) c->pending_since = now;
-            } else {  /* the rest is the reference's to send (then it lingers) */
+            } else {  /* the rest is the reference's to send (then it lingers), or the
+                       * client is gone */
                 leave(c, sent == 0, 0, 1);
             }
             return;
