@@ -260,6 +260,52 @@ def test_item3_a_stopped_worker_is_dealt_nothing_and_replaced(served):
     assert match(served.port, {"block_hashes": [11]})[1]["matched_blocks"] == 1
 
 
+def test_item15_out_of_descriptors_serve_and_its_http_go_on(tmp_path):
+    """serve out of file descriptors (its limit met, as under a flood of engines): its
+    dealer's accepts and its status writes fail, are counted, and are made again; once
+    descriptors are free, the connection that waited is answered and nothing stopped."""
+    import resource
+
+    eng = healthy_engine("e0")
+    serve = Serve(tmp_path / "ix", [spec("e0", eng.publisher)], workers=1)
+    try:
+        serve.wait_ready()
+        limits = resource.prlimit(serve.pid, resource.RLIMIT_NOFILE)
+        assert {"0", "1", "2"} <= set(os.listdir(f"/proc/{serve.pid}/fd"))
+        answered: dict = {}
+
+        def ask() -> None:
+            answered["healthz"] = call(serve.port, "GET", "/healthz", timeout_s=30)
+
+        asking = threading.Thread(target=ask)
+        # descriptors below 3 only: every new one fails (EMFILE), the open ones go on
+        resource.prlimit(serve.pid, resource.RLIMIT_NOFILE, (3, limits[1]))
+        try:
+            # the accept blocked already holds the number it will give (Linux takes
+            # it before waiting): one connection still gets through, the next waits
+            assert call(serve.port, "GET", "/healthz", timeout_s=5)[0] == 200
+            asking.start()
+            time.sleep(1.5)  # accepts fail every 0.05 s, status writes every 0.5 s
+            assert "healthz" not in answered and serve.alive()
+        finally:
+            resource.prlimit(serve.pid, resource.RLIMIT_NOFILE, limits)
+        asking.join(30)
+        assert answered["healthz"][0] == 200 and serve.alive()
+        counted = {}
+
+        def both_counted() -> bool:
+            counted.update(metrics(serve.port))
+            return (counted.get(("sarp_http_deal_errors_total", ()), 0) >= 1
+                    and counted.get(("sarp_file_errors_total", ()), 0) >= 1)
+
+        serve.wait_for(both_counted, timeout_s=10, what="the failures counted")
+        assert serve.log.read_text().count("accepting an HTTP connection failed") == 1
+        assert call(serve.port, "GET", "/readyz")[0] == 200
+    finally:
+        serve.stop()
+        eng.publisher.close()
+
+
 def raw(port: int, data: bytes, timeout_s: float = 5.0) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
         s.sendall(data)

@@ -603,6 +603,12 @@ class _StatusCollector:
         yield CounterMetricFamily("sarp_http_worker_restarts",
                                   "HTTP workers that died or hung and were replaced",
                                   value=status.get("http_worker_restarts", 0))
+        yield CounterMetricFamily("sarp_http_deal_errors", "HTTP connections not accepted "
+                                  "or not handed to a worker (out of descriptors or memory)",
+                                  value=status.get("http_deal_errors", 0))
+        yield CounterMetricFamily("sarp_file_errors", "writes of serve's status and registry "
+                                  "files that failed and were made again",
+                                  value=status.get("file_errors", 0))
         yield CounterMetricFamily("sarp_store_errors",
                                   "writes to the index that failed and were retried",
                                   value=status.get("store_errors", 0))

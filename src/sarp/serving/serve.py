@@ -195,6 +195,7 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
     from .status import write_status
 
     started = time.time()
+    files = _OwnFiles()
     with_status = path is not None
     if with_status:
         write_status(path, subscriber, caught_up=False, started=started)
@@ -219,7 +220,7 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             if watch is not None:
                 watch.check(now)
             if with_status:
-                _registry(path, subscriber, index, registered)
+                files(_registry, path, subscriber, index, registered)
             due = now - last_snapshot >= args.snapshot_every_s
             if busy_since_snapshot and not applied and now - last_snapshot >= 1.0:
                 # idle after work: snapshot now if the work changed a tenth of the
@@ -238,13 +239,11 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 last_snapshot, busy_since_snapshot = now, 0
             if with_status and now - last_status >= STATUS_EVERY_S:
                 if service is not None:
-                    replaced = service.restarts + service.hung
-                    service.check()  # a worker that died or hangs is replaced
-                    if service.restarts + service.hung != replaced:
-                        index.release_dead_readers()  # what it held mid-match
-                write_status(path, subscriber, caught_up=subscriber.caught_up,
-                             started=started,
-                             worker_restarts=service.restarts if service else 0)
+                    files(_check_workers, service, index)
+                files(write_status, path, subscriber, caught_up=subscriber.caught_up,
+                      started=started, worker_restarts=service.restarts if service else 0,
+                      deal_errors=service.dealer.deal_errors if service else 0,
+                      file_errors=files.errors)
                 last_status = now
             if now - last_report >= args.report_every_s:
                 _report(subscriber)
@@ -257,6 +256,35 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             subscriber.save_state(durable=True)
         except StoreError as exc:  # re-applying from the last saved state is harmless
             log.warning("could not save the engines' fingerprints at stop (%s)", exc)
+
+
+class _OwnFiles:
+    """serve's own files and processes beside the index (the status file, the
+    registry's answers, a replaced worker's socket pair): a call that fails for want of
+    descriptors, memory or disk is counted, logged at a limited rate, and made again at
+    its next turn; it stops nothing.  Cost: a try per call."""
+
+    def __init__(self) -> None:
+        from .applier import RateLimitedLog
+
+        self.errors = 0
+        self._log = RateLimitedLog(log)
+
+    def __call__(self, call, *args, **kwargs) -> None:
+        try:
+            call(*args, **kwargs)
+        except OSError as exc:
+            self.errors += 1
+            self._log.warn("serve", "files", f"sarp: {call.__name__.strip('_')} failed ({exc}); "
+                           f"trying again at its next turn")
+
+
+def _check_workers(service, index) -> None:
+    """Replace a worker that died or hangs, and free what it held mid-match."""
+    replaced = service.restarts + service.hung
+    service.check()
+    if service.restarts + service.hung != replaced:
+        index.release_dead_readers()
 
 
 def _flagged(args) -> list[Source]:

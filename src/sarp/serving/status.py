@@ -46,7 +46,8 @@ SOURCE_COUNTERS = (
 
 
 def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: float,
-                 worker_restarts: int = 0, engines=()) -> None:
+                 worker_restarts: int = 0, engines=(), deal_errors: int = 0,
+                 file_errors: int = 0) -> None:
     """Write the subscriber's counters for the workers' ``/metrics`` and ``/readyz``;
     with ``subscriber`` None (serve starting), no counters yet and ``engines`` (the
     sources to follow) as the engines followed."""
@@ -63,7 +64,8 @@ def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: floa
               "caught_up": caught_up, "sources": sources,
               "engines": [asdict(s) for s in
                           (subscriber.sources.values() if subscriber else engines)],
-              "http_worker_restarts": worker_restarts,
+              "http_worker_restarts": worker_restarts, "http_deal_errors": deal_errors,
+              "file_errors": file_errors,
               "store_errors": getattr(subscriber, "store_errors", 0) if subscriber else 0}
     tmp = status_dir / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps(status))

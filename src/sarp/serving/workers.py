@@ -24,6 +24,7 @@ log = logging.getLogger("sarp.http")
 
 STALE_S = 0.5  # a worker stamped longer ago gets no new connections ...
 HUNG_S = 5.0  # ... and is killed and replaced after this
+ACCEPT_RETRY_S = 0.05  # after an accept that failed (out of descriptors or memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,10 @@ class ConnectionDealer:
         self.worker_ends = [b for _, b in pairs]  # one per worker process, passed at spawn
         self._live = list(range(workers))
         self._next = 0
+        # connections not accepted, or not handed to a worker (out of descriptors,
+        # memory or buffers): counted, logged, and the dealer goes on
+        self.deal_errors = 0
+        self._closing = False
         self._lock = threading.Lock()  # the dealing thread against renew()
         self._thread = threading.Thread(target=self._deal, name="sarp-http-dealer",
                                         daemon=True)
@@ -100,22 +105,39 @@ class ConnectionDealer:
         self._started = True
 
     def _deal(self) -> None:
+        from .applier import RateLimitedLog
+
+        faults = RateLimitedLog(log)
         while True:
             try:
                 conn, _ = self.listener.accept()
-            except OSError:
-                return  # closed: serve is stopping
+            except OSError as exc:
+                if self._closing:
+                    return  # closed: serve is stopping
+                # out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), or a
+                # connection gone before it was taken: the next one may do
+                self.deal_errors += 1
+                faults.warn("http", "accept", f"sarp: accepting an HTTP connection failed "
+                            f"({exc}); trying again every {ACCEPT_RETRY_S:g} s")
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             with conn, self._lock:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with contextlib.suppress(OSError):  # the client is gone already
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while self._live:
                     k = self._pick()
                     try:
                         socket.send_fds(self._ours[k], [b"c"], [conn.fileno()])
                         break
-                    except OSError as exc:  # that worker is gone
+                    except ConnectionError as exc:  # that worker is gone
                         log.error("sarp: HTTP worker %d is gone (%s); dealing to the others",
                                   k, exc)
                         self._live.remove(k)
+                    except OSError as exc:  # out of memory or buffers: not this one
+                        self.deal_errors += 1
+                        faults.warn("http", "deal", "sarp: handing a connection to an HTTP "
+                                    f"worker failed ({exc}); it is closed")
+                        break
                 else:
                     log.error("sarp: no HTTP worker is left; connection refused")
 
@@ -147,6 +169,7 @@ class ConnectionDealer:
 
     def close(self) -> None:
         """Stop accepting, and tell the workers (their socket pairs close)."""
+        self._closing = True
         with contextlib.suppress(OSError):  # closed already
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
         self.listener.close()
