@@ -306,6 +306,39 @@ def test_item15_out_of_descriptors_serve_and_its_http_go_on(tmp_path):
         eng.publisher.close()
 
 
+def test_item16_serve_follows_hundreds_of_engines(tmp_path):
+    """400 engine ranks in the sources file: ZeroMQ's default of 1,023 sockets held
+    about 250 (and the next one stopped serve); serve follows them all, answers, and
+    one more registered at runtime is followed too."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 4096:  # about 6 descriptors an engine
+        pytest.skip(f"the hard open-files limit ({hard}) holds fewer than 400 engines")
+    eng = healthy_engine("live")
+    listed = tmp_path / "engines.yaml"
+    base = 41_000  # nothing listens on these: their replays go unanswered, then retried
+    listed.write_text("engines:\n" + "".join(
+        f"  - e{i}=tcp://127.0.0.1:{base + 2 * i},tcp://127.0.0.1:{base + 2 * i + 1}\n"
+        for i in range(400)))
+    serve = Serve(tmp_path / "ix", [spec("live", eng.publisher)], "--sources-file",
+                  str(listed), "--replay-idle-timeout-s", "0.5", workers=1)
+    try:
+        serve.wait_for(lambda: len(call(serve.port, "GET", "/workers")[1]) == 401,
+                       timeout_s=60, what="401 engines followed")
+        chain = [5, 6, 7]
+        eng.serve(chain)
+        serve.wait_for(lambda: held_by(serve.port, chain, "live#0") == 3, what="live's blocks")
+        body = {"instance_id": 9999, "endpoint": "tcp://127.0.0.1:40998",
+                "replay_endpoint": "tcp://127.0.0.1:40999"}
+        assert call(serve.port, "POST", "/register", json.dumps(body).encode())[0] == 201
+        serve.wait_for(lambda: len(call(serve.port, "GET", "/workers")[1]) == 402,
+                       what="the one registered")
+    finally:
+        serve.stop()
+        eng.publisher.close()
+
+
 def raw(port: int, data: bytes, timeout_s: float = 5.0) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
         s.sendall(data)

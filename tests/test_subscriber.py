@@ -667,3 +667,36 @@ def test_a_commit_carries_its_state_unless_an_operation_fails(where):
         assert index.read_state("s") == b"4" and index.stats()["batches"] == batches
         index.write_state("s", b"5")
         assert index.read_state("s") == b"5" and index.match([1, 2]).by_holder == {"e": 2}
+
+
+def test_hundreds_of_engines_are_followed_and_one_past_the_limit_is_refused_unchanged(index):
+    """ZeroMQ's default of 1,023 sockets a context held about 250 engines, and the one
+    after stopped serve; now 600 are followed, and when the process is out of
+    descriptors, adding one more is an OSError that names the limit and changes
+    nothing: the engines followed go on, and one can be added once room is made."""
+    import resource
+
+    ctx = zmq.Context()
+    ports = iter(range(20_000, 40_000, 2))  # nothing listens there: connects retry quietly
+    def source(i: int) -> Source:
+        p = next(ports)
+        return Source(f"e{i}", f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}")
+    sub = Subscriber(index, [source(i) for i in range(600)], context=ctx, probe_after_s=None)
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        assert len(sub.sources) == 600
+        # this process's descriptors run out (none below 3 is free): the next engine's
+        # sockets cannot open, the ones open go on
+        resource.setrlimit(resource.RLIMIT_NOFILE, (3, limits[1]))
+        with pytest.raises(OSError, match="open-files limit"):
+            sub.add_source(source(600))
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        assert "e600" not in sub.sources and len(sub._subs) == 600
+        sub.remove_source("e0")
+        sub.add_source(source(601))
+        assert "e601" in sub.sources and len(sub._subs) == len(sub._sub_of) == 600
+        sub.poll(10)  # the polls go on over every socket
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        sub.close()
+        ctx.destroy(linger=0)

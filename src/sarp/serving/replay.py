@@ -19,7 +19,7 @@ import zmq
 
 from ..hashing import checksum
 from .applier import RateLimitedLog
-from .sources import Fingerprint
+from .sources import Fingerprint, Source
 
 log = logging.getLogger("sarp.subscriber")
 fault_log = RateLimitedLog(log)  # faults from outside: counted, logged at a limited rate
@@ -61,7 +61,12 @@ class ReplayJobs:
                                               f"and no answer on its replay endpoint for "
                                               f"{self.dead_after_s:g} s: taken as gone")
             elif now - self._heard[key] >= self.probe_after_s:
-                sock = self._ctx.socket(zmq.DEALER)
+                try:
+                    sock = self._ctx.socket(zmq.DEALER)
+                except zmq.ZMQError as exc:  # out of descriptors: asked at a later check
+                    fault_log.warn(key, "probe_socket", f"sarp: no socket to probe {key} "
+                                   f"({exc})")
+                    continue
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(source.replay_endpoint)
                 # Nowhere to queue it (zmq.Again): no answer will come, and that decides.
@@ -70,6 +75,29 @@ class ReplayJobs:
                 self._probes[sock] = (key, now)
                 self._poller.register(sock, zmq.POLLIN)
                 self.stats[key].probes += 1
+
+    def _connect(self, source: Source) -> None:
+        """Its SUB socket and monitor; OSError, nothing left open, when out of sockets."""
+        opened = []
+        try:
+            opened.append(sock := self._ctx.socket(zmq.SUB))
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+            opened.append(monitor := sock.get_monitor_socket(zmq.EVENT_CONNECTED
+                                                             | zmq.EVENT_DISCONNECTED))
+            sock.connect(source.endpoint)
+        except zmq.ZMQError as exc:
+            for s in opened:
+                s.close(linger=0)
+            raise OSError(exc.errno, f"no sockets for engine {source.key} ({exc}), "
+                          f"{len(self._subs)} followed: raise serve's open-files limit "
+                          "(LimitNOFILE in its systemd unit, ulimit -n)") from None
+        self._subs[sock] = source.key
+        self._sub_of[source.key] = sock
+        self._monitors[monitor] = source.key
+        self._poller.register(monitor, zmq.POLLIN)
+        self._poller.register(sock, zmq.POLLIN)
 
     def _drain_monitor(self, monitor: zmq.Socket, key: str) -> None:
         while monitor.poll(0):
@@ -134,6 +162,10 @@ class ReplayJobs:
         except StopIteration as done:
             self._end_job(job)
             return done.value or 0
+        except OSError as exc:  # no socket for its next replay: as a replay that failed
+            job.replay = old
+            self._abort_job(job, str(exc))
+            return 0
         if job.replay is not old:
             if old is not None:
                 self._poller.unregister(old.sock)
@@ -374,7 +406,11 @@ class Replay:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, start: int, idle_s: float,
                  max_frame_bytes: int) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
+        try:
+            self.sock = ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            raise OSError(exc.errno, f"no socket for a replay from {endpoint} ({exc}): "
+                          "serve is out of file descriptors") from None
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)

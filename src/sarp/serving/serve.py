@@ -77,6 +77,7 @@ def collector_tuned() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _more_descriptors()
     sources = _flagged(args)
     if args.sources_file:
         read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused at once
@@ -287,6 +288,19 @@ def _check_workers(service, index) -> None:
         index.release_dead_readers()
 
 
+def _more_descriptors() -> None:
+    """The open-files limit raised to its hard limit (as Go's runtime does at start):
+    each engine followed takes a few sockets, each HTTP connection one descriptor in a
+    worker (forked later, they inherit it).  A soft limit of 1,024 held about 170
+    engines."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def _flagged(args) -> list[Source]:
     """The ``--source`` engines, of ``--model-name`` (token-keyed) when one is given."""
     if getattr(args, "shard", None) is not None and "://" not in str(args.index):
@@ -426,6 +440,8 @@ def _registry(status_dir: Path, subscriber: Subscriber, index, registered: set[s
                                     "dp_rank": rank or 0})
             except ValueError as exc:
                 answer(taken, 409, {"error": str(exc), "field": "instance_id"})
+            except OSError as exc:  # out of descriptors: nothing changed, say so
+                answer(taken, 503, {"error": str(exc), "field": "instance_id"})
             continue
         keys = [k for k, s in subscriber.sources.items()
                 if s.name == name and (rank is None or (s.dp_rank or 0) == rank)

@@ -133,6 +133,9 @@ class Subscriber(ReplayJobs):
         self.sources = {s.key: s for s in sources}
         self.replay_idle_timeout_s = replay_idle_timeout_s
         self._ctx = context or zmq.Context.instance()
+        # ZeroMQ's default, 1,023 sockets, held about 250 engines (effective before the
+        # context's first socket: serve's case)
+        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         self.state: dict[str, Fingerprint] = load_fingerprints(index)  # applied or queued
         self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
@@ -176,39 +179,27 @@ class Subscriber(ReplayJobs):
         for source in sources:
             self._connect(source)
 
-    def _connect(self, source: Source) -> None:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(source.endpoint)
-        self._subs[sock] = source.key
-        self._sub_of[source.key] = sock
-        self._monitors[monitor] = source.key
-        self._poller.register(monitor, zmq.POLLIN)
-        self._poller.register(sock, zmq.POLLIN)
-
     # -- engines that come and go -----------------------------------------------------------
 
     def add_source(self, source: Source) -> None:
         """Follow one more engine from now on, while every other goes on: its SUB socket
         connects, and its continuity is checked as at start-up (its replay buffer is
         asked, a job the polls feed).  A ValueError for a key already followed, or a name
-        followed both per rank and whole.  Cost: two sockets, one replay request.
+        followed both per rank and whole; an OSError when the process is out of
+        descriptors (nothing changed).  Cost: two sockets, one replay request.
         """
         key = source.key
         names = {(s.name, s.dp_rank is None) for s in self.sources.values()}
         if key in self.sources or (source.name, source.dp_rank is not None) in names:
             raise ValueError(f"source {key!r} is followed already (or its engine name is, "
                              "per rank or whole); unregister it first")
+        self._connect(source)
         self.sources[key] = source
         self.stats[key] = SourceStats()
         self._ahead[key] = {}
         self._heard[key] = time.monotonic()
         if self._hash_check is not None:
             self._hash_pending.add(key)
-        self._connect(source)
         self._unchecked.add(key)
         self._start_job(key, self._resync(key, "registered"), startup=True)
 
