@@ -700,3 +700,32 @@ def test_hundreds_of_engines_are_followed_and_one_past_the_limit_is_refused_unch
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
         sub.close()
         ctx.destroy(linger=0)
+
+
+def test_a_replay_that_finds_no_socket_fails_as_a_replay_does_and_is_retried(index):
+    """Out of descriptors when an engine's replay is asked: not an error out of the
+    poll (which stopped serve) but a failed replay, its holders cleared and the replay
+    asked again after the backoff."""
+    import resource
+
+    eng = engine("r")
+    ctx = zmq.Context()
+    sub = Subscriber(index, [Source("r", eng.publisher.endpoint, eng.publisher.replay_endpoint)],
+                     context=ctx, probe_after_s=None)
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (3, limits[1]))
+        try:
+            sub.start_catch_up()  # the replay's DEALER cannot open
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        assert sub.stats["r"].failed_replays == 1 and "r" in sub._retry_at
+        eng.serve([1, 2, 3])
+        deadline = time.monotonic() + 10
+        while held(index, eng.holder) != {1, 2, 3} and time.monotonic() < deadline:
+            sub.poll(50)  # the retry, after its backoff, proves the engine
+        assert held(index, eng.holder) == {1, 2, 3} and sub.stats["r"].failed_replays == 1
+    finally:
+        sub.close()
+        ctx.destroy(linger=0)
+        eng.publisher.close()
