@@ -290,9 +290,9 @@ def _check_workers(service, index) -> None:
 
 def _more_descriptors() -> None:
     """The open-files limit raised to its hard limit (as Go's runtime does at start):
-    each engine followed takes a few sockets, each HTTP connection one descriptor in a
-    worker (forked later, they inherit it).  A soft limit of 1,024 held about 170
-    engines."""
+    each engine followed takes a few sockets (its SUB, its monitor's pair, a replay's
+    DEALER), each HTTP connection a descriptor in a worker (forked later, they inherit
+    it)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
