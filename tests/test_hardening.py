@@ -718,3 +718,34 @@ def test_soak_30s_every_fault_at_once_and_no_false_answer(tmp_path, store):
     assert result["rss_max_mib"] < 1536
     assert len(result["restart_to_ready_s"]) == 3
     assert out.returncode in (0, 1)  # 1: only when a timing (p99) missed; not asserted here
+
+
+def test_item17_engines_past_max_engines_are_refused_and_nothing_changes(tmp_path):
+    """`/register` is open to any client with the token: past `--max-engines` one more
+    is refused (409, naming the flag), the engines followed go on, and a place freed by
+    `/unregister` can be taken."""
+    eng = healthy_engine("a")
+
+    def register(i: int) -> int:
+        body = {"instance_id": i, "endpoint": f"tcp://127.0.0.1:{42_000 + 2 * i}",
+                "replay_endpoint": f"tcp://127.0.0.1:{42_001 + 2 * i}"}
+        status, answer = call(serve.port, "POST", "/register", json.dumps(body).encode())
+        if status != 201:
+            assert "--max-engines" in answer["error"], answer
+        return status
+
+    serve = Serve(tmp_path / "ix", [spec("a", eng.publisher)], "--max-engines", "3", workers=1)
+    try:
+        serve.wait_ready()
+        assert [register(i) for i in (1, 2, 3)] == [201, 201, 409]
+        eng.serve([4, 5])
+        serve.wait_for(lambda: held_by(serve.port, [4, 5], "a#0") == 2, what="a's blocks")
+        body = json.dumps({"instance_id": 1}).encode()
+        assert call(serve.port, "POST", "/unregister", body)[0] == 200
+        assert register(3) == 201 and serve.alive()
+        serve.wait_for(lambda: sorted(str(w["instance_id"]) for w in
+                                      call(serve.port, "GET", "/workers")[1]) == ["2", "3", "a"],
+                       what="the engines followed")
+    finally:
+        serve.stop()
+        eng.publisher.close()

@@ -136,6 +136,9 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--replay-budget-s", type=ac.seconds, default=60.0,
                        help="one replay attempt may take this long; one over it clears the "
                        "engine's holders and is retried with backoff")
+    serve.add_argument("--max-engines", type=ac.count, default=4096,
+                       help="engines (ranks) followed at most, from every source; one "
+                       "more is refused (each takes a few sockets and a replay)")
     serve.add_argument("--max-frame-bytes", type=ac.count_from(1024), default=64 << 20,
                        help="frames from engines larger than this are dropped before they "
                        "are received (the connection is dropped and made again)")

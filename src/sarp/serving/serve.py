@@ -170,7 +170,8 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
                                     dead_after_s=args.dead_after_s,
                                     max_frame_bytes=args.max_frame_bytes,
                                     replay_budget=ReplayBudget(seconds=args.replay_budget_s),
-                                    hash_check=hash_check)
+                                    hash_check=hash_check,
+                                    max_sources=getattr(args, "max_engines", None))
         except BaseException:
             if service is not None:
                 service.close()

@@ -117,6 +117,7 @@ class Subscriber(ReplayJobs):
         max_frame_bytes: int = MAX_FRAME_BYTES,
         replay_budget: ReplayBudget | None = None,
         hash_check: HashCheck | None = None,
+        max_sources: int | None = None,
     ) -> None:
         if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) \
                 or max_frame_bytes < 1024:
@@ -126,6 +127,9 @@ class Subscriber(ReplayJobs):
         keys = [s.key for s in sources]
         if len(set(keys)) != len(keys):
             raise ValueError(f"sources must be distinct, got {keys}")
+        self.max_sources = max_sources
+        if max_sources is not None and len(sources) > max_sources:
+            raise ValueError(self._full(len(sources)))
         plain = {s.name for s in sources if s.dp_rank is None}
         if any(s.name in plain for s in sources if s.dp_rank is not None):
             raise ValueError(f"engine names must not be given both per rank and whole: {keys}")
@@ -184,15 +188,18 @@ class Subscriber(ReplayJobs):
     def add_source(self, source: Source) -> None:
         """Follow one more engine from now on, while every other goes on: its SUB socket
         connects, and its continuity is checked as at start-up (its replay buffer is
-        asked, a job the polls feed).  A ValueError for a key already followed, or a name
-        followed both per rank and whole; an OSError when the process is out of
-        descriptors (nothing changed).  Cost: two sockets, one replay request.
+        asked, a job the polls feed).  A ValueError for a key already followed, a name
+        followed both per rank and whole, or one past ``max_sources``; an OSError when
+        the process is out of descriptors (nothing changed either way).  Cost: two
+        sockets, one replay request.
         """
         key = source.key
         names = {(s.name, s.dp_rank is None) for s in self.sources.values()}
         if key in self.sources or (source.name, source.dp_rank is not None) in names:
             raise ValueError(f"source {key!r} is followed already (or its engine name is, "
                              "per rank or whole); unregister it first")
+        if self.max_sources is not None and len(self.sources) >= self.max_sources:
+            raise ValueError(self._full(len(self.sources) + 1))
         self._connect(source)
         self.sources[key] = source
         self.stats[key] = SourceStats()
@@ -202,6 +209,10 @@ class Subscriber(ReplayJobs):
             self._hash_pending.add(key)
         self._unchecked.add(key)
         self._start_job(key, self._resync(key, "registered"), startup=True)
+
+    def _full(self, count: int) -> str:
+        return (f"{count} engines to follow, more than max_sources={self.max_sources} "
+                "(sarp serve --max-engines): unregister one first, or raise the limit")
 
     def remove_source(self, key: str) -> None:
         """Stop following ``key`` (an engine that left): its sockets close, its replay
