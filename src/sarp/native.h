@@ -1,8 +1,8 @@
 /* What sarp._native's translation units share.  Each C file sits beside the Python it
  * mirrors and is named after it: verify.c (examine, walk; rows_result and plain_result,
  * whose references are in answer.py), packing.c (pack_batch), serving/events.c
- * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields, rfc_query),
- * serving/wire.c (Conn, whose reference is wire.Connection),
+ * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields,
+ * rfc_query), serving/wire.c (Conn, whose reference is wire.Connection),
  * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match);
  * native.c is the module (native.py is its only loader).  The segment record's layout
  * is read in one place, here (segment.py is the reference). */

@@ -66,7 +66,7 @@ def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: floa
                           (subscriber.sources.values() if subscriber else engines)],
               "http_worker_restarts": worker_restarts, "http_deal_errors": deal_errors,
               "file_errors": file_errors,
-              "store_errors": getattr(subscriber, "store_errors", 0) if subscriber else 0}
+              "store_errors": getattr(subscriber, "store_errors", 0)}
     tmp = status_dir / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps(status))
     os.replace(tmp, status_dir / STATUS_FILE)
