@@ -187,33 +187,82 @@ def test_health_readiness_and_metrics_read_back_by_prometheus_client(service):
 
 
 def test_forked_workers_count_their_metrics_apart_without_asking_for_the_pid(tmp_path):
-    """The zygote's import swaps prometheus_client's pid check at every update (a
-    ``getpid`` system call per request) for the pid the fork hook keeps: processes
-    forked after it still write files of their own, summed by /metrics."""
+    """A worker's metrics swap prometheus_client's pid check at every update (a
+    ``getpid`` system call per request) for the pid the fork hook keeps: workers forked
+    from one zygote write files of their own, under that pid, summed by /metrics."""
     code = f"""
 import os
 from sarp.serving import http
 http.import_for_workers({str(tmp_path)!r})
-from prometheus_client import CollectorRegistry, Counter, multiprocess
 pids = []
-for _ in range(2):
+for k in range(2):
     pid = os.fork()
     if pid == 0:
-        c = Counter("sarp_test", "counted in two processes")
+        own = http._pid() == os.getpid()
+        counter = http._Metrics().matches  # prometheus_client imported now, in the worker
+        http._PID[0] = 900000 + k  # the pid it counts under is the hook's, not getpid's
         for _ in range(3):
-            c.inc()
-        os._exit(0 if http._pid() == os.getpid() else 1)
+            counter.inc()
+        os._exit(0 if own else 1)
     pids.append(pid)
-assert all(os.waitpid(p, 0)[1] == 0 for p in pids), "a child's pid was not its own"
+assert all(os.waitpid(p, 0)[1] == 0 for p in pids), "a worker failed to count"
+from prometheus_client import CollectorRegistry, multiprocess
 registry = CollectorRegistry()
 multiprocess.MultiProcessCollector(registry)
-print(registry.get_sample_value("sarp_test_total"))
+print(registry.get_sample_value("sarp_matches_total"))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) == 6.0
-    assert len(list(tmp_path.glob("counter_*.db"))) == 2
+    assert {"counter_900000.db", "counter_900001.db"} <= {
+        p.name for p in tmp_path.glob("counter_*.db")}
+
+
+def test_a_worker_answers_before_importing_prometheus_and_counts_it_all(tmp_path):
+    """prometheus_client's import (25-35 ms) is off a restart's path: a worker answers
+    and refuses with it not imported, and its first /metrics counts every one."""
+    code = f"""
+import sys
+import sarp
+from sarp.serving import http, wire
+from sarp.serving.workers import HttpConfig
+with sarp.open({str(tmp_path / "ix")!r}) as ix:
+    ix.insert([1, 2], holder="e0")
+http.import_for_workers({str(tmp_path / "m")!r})
+index = sarp.open({str(tmp_path / "ix")!r}, readonly=True)
+server = http.make_server(index, HttpConfig({str(tmp_path / "ix")!r}, {str(tmp_path / "m")!r}))
+ask = server.routes["/v1/match"]["POST"]
+answers = [ask(wire.Request("POST", "/v1/match", {{}}, body))
+           for body in (b'{{"block_hashes": [1, 2]}}', b'{{"block_hashes": "x"}}')]
+print([a.status for a in answers], "prometheus_client" in sys.modules)
+print(server.routes["/metrics"]["GET"](wire.Request("GET", "/metrics", {{}}, b"")).body.decode())
+"""
+    (tmp_path / "m").mkdir()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, text = out.stdout.split("\n", 1)
+    assert first == "[200, 400] False"
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if not s.labels or s.name.endswith("_count")}
+    assert (samples["sarp_matches_total"], samples["sarp_match_rejected_total"],
+            samples["sarp_match_seconds_count"]) == (1, 1, 1)
+
+
+def test_heartbeats_in_a_file_are_shared_with_a_spawned_worker(tmp_path):
+    """A worker spawned afresh (the zygote gone) gets the heartbeats pickled as their
+    file, and its stamps reach serve's map; an anonymous map is refused there."""
+    import pickle
+
+    from sarp.serving.workers import Heartbeats
+
+    beats = Heartbeats(str(tmp_path / "beats"), 2)
+    theirs = pickle.loads(pickle.dumps(beats))
+    theirs[1] = 7.5
+    assert (beats[0], beats[1], len(theirs)) == (0.0, 7.5, 2)
+    with pytest.raises(TypeError, match="fork only"):
+        pickle.dumps(Heartbeats(None, 2))
 
 
 def test_a_request_without_a_full_block_matches_nothing(service):

@@ -263,10 +263,19 @@ def _bench_events(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .errors import IndexLockedError, SarpError
+
+    zygote = None
+    if args.http and args.http_workers >= 1:
+        # The HTTP workers' zygote, forked before serve's own imports (ZeroMQ, the
+        # decoder, the dealer): it imports the HTTP stack meanwhile, and a restart's
+        # workers answer sooner (docs/performance.md).  run() stops it, whatever fails.
+        from .serving.workers import start_zygote
+
+        zygote = start_zygote(args.http_workers)
     from .serving.serve import run
 
     try:
-        return run(args)
+        return run(args, zygote)
     except IndexLockedError as exc:  # another writer: said in the command's own words
         text = str(exc).replace("open readonly=True to read beside it, or pass "
                                 "wait_for_lease_s", "run a standby with --wait-for-lease-s")

@@ -80,7 +80,7 @@ MAX_BODY_BYTES = 8 << 20  # 1M hashes as JSON text
 MAX_REQUEST_BLOCKS = 1 << 18
 MAX_REQUEST_CHAINS = 4096
 HEARTBEAT_S = 0.1  # a worker's loop stamps its slot this often
-FOLD_S = 0.1  # a worker's /query count reaches its Prometheus counter this often
+FOLD_S, WARM_S = 0.1, 1.0  # a worker's counts reach Prometheus this often, from WARM_S
 SWITCH_INTERVAL_S = 0.001  # the workers' GIL hand-over interval (Python's default: 5 ms)
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
@@ -299,18 +299,35 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
 
 
 def import_for_workers(metrics_dir: str) -> None:
-    """Import what every worker uses and serve does not (prometheus_client, whose
-    multiprocess mode is chosen at its import from the environment, and the event
-    loop): the HTTP zygote's, before it forks them.  Cost: about 25 ms, once."""
+    """The HTTP zygote's, before it forks workers: the event loop imported, and
+    ``metrics_dir`` named for prometheus_client's multiprocess mode, which it reads at
+    its import (:class:`_Metrics`).  Cost: a few ms, once."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    import prometheus_client.multiprocess  # noqa: F401
-    from prometheus_client import values
-
-    # Its values ask os.getpid() at every update, to see a fork: a system call per
-    # request (strace of a worker under wrk: as many getpid as writes).  They read the
-    # pid a fork hook keeps up to date instead: the same answer, with no call.
-    values.ValueClass = values.MultiProcessValue(process_identifier=_pid)
     wire.import_loop()
+
+
+class _Metrics:
+    """A worker's Prometheus metrics, made at first use (its first fold, ``WARM_S``
+    after its start, or a ``/metrics``): prometheus_client's import (25-35 ms) is off a
+    restart's path to the first answers.  Cost: one import, once; then attributes."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        import prometheus_client.multiprocess  # noqa: F401
+        from prometheus_client import Counter, Histogram, values
+
+        # its values read the pid a fork hook keeps, not os.getpid() (a system call)
+        values.ValueClass = values.MultiProcessValue(process_identifier=_pid)
+        self.matches = Counter("sarp_matches", "match requests answered")
+        self.rejected = Counter("sarp_match_rejected", "match requests refused with 400")
+        self.latency = Histogram("sarp_match_seconds", "time to answer one match request",
+                                 buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+                                          2.5e-2, 0.1, 1))
+        self.closed = Counter("sarp_http_connections_closed", "connections closed for "
+                              "taking too long: to send a request, to be answered, or idle",
+                              ["reason"])
+        return object.__getattribute__(self, name)
 
 
 _PID = [os.getpid()]
@@ -330,26 +347,12 @@ async def _heartbeat(heartbeats, slot: int) -> None:
 
 def make_server(index, config: HttpConfig) -> wire.Server:
     """One worker's routes and bounds (see the module docstring)."""
-    from prometheus_client import (
-        CONTENT_TYPE_LATEST,
-        CollectorRegistry,
-        Counter,
-        Histogram,
-        generate_latest,
-        multiprocess,
-    )
-
     from .router import score_many, score_match
 
-    matches = Counter("sarp_matches", "match requests answered")
-    rejected = Counter("sarp_match_rejected", "match requests refused with 400")
-    latency = Histogram("sarp_match_seconds", "time to answer one match request",
-                        buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1))
+    meters = _Metrics()
     path = Path(config.status_dir or config.index_path)
     models = rfc.Models(read_status, path, STATUS_FILE)
 
-    closed = Counter("sarp_http_connections_closed", "connections closed for taking too "
-                     "long: to send a request, to be answered, or idle", ["reason"])
     # Requests with token ids (hashed in Python, about 4 us a block in the vLLM schemes)
     # and large bodies are answered here, parse to match, so the event loop answers
     # /healthz meanwhile; one thread, so that a burst of them queues instead of
@@ -366,7 +369,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
 
     def refuse(field: str, message: str, status: int = 400, close: bool = False
                ) -> wire.Response:
-        rejected.inc()
+        next(refused)
         return _json({"error": message, "field": field}, status, close)
 
     def unavailable(exc: SarpError) -> wire.Response:  # the store is away: say so, go on
@@ -415,8 +418,8 @@ def make_server(index, config: HttpConfig) -> wire.Server:
             answer = answer_of(body)
         except BadRequest as exc:
             return refuse(exc.field, str(exc), exc.status)
-        latency.observe(time.perf_counter() - started)
-        matches.inc()
+        timings.append(time.perf_counter() - started)
+        next(answered)
         return wire.Response(orjson.dumps(answer))
 
     def match(request: wire.Request):
@@ -474,24 +477,33 @@ def make_server(index, config: HttpConfig) -> wire.Server:
         body = readiness(read_status(path))
         return _json(body, 200 if body["ready"] else 503)
 
-    answered, folded = itertools.count(), [0]  # /query answers (next() is atomic)
+    # answers and refusals counted (next() is atomic), /v1/match's times kept, until
+    # a fold takes them into `meters` on the loop: every FOLD_S, and at /metrics
+    answered, refused, timings, folded = itertools.count(), itertools.count(), [], [0, 0]
 
-    def fold() -> None:  # into `matches`, on the loop: every FOLD_S, and at /metrics
-        now = next(answered)
-        matches.inc(now - folded[0])
-        folded[0] = now + 1  # (this fold's own next())
+    def fold() -> None:
+        now, out = next(answered), next(refused)
+        meters.matches.inc(now - folded[0])
+        meters.rejected.inc(out - folded[1])
+        folded[:] = now + 1, out + 1  # (this fold's own next())
+        while timings:
+            meters.latency.observe(timings.pop())
 
     async def folding() -> None:
+        await asyncio.sleep(WARM_S)
         while True:
-            await asyncio.sleep(FOLD_S)
             fold()
+            await asyncio.sleep(FOLD_S)
 
     def metrics(_: wire.Request) -> wire.Response:
-        fold()
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        fold()  # (prometheus_client imported by now)
+        import prometheus_client as prom
+
+        registry = prom.CollectorRegistry()
+        prom.multiprocess.MultiProcessCollector(registry)
         registry.register(_StatusCollector(path, index))
-        return wire.Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST.encode())
+        return wire.Response(prom.generate_latest(registry),
+                             content_type=prom.CONTENT_TYPE_LATEST.encode())
 
     def admin(op: str):
         def handle(request: wire.Request):
@@ -533,7 +545,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     return wire.Server(
         routes, max_body_bytes=MAX_BODY_BYTES, request_timeout_s=config.request_timeout_s,
         answer_timeout_s=config.answer_timeout_s, idle_timeout_s=config.idle_timeout_s,
-        on_cut=lambda reason: closed.labels(reason).inc(),
+        on_cut=lambda reason: meters.closed.labels(reason).inc(),
         too_large=lambda length: refuse("body", f"the body ({length} bytes) is over "
                                                 f"{MAX_BODY_BYTES} bytes; send fewer hashes",
                                         413, close=True),

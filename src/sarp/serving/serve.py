@@ -75,27 +75,40 @@ def collector_tuned() -> Iterator[None]:
         gc.unfreeze()
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    _more_descriptors()
-    sources = _flagged(args)
-    if args.sources_file:
-        read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused at once
-    dealer = zygote = None
-    if args.http:
-        from .access import access_token, parse_address
-        from .workers import ConnectionDealer, Zygote
+def run(args: argparse.Namespace, zygote=None) -> int:
+    """``sarp serve``.  ``zygote``: the HTTP workers' (``workers.start_zygote``),
+    forked by the command line before this module was imported; made here when None.
+    Whatever fails, the zygote is stopped and its metrics folder removed."""
+    dealer = None
+    try:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _more_descriptors()
+        sources = _flagged(args)
+        if args.sources_file:
+            read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused
+        if args.http:
+            from .access import access_token, parse_address
+            from .workers import ConnectionDealer, start_zygote
 
-        if args.http_workers < 1:
-            raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
-        host, port = parse_address(args.http)
-        args.http_token = access_token(args.http, args.http_token_file,
-                                       args.http_allow_unauthenticated)
-        # listen before the index opens: a port in use stops serve with nothing changed
-        dealer = ConnectionDealer(host, port, args.http_workers)
-        # forked now, while serve is its imports and nothing else (no thread, no index)
-        zygote = Zygote(dealer.sockets(), dealer.heartbeats,
-                        metrics_dir=tempfile.mkdtemp(prefix="sarp-metrics-"))
+            if args.http_workers < 1:
+                raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
+            host, port = parse_address(args.http)
+            args.http_token = access_token(args.http, args.http_token_file,
+                                           args.http_allow_unauthenticated)
+            # forked while serve is its imports and nothing else (no thread, no index)
+            zygote = zygote or start_zygote(args.http_workers)
+            # listen before the index opens: a port in use stops serve, nothing changed
+            dealer = ConnectionDealer(host, port, args.http_workers, zygote.heartbeats)
+        return _signalled(args, sources, dealer, zygote)
+    finally:
+        if dealer is not None:
+            dealer.close()
+        if zygote is not None:
+            zygote.close()
+            shutil.rmtree(zygote.metrics_dir, ignore_errors=True)
+
+
+def _signalled(args, sources: list[Source], dealer, zygote) -> int:
     stop = {"now": False, "looping": False}
 
     def on_signal(signum, _frame) -> None:
@@ -114,14 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if on_valkey and args.wait_for_lease_s:
         log.info("waiting up to %.0f s for the writer lease of %s", args.wait_for_lease_s,
                  args.index)
-    try:
-        return _run(args, sources, dealer, zygote, stop, on_valkey, lease)
-    finally:
-        if dealer is not None:
-            dealer.close()
-        if zygote is not None:
-            zygote.close()
-            shutil.rmtree(zygote.metrics_dir, ignore_errors=True)
+    return _run(args, sources, dealer, zygote, stop, on_valkey, lease)
 
 
 def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: bool,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import mmap
 import os
 import pickle
 import signal
 import socket
 import struct
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +47,46 @@ class HttpConfig:
     sharded: bool = False  # index_path is a sharded index: answer from every shard
 
 
+class Heartbeats:
+    """Each worker's latest stamp (``CLOCK_MONOTONIC`` seconds, one clock for every
+    process; 0 until its loop runs), as doubles in a file that serve, the zygote and
+    the workers map shared; ``path=None``: an anonymous map, shared by forks only.
+
+    A spawned worker gets it pickled as its path and maps the same file.
+
+    >>> beats = Heartbeats(None, 2)
+    >>> beats[1] = 5.0; beats[0], beats[1], len(beats)
+    (0.0, 5.0, 2)
+    """
+
+    def __init__(self, path: str | None, slots: int) -> None:
+        self.path = path
+        if path is None:
+            self._map = mmap.mmap(-1, 8 * slots)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, 8 * slots)  # (new: zeros; the same size: unchanged)
+                self._map = mmap.mmap(fd, 8 * slots)
+            finally:
+                os.close(fd)
+        self._slots = memoryview(self._map).cast("d")
+
+    def __getitem__(self, k: int) -> float:
+        return self._slots[k]
+
+    def __setitem__(self, k: int, stamp: float) -> None:
+        self._slots[k] = stamp
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __reduce__(self):
+        if self.path is None:
+            raise TypeError("an anonymous Heartbeats is shared by fork only")
+        return Heartbeats, (self.path, len(self))
+
+
 class ConnectionDealer:
     """serve's side of the HTTP service: listens on HOST:PORT and deals each accepted
     connection to the next live worker, round robin.
@@ -58,13 +100,17 @@ class ConnectionDealer:
 
     Cost: one accept and one ``sendmsg`` per connection, on a thread of serve.
 
+    ``heartbeats``: the workers' stamps (:class:`Heartbeats`; default: a new
+    anonymous map).
+
     >>> dealer = ConnectionDealer("127.0.0.1", 0, workers=2)
     >>> len(dealer.worker_ends), dealer.listener.getsockname()[0]
     (2, '127.0.0.1')
     >>> dealer.close()
     """
 
-    def __init__(self, host: str, port: int, workers: int) -> None:
+    def __init__(self, host: str, port: int, workers: int,
+                 heartbeats: Heartbeats | None = None) -> None:
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                         flags=socket.AI_PASSIVE)[0][0]
@@ -72,11 +118,9 @@ class ConnectionDealer:
         except OSError as exc:
             raise ValueError(f"--http {host}:{port}: cannot listen there ({exc}); pick a free "
                              "port, or stop what holds it") from exc
-        import multiprocessing
-
-        # each worker's event loop stamps its slot (CLOCK_MONOTONIC is one clock for
-        # every process); a slot stamped longer ago than STALE_S is dealt nothing
-        self.heartbeats = multiprocessing.get_context("spawn").RawArray("d", workers)
+        # each worker's event loop stamps its slot; a slot stamped longer ago than
+        # STALE_S is dealt nothing
+        self.heartbeats = Heartbeats(None, workers) if heartbeats is None else heartbeats
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                  for _ in range(workers)]
         self._ours = [a for a, _ in pairs]
@@ -181,8 +225,9 @@ class ConnectionDealer:
 
 class Zygote:
     """A process forked from serve before anything but the package's imports (one
-    thread, no index open, no ZeroMQ, no dealer thread), which imports the HTTP stack
-    while serve goes on, and then forks the HTTP workers on request.  A worker so made
+    thread, no index open, no ZeroMQ, no dealer: :func:`start_zygote`, from the command
+    line before serve's own module is imported), which imports the HTTP stack while
+    serve goes on, and then forks the HTTP workers on request.  A worker so made
     starts in milliseconds, with every module imported, where a fresh interpreter spent
     0.35 s importing them again (the better part of serve's restart), and the workers
     share those modules' pages with the zygote.
@@ -191,12 +236,10 @@ class Zygote:
     the pid back.  It exits when serve closes its end, or dies; workers are reaped by
     the kernel (``SIGCHLD`` ignored), so a dead one's pid is gone at once.
 
-    Given ``metrics_dir``, it also imports what only a worker uses (prometheus_client
-    in its multiprocess mode, which is chosen at import from the environment, and
-    uvloop) before it forks any, so the workers share those pages too (PSS 5-10 MiB
-    less after a Mooncake drain).  Forked before serve imports ZeroMQ and its
-    subscriber, with the HTTP stack imported here and not in serve first, a restart's
-    first answer came 10-12% sooner (docs/performance.md).
+    Given ``metrics_dir``, it also imports the event loop (uvloop) before it forks any,
+    and names that folder to prometheus_client, whose multiprocess mode is chosen at
+    import from the environment; a worker imports prometheus_client itself once it has
+    answered a while (``http.WARM_S``), off a restart's path (docs/performance.md).
 
     >>> z = Zygote([], heartbeats=None)
     >>> z.alive()
@@ -208,7 +251,7 @@ class Zygote:
     def __init__(self, close_in_child: list[socket.socket], heartbeats,
                  metrics_dir: str | None = None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.metrics_dir = metrics_dir
+        self.metrics_dir, self.heartbeats = metrics_dir, heartbeats
         pid = os.fork()
         if pid == 0:  # the zygote
             code = 1
@@ -251,6 +294,15 @@ class Zygote:
         self._control.close()
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
+
+
+def start_zygote(workers: int) -> Zygote:
+    """serve's zygote for ``workers`` HTTP workers, forked now: with a new metrics
+    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer).
+    Cost: a fork, and about 50 ms of imports in the zygote, beside serve."""
+    metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
+    beats = Heartbeats(os.path.join(metrics_dir, "heartbeats"), workers)
+    return Zygote([], beats, metrics_dir=metrics_dir)
 
 
 def _zygote_loop(control: socket.socket, heartbeats) -> None:
