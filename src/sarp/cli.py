@@ -265,7 +265,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .errors import IndexLockedError, SarpError
 
     zygote = None
-    if args.http and args.http_workers >= 1:
+    if args.http:  # (--http-workers is a count: 1 or more)
         # The HTTP workers' zygote, forked before serve's own imports (ZeroMQ, the
         # decoder, the dealer): it imports the HTTP stack meanwhile, and a restart's
         # workers answer sooner (docs/performance.md).  run() stops it, whatever fails.
