@@ -13,7 +13,7 @@ setup(
             sources=["src/sarp/native.c", "src/sarp/verify.c", "src/sarp/packing.c",
                      "src/sarp/serving/events.c", "src/sarp/serving/http.c", "src/sarp/serving/rfc.c",
                      "src/sarp/serving/wire.c",
-                     "src/sarp/tokenkeys.c", "src/sarp/directory.c",
+                     "src/sarp/tokenkeys.c", "src/sarp/directory.c", "src/sarp/segment.c",
                      "src/sarp/valkey_read.c"],
             depends=["src/sarp/native.h", "src/sarp/vendor/xxhash.h"],
             extra_compile_args=["-O2"],

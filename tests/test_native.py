@@ -3,14 +3,16 @@ each run asserts which path it took (`sarp.native.Tally`)."""
 
 import contextlib
 import multiprocessing as mp
+import struct
 
 import numpy as np
 import orjson
 import pytest
 
-from sarp import answer, native, verify
+from sarp import answer, native, segment, verify
 from sarp.errors import CorruptRecordError, ParentNotFoundError
-from sarp.segment import Segment
+from sarp.hashing import checksum
+from sarp.segment import HASHES_AT, Segment
 from sarp.serving import rfc
 
 pytestmark = pytest.mark.skipif(
@@ -36,6 +38,19 @@ def _random_record(rng) -> tuple[Segment, bytes]:
         rng.integers(-1, 1000, (nh, n)).astype(np.int64) if rng.random() < 0.3 else None,
     )
     return seg, seg.encode()
+
+
+def _damaged(rng, record: bytes) -> bytes:
+    """The record cut short, grown, or with one bit flipped."""
+    damaged = bytearray(record)
+    cut = rng.random()
+    if cut < 0.2:
+        damaged = damaged[: int(rng.integers(0, len(damaged)))]
+    elif cut < 0.3:
+        damaged += b"\0" * 8
+    else:
+        damaged[int(rng.integers(0, len(damaged)))] ^= 1 << int(rng.integers(0, 8))
+    return bytes(damaged)
 
 
 def _query_for(rng, seg: Segment) -> tuple[bytes, int, int | None]:
@@ -72,15 +87,7 @@ def test_a_damaged_record_raises_what_the_python_step_raises(seed):
     for _ in range(500):
         seg, record = _random_record(rng)
         query = seg.hashes.astype("<u8").tobytes()
-        damaged = bytearray(record)
-        cut = rng.random()
-        if cut < 0.2:
-            damaged = damaged[: int(rng.integers(0, len(damaged)))]
-        elif cut < 0.3:
-            damaged += b"\0" * 8
-        else:
-            damaged[int(rng.integers(0, len(damaged)))] ^= 1 << int(rng.integers(0, 8))
-        damaged = bytes(damaged)
+        damaged = _damaged(rng, record)
         with native.forced("c"):
             code = native.C.examine(damaged, query, seg.start_pos, seg.parent or 0,
                                     seg.parent is not None)
@@ -88,7 +95,44 @@ def test_a_damaged_record_raises_what_the_python_step_raises(seed):
         with pytest.raises(CorruptRecordError) as python_error:
             verify.examine_py(seg.seg_id, damaged, query, seg.start_pos, seg.parent)
         # C and Python find the same damage: C's code means what Python's message says
-        assert verify.DAMAGE[code] in str(python_error.value), (code, python_error.value)
+        assert segment.DAMAGE[code] in str(python_error.value), (code, python_error.value)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_c_heads_read_what_the_python_heads_read(seed):
+    """A reader's replay checks its records in one call: checked ones, segments gone
+    (None) and damaged ones (cut, grown, a bit flipped, a holder named twice) give the
+    same first hashes, states, counts and holder ids in C as in Python."""
+    rng = np.random.default_rng(200 + seed)
+    records: list[bytes | None] = []
+    for _ in range(400):
+        kind = rng.random()
+        seg, record = _random_record(rng)
+        if kind < 0.1:
+            records.append(None)
+        elif kind < 0.35:
+            records.append(_damaged(rng, record))
+        elif kind < 0.4 and len(seg.holder_ids) > 1:
+            twice = bytearray(record[:-8])  # the second holder id made the first's
+            at = HASHES_AT + 8 * len(seg.hashes)
+            twice[at + 2 : at + 4] = twice[at : at + 2]
+            records.append(bytes(twice) + struct.pack("<Q", checksum(bytes(twice))))
+        else:
+            records.append(record)
+    with native.forced("python"):
+        expected = [a.tolist() for a in segment.heads(records)]
+    with native.forced("c"), native.Tally() as t:
+        got = [a.tolist() for a in segment.heads(records)]
+    assert got == expected
+    assert (t.c("heads"), t.python("heads")) == (1, 0)
+    states = expected[1]
+    assert {0, 1, -5} <= set(states) and min(states) < 0  # every kind was met
+    for record, state, first in zip(records, states, expected[0], strict=True):
+        if state < 0:  # C's code means what the Python check's message says
+            with pytest.raises(CorruptRecordError, match=segment.DAMAGE[state]):
+                segment.head(1, record)
+        elif state == 1:
+            assert first == segment.head(1, record)[0]
 
 
 @pytest.mark.parametrize("segment_blocks", [1, 4, 64])

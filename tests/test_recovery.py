@@ -204,3 +204,119 @@ def test_a_rebuild_no_one_watches_does_not_import_the_progress_bar(tmp_path):
         out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "ix"), bar],
                              capture_output=True, text=True, timeout=60, check=True)
         assert out.stdout.split() == ["rebuild", "3", imported], out.stderr
+
+
+def test_many_directory_entries_added_at_once_are_each_added_in_turn():
+    """``Directory.add_many`` (a reader's replay) against ``add`` one by one: over
+    arrays, recent additions and removals, and hashes named twice, every lookup and
+    the count agree."""
+    from sarp.directory import Directory
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        keys = rng.choice(np.arange(1, 60, dtype=np.uint64), int(rng.integers(0, 30)),
+                          replace=False)
+        start = Directory.from_entries(keys, rng.integers(0, 99, keys.size).astype(np.uint32))
+        one, many = Directory(start.keys.copy(), start.segs.copy()), start
+        for _ in range(int(rng.integers(0, 3))):  # changes not merged into the arrays yet
+            for d in (one, many):
+                if keys.size:
+                    d.remove(int(keys[0]), int(d.lookup(int(keys[0])) or 0))
+                d.add(70, 7)
+        adds = rng.integers(1, 80, int(rng.integers(0, 40))).astype(np.uint64)
+        segs = rng.integers(0, 99, adds.size).astype(np.int64)
+        for first_hash, seg_id in zip(adds.tolist(), segs.tolist(), strict=True):
+            one.add(first_hash, seg_id)
+        many.add_many(adds, segs)
+        assert len(many) == len(one)
+        assert [many.lookup(k) for k in range(90)] == [one.lookup(k) for k in range(90)]
+
+
+class _Log:
+    """A read transaction holding only what a replay reads: the log, records, a counter."""
+
+    def __init__(self, entries: list[tuple[int, int, int]], records: dict[int, bytes | None],
+                 next_seq: int) -> None:
+        self.entries, self.records, self.next_seq = entries, records, next_seq
+
+    def log_arrays(self, seq: int):
+        from sarp.store import LOG_VALUE, U64, log_arrays
+
+        return log_arrays([(U64.pack(s), LOG_VALUE.pack(g, f)) for s, g, f in self.entries
+                           if s > seq])
+
+    def counter(self, name: str) -> int:
+        assert name == "next_seq"
+        return self.next_seq
+
+    def raw_records(self, seg_ids: list[int]) -> list[bytes | None]:
+        return [self.records.get(s) for s in seg_ids]
+
+
+def _replayed_one_by_one(memory, entries, records) -> None:
+    """The replay as it was written first: segment by segment, in the order of each
+    one's last entry (the reference the replay in arrays is held to)."""
+    from sarp.errors import CorruptRecordError
+    from sarp.segment import head
+
+    latest: dict[int, list[int]] = {}
+    for _, seg_id, first_hash in entries:
+        logged = latest.pop(seg_id, [])
+        logged += [] if first_hash in logged else [first_hash]
+        latest[seg_id] = logged
+    memory.filters.discard_many_everywhere(list(latest))
+    for seg_id, logged in latest.items():
+        try:
+            found = None if records.get(seg_id) is None else head(seg_id, records[seg_id])
+        except CorruptRecordError:
+            found = None
+        for first_hash in logged:
+            if found is None or first_hash != found[0]:
+                memory.directory.remove(first_hash, seg_id)
+        if found is not None:
+            memory.directory.add(found[0], seg_id)
+            for holder_id in found[1]:
+                memory.filters.add(holder_id, seg_id)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_replay_in_arrays_leaves_memory_as_a_replay_segment_by_segment(seed):
+    """Random logs over a directory already holding entries: segments logged again and
+    again, ids logged under several first hashes (a tail's id taken again), segments
+    gone and records damaged.  The directory and the holder filters end as the
+    reference's; a missing entry is a LogHole before memory changes."""
+    from sarp.recovery import LogHole, Memory, replay_log
+    from sarp.segment import Segment
+
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        ids = [8 * int(i) for i in rng.choice(np.arange(1, 40), 25, replace=False)]
+        first_of = {s: int(rng.integers(1, 30)) for s in ids}  # few hashes: they collide
+        old_of = {s: int(rng.integers(1, 30)) for s in ids}  # what the id started with once
+        memories = [Memory.empty(), Memory.empty()]
+        for m in memories:
+            for s in ids[:10]:
+                m.directory.add(old_of[s], s)
+                m.filters.add(1, s)
+        entries = [(k + 1, s, old_of[s] if rng.random() < 0.3 else first_of[s])
+                   for k, s in enumerate(rng.choice(ids, int(rng.integers(1, 50))).tolist())]
+        records: dict[int, bytes | None] = {}
+        for s in {s for _, s, _ in entries}:
+            holders = rng.choice(np.arange(1, 6, dtype=np.uint16), int(rng.integers(1, 4)),
+                                 replace=False)
+            record = Segment(s, 0, None, np.array([first_of[s], 99], np.uint64), holders,
+                             np.ones((holders.size, 2), np.uint8)).encode()
+            kind = rng.random()
+            records[s] = None if kind < 0.15 else record[:-1] + b"?" if kind < 0.25 else record
+        _replayed_one_by_one(memories[0], entries, records)
+        assert replay_log(_Log(entries, records, len(entries)), memories[1]) == len(entries)
+        (want, got) = memories
+        assert got.directory.entries() == want.directory.entries()
+        assert len(got.directory) == len(want.directory)
+        assert got.filters.as_sets() == want.filters.as_sets()
+        assert got.watermark == len(entries)
+        if len(entries) > 2:
+            holed = Memory.empty()
+            with pytest.raises(LogHole, match="log entry 2 is missing"):
+                replay_log(_Log(entries[:1] + entries[2:], records, len(entries)), holed)
+            assert holed.directory.entries() == {} and holed.watermark == 0

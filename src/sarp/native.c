@@ -10,16 +10,16 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 24
+#define ABI_VERSION 25
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields, conn, rfc_query): calls so far (conn: requests a Conn
- * answered) */
+ * plain_result, query_fields, conn, rfc_query, heads): calls so far (conn: requests a
+ * Conn answered) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
@@ -27,7 +27,7 @@ static PyObject *calls(PyObject *self, PyObject *unused) {
                          sarp_calls[CALL_READ_MATCH], sarp_calls[CALL_RFC_ANSWER],
                          sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
                          sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
-                         sarp_calls[CALL_RFC_QUERY]);
+                         sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS]);
 }
 
 static PyMethodDef methods[] = {
@@ -72,10 +72,12 @@ static PyMethodDef methods[] = {
     {"rfc_query", (PyCFunction)(void (*)(void))sarp_rfc_query, METH_FASTCALL,
      "rfc_query(body, models, tenant, seed, max_blocks, reading): a whole /query's answer, "
      "or None (sarp.serving.rfc.answer_now)"},
+    {"heads", (PyCFunction)(void (*)(void))sarp_heads, METH_FASTCALL,
+     "heads(records): each record's check, first hash and holder ids (sarp.segment.heads)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields, conn, rfc_query) calls so far"},
+     "plain_result, query_fields, conn, rfc_query, heads) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -83,7 +85,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
-    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query); each "
+    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads); each "
     "has a Python reference.", -1,
     methods,
 };

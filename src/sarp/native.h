@@ -3,7 +3,8 @@
  * whose references are in answer.py), packing.c (pack_batch), serving/events.c
  * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields,
  * rfc_query), serving/wire.c (Conn, whose reference is wire.Connection),
- * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match);
+ * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match),
+ * segment.c (heads);
  * native.c is the module (native.py is its only loader).  The segment record's layout
  * is read in one place, here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
@@ -33,6 +34,7 @@ PyObject *sarp_rows_result(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyObject *sarp_plain_result(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_query_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_heads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 extern PyTypeObject sarp_ConnType; /* serving/wire.c: a connection answered in C */
@@ -88,7 +90,7 @@ void walk_release(Walk *w);
 enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARRAY, CALL_TOKEN_KEYS,
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
-       CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY,
+       CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY, CALL_HEADS,
        CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 

@@ -4,7 +4,7 @@
 Every C call has a Python reference beside the C file that mirrors it (``verify.c``
 beside ``verify.py``, ``packing.c``, ``serving/events.c``, ``serving/http.c``,
 ``serving/rfc.c``, ``serving/wire.c`` (whose reference is ``wire.Connection``),
-``directory.c``).  A
+``directory.c``, ``segment.c``).  A
 caller reads :data:`C` at call time, never at import, so that :func:`forced` reaches
 it::
 
@@ -32,12 +32,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 24  # native.c's ABI_VERSION
+ABI = 25  # native.c's ABI_VERSION
 # in the order of _native.calls(); "conn" counts requests a C connection answered, and
 # its Python runs the connections the reference serves (taken, or handed over)
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
          "resolve_aliases", "block_table", "decode_into", "find", "read_match", "rfc_answer",
-         "rows_result", "plain_result", "query_fields", "conn", "rfc_query")
+         "rows_result", "plain_result", "query_fields", "conn", "rfc_query", "heads")
 _TRUE = ("1", "true", "yes", "on")
 
 

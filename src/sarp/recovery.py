@@ -25,7 +25,7 @@ from .directory import Directory
 from .errors import CorruptRecordError, StoreError
 from .filters import HolderSegments
 from .holders import Holders, names_version
-from .segment import decode
+from .segment import decode, heads
 from .segment import head as segment_head
 from .store import ReadTxn, Store
 
@@ -158,23 +158,29 @@ def replay_log(r: ReadTxn, memory: Memory) -> int:
     ``r``, which is the same for every entry of it.  Entries run on from the watermark
     without a hole; one missing (a stream trimmed by another client) raises
     :class:`LogHole` before memory changes, and the caller reloads.
+
+    Cost: the entries read as arrays (``log_arrays``), a dict operation per entry, then
+    :func:`replay`.
     """
-    # segment id -> every first hash logged for it: an id can name another chain once
-    # its segment is gone (a tail's id is taken again)
-    latest: dict[int, list[int]] = {}
-    count, last = 0, memory.watermark
-    for seq, seg_id, first_hash in r.log_since(memory.watermark):
-        if seq != last + 1:
-            raise LogHole(f"log entry {last + 1} is missing (the next is {seq})")
-        logged = latest.pop(seg_id, [])  # keep the order of last mention
-        if first_hash not in logged:
-            logged.append(first_hash)
-        latest[seg_id] = logged
-        last = seq
-        count += 1
+    seqs, seg_ids, firsts = r.log_arrays(memory.watermark)
+    count, last = int(seqs.size), memory.watermark + int(seqs.size)
+    if count and (seqs[0] != memory.watermark + 1 or seqs[-1] != last):  # keys ascend
+        at = int(np.flatnonzero(seqs != memory.watermark + 1 + np.arange(count))[0])
+        raise LogHole(f"log entry {memory.watermark + 1 + at} is missing (the next is "
+                      f"{int(seqs[at])})")
     newest = r.counter("next_seq")
     if last < newest:
         raise LogHole(f"log entries {last + 1}..{newest} are missing")
+    # segment id -> every first hash logged for it, in the order of its last entry: an
+    # id can name another chain once its segment is gone (a tail's id is taken again)
+    latest: dict[int, list[int]] = {}
+    for seg_id, first_hash in zip(seg_ids.tolist(), firsts.tolist(), strict=True):
+        logged = latest.pop(seg_id, None)
+        if logged is None:
+            logged = [first_hash]
+        elif first_hash not in logged:
+            logged.append(first_hash)
+        latest[seg_id] = logged
     replay(r, memory, latest)
     memory.watermark = max(last, newest)
     return count
@@ -185,30 +191,38 @@ def replay(r: ReadTxn, memory: Memory, latest: dict[int, list[int]]) -> None:
     segments in ``latest`` (segment id -> the first hashes logged for it): the entry of
     each hash the id no longer starts with goes, if it names this id.
 
-    Cost: one record read and check per segment (one round trip for them all on a
-    remote store), and one bitmap operation per holder, not per segment.
+    Cost: one record read per segment (one round trip for them all on a remote store),
+    their checks in one call (:func:`sarp.segment.heads`), one dict update for the
+    directory and one bitmap operation per holder.
     """
-    seg_ids = list(latest)
-    memory.filters.discard_many_everywhere(seg_ids)
-    held: dict[int, list[int]] = {}
+    ids = list(latest)
+    memory.filters.discard_many_everywhere(ids)
+    records = r.raw_records(ids)
+    firsts, states, counts, holder_ids = heads(records)
+    for i in np.flatnonzero(states < 0).tolist():
+        try:
+            segment_head(ids[i], records[i])  # raises, naming the damage
+        except CorruptRecordError as exc:
+            log.warning("sarp: replay skips %s", exc)
     directory = memory.directory
-    for seg_id, record in zip(seg_ids, r.raw_records(seg_ids), strict=True):
-        found = None
-        if record is not None:
-            try:
-                found = segment_head(seg_id, record)
-            except CorruptRecordError as exc:
-                log.warning("sarp: replay skips %s", exc)
-        for first_hash in latest[seg_id]:
-            if found is None or first_hash != found[0]:
-                directory.remove(first_hash, seg_id)
-        if found is None:
-            continue
-        directory.add(found[0], seg_id)
-        for holder_id in found[1]:
+    found = states > 0
+    # The removals first, then the additions: an entry goes only if it names its own
+    # id, and no id adds a hash it removes, so their order within a replay is free.
+    for seg_id, first, ok in zip(ids, firsts.tolist(), found.tolist(), strict=True):
+        logged = latest[seg_id]
+        if not ok or len(logged) > 1 or logged[0] != first:
+            for first_hash in logged:
+                if not ok or first_hash != first:
+                    directory.remove(first_hash, seg_id)
+    seg_ids = np.array(ids, np.int64)
+    directory.add_many(firsts[found], seg_ids[found])
+    if holder_ids.size:
+        segs = np.repeat(seg_ids, counts).tolist()
+        held: dict[int, list[int]] = {}
+        for holder_id, seg_id in zip(holder_ids.tolist(), segs, strict=True):
             held.setdefault(holder_id, []).append(seg_id)
-    for holder_id, segs in held.items():
-        memory.filters.add_many(holder_id, segs)
+        for holder_id, part in held.items():
+            memory.filters.add_many(holder_id, part)
 
 
 def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:

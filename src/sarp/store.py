@@ -31,12 +31,13 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import numpy as np
 
-from .errors import DamagedIndexError, FormatVersionError, StoreFullError
+from .errors import CorruptRecordError, DamagedIndexError, FormatVersionError, StoreFullError
 from .hashing import checksum_bytes
 from .segment import Segment
 
@@ -57,6 +58,7 @@ U64 = struct.Struct(">Q")  # meta counters, segment and log keys, block keys
 BLOCK_VALUE = struct.Struct("<IH")  # blocks: segment id, offset
 BLOCK_DTYPE = np.dtype([("seg", "<u4"), ("off", "<u2")])
 LOG_VALUE = struct.Struct("<IQ")  # log: segment id, first hash
+LOG_DTYPE = np.dtype([("seg", "<u4"), ("first", "<u8")])  # LOG_VALUE, for numpy
 HOLDER_ID = struct.Struct(">H")  # holders: the value of n:<name>, the suffix of i: and s:
 T = TypeVar("T")
 
@@ -79,6 +81,26 @@ def hash_keys(hashes: np.ndarray) -> list[bytes]:
     # A void view's tolist() makes the bytes objects in C (an "S8" view would strip
     # trailing zero bytes).
     return hashes.astype(">u8").view("V8").tolist()
+
+
+def log_arrays(items: list[tuple[bytes, bytes]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Log entries ``(key, value)`` as arrays: ``(seqs int64, segment ids int64, first
+    hashes uint64)``; an entry of the wrong size is a :class:`CorruptRecordError`.
+
+    Cost: two joins and three array copies; no Python per entry.
+
+    >>> log_arrays([(U64.pack(3), LOG_VALUE.pack(8, 5))])[1].tolist()
+    [8]
+    """
+    keys = b"".join(map(itemgetter(0), items))
+    values = b"".join(map(itemgetter(1), items))
+    if len(keys) != U64.size * len(items) or len(values) != LOG_VALUE.size * len(items):
+        key, value = next((k, v) for k, v in items
+                          if len(k) != U64.size or len(v) != LOG_VALUE.size)
+        raise CorruptRecordError(f"log table: an entry of {len(key)}+{len(value)} bytes")
+    entries = np.frombuffer(values, LOG_DTYPE)
+    return (np.frombuffer(keys, ">u8").astype(np.int64), entries["seg"].astype(np.int64),
+            entries["first"].astype(np.uint64))
 
 
 def counter_value(raw: bytes | None, name: str, where) -> int:
@@ -185,6 +207,8 @@ class ReadTxn(Protocol):
     def counter(self, name: str) -> int: ...
     def index_id(self) -> bytes | None: ...
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]: ...
+    # log_since as arrays (seqs, segment ids, first hashes): store.log_arrays
+    def log_arrays(self, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
     def raw_segments(self) -> Iterator[tuple[int, bytes]]: ...
     def blocks(self) -> Iterator[tuple[int, int, int]]: ...
     def holder_names(self) -> dict[int, str | None]: ...

@@ -60,6 +60,7 @@ from .store import (
     counter_value,
     hash_keys,
     holder_names,
+    log_arrays,
 )
 
 MAX_GROWTHS = 40  # map doublings for one write: from 1 MiB that is past any disk
@@ -345,14 +346,11 @@ class LmdbReadTxn:
 
     def log_since(self, seq: int) -> Iterator[tuple[int, int, int]]:
         """(seq, segment id, first hash) for log entries with sequence > ``seq``."""
+        yield from zip(*(a.tolist() for a in self.log_arrays(seq)), strict=True)
+
+    def log_arrays(self, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cur = self._txn.cursor(db=self._store.log_db)
-        if cur.set_range(U64.pack(seq + 1)):
-            for key, value in cur:
-                if len(key) != U64.size or len(value) != LOG_VALUE.size:
-                    raise CorruptRecordError(f"log table: an entry of {len(key)}+{len(value)} "
-                                             "bytes")
-                seg_id, first = LOG_VALUE.unpack(value)
-                yield U64.unpack(key)[0], seg_id, first
+        return log_arrays(list(cur.iternext()) if cur.set_range(U64.pack(seq + 1)) else [])
 
     def raw_segments(self) -> Iterator[tuple[int, bytes]]:
         for key, record in self._txn.cursor(db=self._store.segments_db):

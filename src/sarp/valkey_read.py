@@ -26,7 +26,15 @@ import numpy as np
 from . import native, recovery
 from .answer import Match, plain_answer
 from .segment import Segment, decode
-from .store import BLOCK_VALUE, LOG_VALUE, U64, Capabilities, counter_value, holder_names
+from .store import (
+    BLOCK_VALUE,
+    LOG_VALUE,
+    U64,
+    Capabilities,
+    counter_value,
+    holder_names,
+    log_arrays,
+)
 from .verify import PrefixWalk
 
 if TYPE_CHECKING:
@@ -125,6 +133,10 @@ class ValkeyReadTxn:
             if len(entries) < 10_000:
                 return
             start = f"({entries[-1][0].decode()}"
+
+    def log_arrays(self, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return log_arrays([(U64.pack(s), LOG_VALUE.pack(g, f))
+                           for s, g, f in self.log_since(seq)])
 
     def raw_segments(self) -> Iterator[tuple[int, bytes]]:
         for key, record in self._c.hscan_iter(self._store.keys["seg"], count=1000):

@@ -13,7 +13,7 @@ import numpy as np
 from . import native
 from .answer import Match, answer_of_rows, plain_answer
 from .errors import CorruptRecordError
-from .segment import HASHES_AT, Segment, checked_presence, decode, layout
+from .segment import DAMAGE, HASHES_AT, Segment, checked_presence, decode, layout
 
 _HOLDER_ID = struct.Struct("<H")
 _FEW_HOLDERS = 8  # up to this many rows, examine_py finds runs row by row (bytes.find)
@@ -95,10 +95,6 @@ def examine(
                              "not by the Python check: a bug; please report it)")
 
 
-# What each of the C check's codes (native.h, BAD_*) means, in the words of the Python
-# check's message for the same damage.
-DAMAGE = {-1: "is too short", -2: "checksum mismatch", -3: "bad magic", -4: "layout says",
-          -5: "appears twice"}
 
 
 def _equal_prefix(ours: bytes, theirs: bytes) -> int:
