@@ -103,6 +103,26 @@ def test_a_flipped_byte_in_a_segment_is_reported_and_never_matched(where):
         assert index.stats()["corrupt_records"] == 1
 
 
+def test_a_rebuild_skips_a_damaged_segment_and_keeps_every_other(tmp_path, caplog):
+    """A directory rebuilt from the segments (no snapshot) checks their records in one
+    call per chunk: the damaged one is left out and named in a warning, and every
+    other entry and holder filter is the snapshot's."""
+    path = tmp_path / "ix"
+    build(path)
+    with sarp.open(path, readonly=True) as index:
+        assert index.recovered_from == "snapshot"
+        entries, filters = index.directory.entries(), index.holders.as_sets()
+    damage(path, "segments", lambda raw: raw.put(struct.pack(">Q", 16), b"SG" + b"\0" * 40))
+    (path / "directory.snap").unlink()
+    with caplog.at_level("WARNING", logger="sarp"), sarp.open(path, readonly=True) as index:
+        assert index.recovered_from == "rebuild"
+        assert index.directory.entries() == {h: s for h, s in entries.items() if s != 16}
+        assert index.holders.as_sets() == {h: s - {16} for h, s in filters.items()}
+        assert index.blocks_of("w0").tolist() == [1, 2, 3, 4, 9, 10]  # not 16's [5-8]
+        assert index.blocks_of("w1").tolist() == [50, 51]
+    assert "rebuild skips segment 16: checksum mismatch" in caplog.text
+
+
 def test_every_problem_is_reported_with_its_location(where):
     path = where("ix")
     build(path)

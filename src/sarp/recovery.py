@@ -17,6 +17,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -25,12 +26,13 @@ from .directory import Directory
 from .errors import CorruptRecordError, StoreError
 from .filters import HolderSegments
 from .holders import Holders, names_version
-from .segment import decode, heads
 from .segment import head as segment_head
+from .segment import heads
 from .store import ReadTxn, Store
 
 log = logging.getLogger("sarp")
 READ_ATTEMPTS = 8  # a reader retries when the writer replaced its snapshot meanwhile
+SCAN_CHUNK = 4096  # records a rebuild checks in one call
 
 
 class LogHole(Exception):
@@ -227,7 +229,8 @@ def replay(r: ReadTxn, memory: Memory, latest: dict[int, list[int]]) -> None:
 
 def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:
     """Scan every segment (as of ``r``) to rebuild the directory and the holder
-    filters; return how many segments it read.  Cost: one read of every record.
+    filters; return how many segments it read.  Cost: one read of every record, their
+    checks in one call per ``SCAN_CHUNK`` (:func:`sarp.segment.heads`).
 
     The watermark is the log's counter from before the scan.  On a store whose reads
     are not one snapshot (Valkey: the scan is ``HSCAN``, which may return a record
@@ -242,32 +245,37 @@ def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:
 
 
 def _scan(r: ReadTxn, memory: Memory, progress: bool | None) -> int:
-    heads: dict[int, int] = {}  # segment id -> first hash (a record met twice is one)
-    by_holder: dict[int, set[int]] = {}
+    firsts: dict[int, int] = {}  # segment id -> first hash (a record met twice is one)
+    by_holder: dict[int, list[int]] = {}
     records = r.raw_segments()
     if progress or (progress is None and sys.stderr.isatty()):  # tqdm's own test for None
         from tqdm import tqdm  # only for a bar someone sees: the import costs 15-45 ms
 
         records = tqdm(records, total=r.stat("segments")["entries"],
                        desc="sarp: rebuilding directory", unit="seg", leave=False)
-    for seg_id, record in records:
-        try:
-            seg = decode(seg_id, record)
-        except CorruptRecordError as exc:
-            log.warning("sarp: rebuild skips %s", exc)
-            continue
-        if seg_id in heads:
-            continue
-        heads[seg_id] = int(seg.hashes[0])
-        for holder_id in seg.holder_ids.tolist():
-            by_holder.setdefault(holder_id, set()).add(seg_id)
+    while chunk := list(islice(records, SCAN_CHUNK)):
+        ids = [seg_id for seg_id, _ in chunk]
+        raw = [record for _, record in chunk]
+        found, states, counts, holder_ids = heads(raw)
+        for i in np.flatnonzero(states < 0).tolist():
+            try:
+                segment_head(ids[i], raw[i])  # raises, naming the damage
+            except CorruptRecordError as exc:
+                log.warning("sarp: rebuild skips %s", exc)
+        held, at = holder_ids.tolist(), np.concatenate([[0], np.cumsum(counts)]).tolist()
+        for i, (seg_id, first, ok) in enumerate(zip(ids, found.tolist(), (states > 0).tolist(),
+                                                   strict=True)):
+            if ok and seg_id not in firsts:
+                firsts[seg_id] = first
+                for holder_id in held[at[i] : at[i + 1]]:
+                    by_holder.setdefault(holder_id, []).append(seg_id)
     memory.directory = Directory.from_entries(
-        np.fromiter(heads.values(), np.uint64, len(heads)),
-        np.fromiter(heads.keys(), np.uint32, len(heads)))
+        np.fromiter(firsts.values(), np.uint64, len(firsts)),
+        np.fromiter(firsts.keys(), np.uint32, len(firsts)))
     memory.filters = HolderSegments()
     for holder_id, seg_ids in by_holder.items():
         memory.filters.add_many(holder_id, sorted(seg_ids))
-    return len(heads)
+    return len(firsts)
 
 
 def catch_up(store: Store, r: ReadTxn, memory: Memory, counters) -> bool:
