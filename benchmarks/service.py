@@ -163,13 +163,18 @@ class Service:
         """CPU seconds (user and system) the service's process tree has used so far:
         read before and after a phase, the difference over its wall time is the cores
         it kept busy (the processes of the tree at the second reading)."""
+        return sum(self.cpu_split_s())
+
+    def cpu_split_s(self) -> tuple[float, float]:
+        """:meth:`cpu_s` as (the service's own process, its children): sarp's HTTP
+        workers and their zygote, whose share of a drain is their catch-up."""
         root = psutil.Process(self.proc.pid)
-        total = 0.0
-        for p in (root, *root.children(recursive=True)):
+        split = [0.0, 0.0]
+        for k, p in enumerate((root, *root.children(recursive=True))):
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = p.cpu_times()
-                total += t.user + t.system
-        return total
+                split[k > 0] += t.user + t.system
+        return split[0], split[1]
 
     def kill(self) -> None:
         """SIGKILL (sarp's HTTP workers see their socket pair close and leave too)."""
@@ -215,13 +220,14 @@ async def _load(url: str, bodies: list[bytes], seconds: float, clients: int = 8)
 
     connector = aiohttp.TCPConnector(limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(client(k, session) for k in range(clients)))
-        wall = time.perf_counter() - began
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu
     ms = np.array(latencies) * 1e3
+    # the client's own CPU per request: near 1e6 / requests_per_s, it held the rate
     return {"requests_per_s": len(latencies) / wall, "p50_ms": float(np.percentile(ms, 50)),
             "p99_ms": float(np.percentile(ms, 99)), "requests": len(latencies),
-            "errors": errors}
+            "errors": errors, "client_cpu_us_per_request": 1e6 * cpu / max(len(latencies), 1)}
 
 
 _WRK_LUA = """
@@ -426,12 +432,13 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
              args) -> dict:
     with engines_and(kind, engines, len(stream)) as (service, pubs, bodies_reg, work):
         markers = [cf.Engine(i + 1, 0, MODEL, "vllm-0.33", pubs[i]) for i in range(engines)]
-        cpu, started = service.cpu_s(), time.perf_counter()
+        split, started = service.cpu_split_s(), time.perf_counter()
         for n, payload in stream:
             pubs[n].publish(payload)
         cf.wait_for_markers([service.url], markers, timeout_s=600)
         drain_s = time.perf_counter() - started
-        drain_cpu_s = service.cpu_s() - cpu
+        own, children = (b - a for a, b in zip(split, service.cpu_split_s(), strict=True))
+        drain_cpu_s = own + children
         events = sum(len(decode(p).events) for _, p in stream)
         rss, pss, anon = service.memory_mib()
         http = asyncio.run(_load(service.url, bodies, args.http_s))
@@ -467,6 +474,7 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
         return {"drain_events_per_s": events / drain_s, "drain_s": drain_s,
                 "drain_cores": drain_cpu_s / drain_s,
                 "drain_cpu_us_per_event": 1e6 * drain_cpu_s / events,
+                "drain_children_cpu_share": children / drain_cpu_s if drain_cpu_s else 0.0,
                 "rss_mib": rss, "pss_mib": pss, "anon_rss_mib": anon,
                 **{f"http_{k}": v for k, v in http.items()},
                 "kill9_to_correct_s": restart_s}
