@@ -252,7 +252,7 @@ def heads(records: Sequence[bytes | None]) -> tuple[np.ndarray, np.ndarray, np.n
     """:func:`heads_py` in C (``segment.c``) when :mod:`sarp.native` has it, as arrays:
     ``(firsts uint64, states int8, counts int64, holder_ids uint16)``.
 
-    Cost: one C call and four numpy views, no Python per record.
+    Cost: one C call and four small arrays, no Python per record.
 
     >>> rec = Segment(7, 0, None, np.array([5], np.uint64), np.array([3], np.uint16),
     ...               np.array([[1]], np.uint8)).encode()

@@ -349,6 +349,7 @@ class LmdbReadTxn:
         yield from zip(*(a.tolist() for a in self.log_arrays(seq)), strict=True)
 
     def log_arrays(self, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`log_since` as arrays (:func:`sarp.store.log_arrays`)."""
         cur = self._txn.cursor(db=self._store.log_db)
         return log_arrays(list(cur.iternext()) if cur.set_range(U64.pack(seq + 1)) else [])
 
