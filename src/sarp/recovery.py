@@ -199,13 +199,7 @@ def replay(r: ReadTxn, memory: Memory, latest: dict[int, list[int]]) -> None:
     """
     ids = list(latest)
     memory.filters.discard_many_everywhere(ids)
-    records = r.raw_records(ids)
-    firsts, states, counts, holder_ids = heads(records)
-    for i in np.flatnonzero(states < 0).tolist():
-        try:
-            segment_head(ids[i], records[i])  # raises, naming the damage
-        except CorruptRecordError as exc:
-            log.warning("sarp: replay skips %s", exc)
+    firsts, states, counts, holder_ids = _heads(ids, r.raw_records(ids), "replay")
     directory = memory.directory
     found = states > 0
     # The removals first, then the additions: an entry goes only if it names its own
@@ -225,6 +219,18 @@ def replay(r: ReadTxn, memory: Memory, latest: dict[int, list[int]]) -> None:
             held.setdefault(holder_id, []).append(seg_id)
         for holder_id, part in held.items():
             memory.filters.add_many(holder_id, part)
+
+
+def _heads(ids: list[int], records: list, what: str) -> tuple[np.ndarray, ...]:
+    """:func:`sarp.segment.heads` of ``records``, each damaged one checked again in
+    Python and skipped with a warning that names the damage."""
+    out = heads(records)
+    for i in np.flatnonzero(out[1] < 0).tolist():
+        try:
+            segment_head(ids[i], records[i])  # raises, naming the damage
+        except CorruptRecordError as exc:
+            log.warning("sarp: %s skips %s", what, exc)
+    return out
 
 
 def rebuild(r: ReadTxn, memory: Memory, progress: bool | None = None) -> int:
@@ -256,12 +262,7 @@ def _scan(r: ReadTxn, memory: Memory, progress: bool | None) -> int:
     while chunk := list(islice(records, SCAN_CHUNK)):
         ids = [seg_id for seg_id, _ in chunk]
         raw = [record for _, record in chunk]
-        found, states, counts, holder_ids = heads(raw)
-        for i in np.flatnonzero(states < 0).tolist():
-            try:
-                segment_head(ids[i], raw[i])  # raises, naming the damage
-            except CorruptRecordError as exc:
-                log.warning("sarp: rebuild skips %s", exc)
+        found, states, counts, holder_ids = _heads(ids, raw, "rebuild")
         held, at = holder_ids.tolist(), np.concatenate([[0], np.cumsum(counts)]).tolist()
         for i, (seg_id, first, ok) in enumerate(zip(ids, found.tolist(), (states > 0).tolist(),
                                                    strict=True)):
