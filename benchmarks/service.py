@@ -331,8 +331,9 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
     """On a fresh service: the stream published at each offered rate (events/s) for
     ``step_s``, going on from where the last rate left off (round again at its end), and
     every 50 ms a probe (one new block, on the next engine, in order with its stream)
-    timed until the service answers it: lag p50 and p99 per rate.  A rate whose lag
-    passes 2 s ends the sweep (every higher one would too)."""
+    timed until the service answers it: lag p50 and p99 per rate, and the cores the
+    service's processes kept busy meanwhile (``cores``; ``cpu_us_per_event``).  A rate
+    whose lag passes 2 s ends the sweep (every higher one would too)."""
     import threading
 
     events_of = [len(decode(p).events) for _, p in stream]
@@ -344,7 +345,7 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
             probing = _Probes(service.url)
             watcher = threading.Thread(target=probing.watch, daemon=True)
             watcher.start()
-            began = time.perf_counter()
+            cpu, began = service.cpu_s(), time.perf_counter()
             sent_events, next_probe, k = 0, began, 0
             while (now := time.perf_counter()) - began < step_s and watcher.is_alive():
                 if now >= next_probe:
@@ -361,11 +362,14 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
                     sent_events += events_of[at % len(stream)]
                     at += 1
                 time.sleep(0.0005)
+            elapsed, cpu_s = time.perf_counter() - began, service.cpu_s() - cpu
             probing.done.set()
             watcher.join(30)
             ms = np.array(probing.lags) * 1e3
             point = {"offered_events_per_s": rate,
-                     "achieved_events_per_s": sent_events / (time.perf_counter() - began),
+                     "achieved_events_per_s": sent_events / elapsed,
+                     "cores": cpu_s / elapsed,
+                     "cpu_us_per_event": 1e6 * cpu_s / max(sent_events, 1),
                      "lag_p50_ms": float(np.percentile(ms, 50)) if ms.size else None,
                      "lag_p99_ms": float(np.percentile(ms, 99)) if ms.size else None,
                      "probes": int(ms.size)}
@@ -554,6 +558,17 @@ def run(args) -> int:
             f"{kind} {med[kind]:,.2f} ({min(r[metric] for r in rs):,.2f}-"
             f"{max(r[metric] for r in rs):,.2f})" for kind, rs in runs.items())
             + ("" if ratio is None else f", sarp/dynamo {ratio:.2f}"), flush=True)
+    # per offered rate, the medians over passes of the lag and of the cores kept busy
+    out["sweep"] = {}
+    for rate in rates:
+        at = {kind: [p for r in rs for p in r.get("sweep", []) if p["offered_events_per_s"]
+                     == rate and p["lag_p99_ms"] is not None] for kind, rs in runs.items()}
+        out["sweep"][rate] = {kind: {m: statistics.median(p[m] for p in points) for m in
+                                     ("lag_p50_ms", "lag_p99_ms", "cores")}
+                              for kind, points in at.items() if points}
+        print(f"at {rate:,.0f} events/s: " + ", ".join(
+            f"{kind} lag p50/p99 {v['lag_p50_ms']:.1f}/{v['lag_p99_ms']:.1f} ms, "
+            f"{v['cores']:.2f} cores" for kind, v in out["sweep"][rate].items()), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

@@ -51,6 +51,8 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         ([*serve, "--dead-after-s", "-1"], "'-1'"),
         ([*serve, "--replay-budget-s", "nan"], "'nan'"),
         ([*serve, "--max-frame-bytes", "10"], "'10'"),
+        ([*serve, "--commit-wait-ms", "30"], "'30'"),
+        ([*serve, "--commit-wait-ms", "-1"], "'-1'"),
         ([*serve, "--sources-file", missing], "missing.jsonl"),
         ([*serve, "--http-token-file", str(tmp / "a-folder")], "a-folder"),
         ([*serve, "--hash-scheme", "md5"], "'md5'"),

@@ -571,17 +571,24 @@ def test_serves_collector_setting_is_put_back():
 
 
 class _Clock:
-    """The subscriber's clock in a test: ``monotonic`` moves only when the test moves it;
-    ``time`` runs ``skew_s`` ahead of the real clock (how old batches look)."""
+    """The subscriber's clock in a test: ``monotonic`` moves only when the test moves it
+    or the subscriber sleeps (at once: ``on_sleep`` runs first, if set); ``time`` runs
+    ``skew_s`` ahead of the real clock (how old batches look)."""
 
     def __init__(self, skew_s: float) -> None:
         self.now, self.skew_s = 1000.0, skew_s
+        self.on_sleep = None
 
     def monotonic(self) -> float:
         return self.now
 
     def time(self) -> float:
         return time.time() + self.skew_s
+
+    def sleep(self, seconds: float) -> None:
+        if self.on_sleep is not None:
+            self.on_sleep()
+        self.now += seconds
 
 
 def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[int]]:
@@ -634,6 +641,51 @@ def test_a_backlog_of_fresh_batches_is_committed_in_growing_batches(index, monke
     backlog, caught_up = drain_backlog(index, monkeypatch, skew_s=-1.0)
     assert [round(s, -1) for s in backlog[:5]] == [20, 40, 80, 80, 80], backlog
     assert round(caught_up[0], -1) == 20, caught_up
+
+
+@pytest.mark.parametrize("wait_ms", [5.0, 0.0])
+def test_batches_that_arrive_while_a_commit_waits_share_it(index, monkeypatch, wait_ms):
+    # Engines publishing at a steady rate: the sockets run dry between batches. The
+    # first batch queued waits commit_wait_ms for more (one commit costs LMDB about as
+    # many page writes for a few events as for hundreds), and poll returns with all
+    # of it committed; with 0 each batch is committed as soon as the sockets run dry.
+    from sarp.serving import subscriber as module
+
+    clock = _Clock(skew_s=-1.0)
+    monkeypatch.setattr(module, "time", clock)
+    eng = engine("e", capacity=500)
+    commits: list[int] = []
+    try:
+        sub = subscribe(index, eng, commit_wait_ms=wait_ms,
+                        on_commit=lambda fps: commits.append(len(fps)))
+        rng = random.Random(3)
+
+        def publish_one() -> None:
+            eng.serve([rng.getrandbits(63) for _ in range(3)])
+            time.sleep(0.05)  # delivered to the SUB socket
+
+        publish_one()
+        clock.on_sleep = publish_one  # the next batch comes while the commit waits
+        for _ in range(50):
+            sub.poll(0)
+            if sub.last_seq.get("e", -1) >= 0:
+                break
+        else:
+            raise AssertionError("the first batch never arrived")
+        clock.on_sleep = None
+        if wait_ms:
+            assert commits == [2] and sub.last_seq["e"] == 1, commits
+        else:
+            assert commits == [1] and sub.last_seq["e"] == 0, commits
+        assert held(index, eng.holder) == set(eng.cache)  # all committed when poll returned
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+def test_a_commit_wait_outside_its_range_is_refused(index):
+    with pytest.raises(ValueError, match=r"commit_wait_ms=21.*from 0 to 20"):
+        Subscriber(index, [], commit_wait_ms=21)
 
 
 def test_a_backlog_of_old_batches_is_committed_in_big_batches_from_the_first(

@@ -106,6 +106,23 @@ def seconds_or_zero(text: str) -> float:
     return value
 
 
+def milliseconds_up_to(high: float):
+    """A time in milliseconds from 0 to ``high`` (argparse ``type=``).
+
+    >>> milliseconds_up_to(20)("5")
+    5.0
+    """
+    def check(text: str) -> float:
+        value = _number(text)
+        if value is None or not 0 <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: pass a number of milliseconds from 0 to {high:g}")
+        return value
+
+    check.__name__ = "milliseconds"
+    return check
+
+
 def fraction(text: str) -> float:
     """A fraction in [0, 1)."""
     value = _number(text)

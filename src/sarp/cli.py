@@ -148,6 +148,11 @@ def _serve_parser(sub) -> None:
     serve.add_argument("--dead-after-s", type=ac.seconds, default=10.0,
                        help="an engine that does not answer within this long is taken as "
                        "gone: its holders are cleared")
+    serve.add_argument("--commit-wait-ms", type=ac.milliseconds_up_to(20.0),
+                       default=5.0,
+                       help="how long the first batch of a commit waits for more once the "
+                       "engines' sockets ran dry (0: commit at once: fresher answers, far "
+                       "more CPU at a steady rate)")
     serve.add_argument("--http", default=None, metavar="HOST:PORT", type=host_port,
                        help="also answer HTTP: POST /v1/match and /query, /register, GET "
                        "/metrics, /healthz, /readyz, /openapi.json (default: no HTTP)")

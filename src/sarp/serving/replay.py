@@ -76,6 +76,31 @@ class ReplayJobs:
                 self._poller.register(sock, zmq.POLLIN)
                 self.stats[key].probes += 1
 
+    def _forget(self, key: str, reason: str) -> None:
+        """Clear the source's holders: the index may know less than the engine, never more."""
+        fault_log.warn(key, "cleared", f"sarp: {key}: {reason}; clearing its holders")
+        if key not in self._clean:  # (a stream of bad batches clears once, not per batch)
+            self.flush()  # what was queued before this happened goes first
+            for instance in self._instances(key):
+                self.index.clear(instance)
+            self._clean.add(key)
+        for table in (self.state, self._committed, self._dirty):
+            table.pop(key, None)
+        self._ahead[key].clear()
+        if self._hash_check is not None:
+            self._hash_pending.add(key)
+
+    def _instances(self, key: str) -> list[str]:
+        source = self.sources[key]
+        names = {inst for inst, _ in self.index.holders_list()}
+        if source.dp_rank is not None:
+            return [key] if key in names else []
+        return sorted(n for n in names if n == key or n.startswith(key + "#"))
+
+    def _holds_anything(self, key: str) -> bool:
+        self.flush()
+        return any(self.index.blocks_of(inst).size for inst in self._instances(key))
+
     def _connect(self, source: Source) -> None:
         """Its SUB socket and monitor; OSError, nothing left open, when out of sockets."""
         opened = []

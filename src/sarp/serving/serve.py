@@ -137,7 +137,7 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
     import sarp
 
     from .hashcheck import HashCheck
-    from .subscriber import Subscriber
+    from .subscriber import COMMIT_WAIT_MS, Subscriber
 
     http = dealer is not None
     # the HTTP workers' status file: beside a folder index, in a folder of ours for Valkey
@@ -177,7 +177,9 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
                                     max_frame_bytes=args.max_frame_bytes,
                                     replay_budget=ReplayBudget(seconds=args.replay_budget_s),
                                     hash_check=hash_check,
-                                    max_sources=getattr(args, "max_engines", None))
+                                    max_sources=getattr(args, "max_engines", None),
+                                    commit_wait_ms=getattr(args, "commit_wait_ms",
+                                                           COMMIT_WAIT_MS))
         except BaseException:
             if service is not None:
                 service.close()

@@ -78,7 +78,8 @@ TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments)
 MAX_BATCH_OPS = 16384  # events applied in one index transaction, at most
 MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit,
 MAX_CATCH_UP_MS = 80.0  # ... doubled up to this while the sockets never run dry,
-BEHIND_S = 1.0  # ... and this at once for a batch published longer ago than this
+BEHIND_S = 1.0  # ... and this at once for a batch published longer ago than this;
+COMMIT_WAIT_MS = 5.0  # ... and how long it waits for more once the sockets ran dry
 ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 MAX_FRAME_BYTES = 64 << 20  # a frame over this is never received (vLLM's are KiB to MiB)
 POLL_MESSAGES = 65_536  # live messages one poll takes at most before the jobs' turn
@@ -96,7 +97,10 @@ class Subscriber(ReplayJobs):
     and how long it has to answer before its holders are cleared.
     ``max_frame_bytes``: a frame larger than this is never received (libzmq drops the
     connection, which reconnects; counted in ``disconnects``).  ``replay_budget``:
-    what one replay attempt may take (:class:`ReplayBudget`).
+    what one replay attempt may take (:class:`ReplayBudget`).  ``commit_wait_ms``: how
+    long the first batch queued waits for more before its commit (0: committed as soon
+    as the sockets run dry; a commit of a few events costs LMDB about as many page
+    writes per event as one of hundreds shares).
 
     A replay never blocks the loop: it runs as the source's job, fed by :meth:`poll`
     as its frames arrive, while every other source is followed.
@@ -118,7 +122,12 @@ class Subscriber(ReplayJobs):
         replay_budget: ReplayBudget | None = None,
         hash_check: HashCheck | None = None,
         max_sources: int | None = None,
+        commit_wait_ms: float = COMMIT_WAIT_MS,
     ) -> None:
+        if not 0 <= commit_wait_ms <= MAX_BATCH_MS:
+            raise ValueError(f"commit_wait_ms={commit_wait_ms!r}; pass a number of "
+                             f"milliseconds from 0 to {MAX_BATCH_MS:g}")
+        self._commit_wait_s = commit_wait_ms / 1000
         if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) \
                 or max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes={max_frame_bytes!r}; pass an int >= 1024")
@@ -302,8 +311,21 @@ class Subscriber(ReplayJobs):
         self._store_backoff = min(2 * self._store_backoff, MAX_STORE_RETRY_S)
 
     def _poll(self, timeout_ms: int) -> int:
+        applied = self._take(self._next_wait_ms(timeout_ms))
+        while (rest_s := self._commit_in_s()) > 0:
+            # The sockets ran dry: the commit waits for more, which gather in the
+            # sockets meanwhile and are read at one wake-up, not one per message.
+            time.sleep(rest_s)
+            applied += self._take(0)
+        self.flush()
+        self._state_file.due()
+        return applied
+
+    def _take(self, wait_ms: int) -> int:
+        """What arrives within ``wait_ms``: connections, live messages (queued; committed
+        within a batch when it is due), replays' frames, probes' answers."""
         applied = 0
-        ready = dict(self._poller.poll(self._next_wait_ms(timeout_ms)))
+        ready = dict(self._poller.poll(wait_ms))
         for monitor, key in self._monitors.items():  # connections first
             if monitor in ready:
                 self._drain_monitor(monitor, key)
@@ -343,9 +365,14 @@ class Subscriber(ReplayJobs):
         for sock in [sock for sock in self._probes if sock in ready]:
             self._on_probe_answer(sock)
         self._check_liveness()
-        self.flush()
-        self._state_file.due()
         return applied
+
+    def _commit_in_s(self) -> float:
+        """How long the batches queued wait for more once the sockets ran dry (<= 0:
+        commit now)."""
+        if self._queued_since is None:
+            return 0.0
+        return self._queued_since + self._commit_wait_s - time.monotonic()
 
     @property
     def caught_up(self) -> bool:
@@ -430,11 +457,10 @@ class Subscriber(ReplayJobs):
         self.save_state(durable=True)
         for sock in self._subs:
             sock.disable_monitor()
-        for sock in [*self._subs, *self._monitors, *self._probes]:
-            sock.close(linger=0)
-        self._probes.clear()
-        self._subs.clear()
-        self._monitors.clear()
+        for table in (self._subs, self._monitors, self._probes):
+            for sock in table:
+                sock.close(linger=0)
+            table.clear()
 
     # -- live messages -----------------------------------------------------------------------
 
@@ -590,33 +616,6 @@ class Subscriber(ReplayJobs):
             # Published that long ago (by the engine's clock: a skewed one only moves
             # this choice): we are behind, so batch for throughput from now on.
             self._batch_ms = MAX_CATCH_UP_MS
-
-    # -- jobs: what waits on a replay endpoint -------------------------------------------------
-
-    def _forget(self, key: str, reason: str) -> None:
-        """Clear the source's holders: the index may know less than the engine, never more."""
-        fault_log.warn(key, "cleared", f"sarp: {key}: {reason}; clearing its holders")
-        if key not in self._clean:  # (a stream of bad batches clears once, not per batch)
-            self.flush()  # what was queued before this happened goes first
-            for instance in self._instances(key):
-                self.index.clear(instance)
-            self._clean.add(key)
-        for table in (self.state, self._committed, self._dirty):
-            table.pop(key, None)
-        self._ahead[key].clear()
-        if self._hash_check is not None:
-            self._hash_pending.add(key)
-
-    def _instances(self, key: str) -> list[str]:
-        source = self.sources[key]
-        names = {inst for inst, _ in self.index.holders_list()}
-        if source.dp_rank is not None:
-            return [key] if key in names else []
-        return sorted(n for n in names if n == key or n.startswith(key + "#"))
-
-    def _holds_anything(self, key: str) -> bool:
-        self.flush()
-        return any(self.index.blocks_of(inst).size for inst in self._instances(key))
 
     def summary(self) -> dict[str, dict]:
         """Each source's counters as plain values (JSON-ready: :func:`plain`, not
