@@ -781,3 +781,72 @@ def test_a_replay_that_finds_no_socket_fails_as_a_replay_does_and_is_retried(ind
         sub.close()
         ctx.destroy(linger=0)
         eng.publisher.close()
+
+
+def test_a_poll_waits_for_a_commit_once_while_batches_keep_coming(index, monkeypatch):
+    # Batches that never stop (each sleep brings more, each taking 1 ms to read): the
+    # commit's wait happens once in a poll, which then commits and returns (a loop
+    # that waited again after every mid-read commit kept serve's loop, its status
+    # heartbeat and SIGTERM waiting for as long as the stream lasted).
+    from sarp.serving import subscriber as module
+
+    clock = _Clock(skew_s=-1.0)
+    monkeypatch.setattr(module, "time", clock)
+    eng = engine("e", capacity=5000)
+    rng = random.Random(5)
+    sleeps = []
+    try:
+        sub = subscribe(index, eng)
+        handle = sub._on_message
+
+        def one_ms_each(key, frames):
+            clock.now += 0.001
+            return handle(key, frames)
+
+        sub._on_message = one_ms_each
+
+        def more() -> None:
+            sleeps.append(clock.now)
+            assert len(sleeps) < 50, "the poll never returned"
+            for _ in range(20):
+                eng.serve([rng.getrandbits(63) for _ in range(3)])
+            time.sleep(0.1)
+
+        for _ in range(23):  # read in 23 ms: a commit at 20, 3 batches queued after
+            eng.serve([rng.getrandbits(63) for _ in range(3)])
+        time.sleep(0.3)
+        clock.on_sleep = more
+        sub.poll(100)
+        clock.on_sleep = None
+        assert len(sleeps) <= 1, sleeps
+        sub.close()
+    finally:
+        eng.publisher.close()
+
+
+def test_a_poll_that_stops_at_its_message_budget_commits_without_waiting(index, monkeypatch):
+    # More batches waiting than one poll reads: the sockets did not run dry, so the
+    # commit does not wait for more (there are more; the next poll reads them).
+    from sarp.serving import subscriber as module
+
+    clock = _Clock(skew_s=-1.0)
+    monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(module, "POLL_MESSAGES", module.ROUND_MESSAGES)
+    eng = engine("e", capacity=5000)
+    rng = random.Random(6)
+    sleeps, commits = [], []
+    try:
+        sub = subscribe(index, eng, on_commit=lambda fps: commits.append(len(fps)))
+        for _ in range(20):
+            eng.serve([rng.getrandbits(63) for _ in range(3)])
+        time.sleep(0.3)
+        clock.on_sleep = lambda: sleeps.append(clock.now)
+        sub.poll(100)
+        assert commits == [8] and not sleeps, (commits, sleeps)
+        sub.poll(100)
+        assert commits == [8, 8] and not sleeps, (commits, sleeps)
+        sub.poll(100)  # the last 4: the sockets ran dry, so the commit waits once
+        assert commits == [8, 8, 4] and len(sleeps) == 1, (commits, sleeps)
+        sub.close()
+    finally:
+        eng.publisher.close()

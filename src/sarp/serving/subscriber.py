@@ -128,6 +128,7 @@ class Subscriber(ReplayJobs):
             raise ValueError(f"commit_wait_ms={commit_wait_ms!r}; pass a number of "
                              f"milliseconds from 0 to {MAX_BATCH_MS:g}")
         self._commit_wait_s = commit_wait_ms / 1000
+        self._dry = True  # did the last read run every socket dry?
         if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int) \
                 or max_frame_bytes < 1024:
             raise ValueError(f"max_frame_bytes={max_frame_bytes!r}; pass an int >= 1024")
@@ -312,9 +313,10 @@ class Subscriber(ReplayJobs):
 
     def _poll(self, timeout_ms: int) -> int:
         applied = self._take(self._next_wait_ms(timeout_ms))
-        while (rest_s := self._commit_in_s()) > 0:
-            # The sockets ran dry: the commit waits for more, which gather in the
-            # sockets meanwhile and are read at one wake-up, not one per message.
+        if self._dry and (rest_s := self._commit_in_s()) > 0:
+            # The sockets ran dry within the commit's wait: more gather in them
+            # meanwhile, read at one wake-up (not one per message). Once: a backlog
+            # never waits, and a poll returns.
             time.sleep(rest_s)
             applied += self._take(0)
         self.flush()
@@ -358,7 +360,8 @@ class Subscriber(ReplayJobs):
                 else:
                     still.append((recv, key))
             waiting = still
-        if not waiting:
+        self._dry = not waiting
+        if self._dry:
             self._batch_ms = MAX_BATCH_MS  # the sockets ran dry: caught up
         now = time.monotonic()
         applied += self._drive_jobs(ready, now) + self._retry_due(now)
