@@ -683,9 +683,10 @@ def test_batches_that_arrive_while_a_commit_waits_share_it(index, monkeypatch, w
         eng.publisher.close()
 
 
-def test_a_commit_wait_outside_its_range_is_refused(index):
-    with pytest.raises(ValueError, match=r"commit_wait_ms=21.*from 0 to 20"):
-        Subscriber(index, [], commit_wait_ms=21)
+@pytest.mark.parametrize("wait", [21, -1, float("nan"), "5", True])
+def test_a_commit_wait_outside_its_range_is_refused(index, wait):
+    with pytest.raises(ValueError, match=r"commit_wait_ms=.*from 0 to 20"):
+        Subscriber(index, [], commit_wait_ms=wait)
 
 
 def test_a_backlog_of_old_batches_is_committed_in_big_batches_from_the_first(

@@ -34,8 +34,9 @@ REPLAY_RCVHWM = 1_000  # messages queued on our side of a replay (vLLM's ROUTER 
 
 class ReplayJobs:
     """The replay half of the subscriber (see the module): replay jobs, the liveness
-    probes that ask a silent engine's endpoint whether it is still there, and what the
-    SUB sockets' monitors say of their connections."""
+    probes that ask a silent engine's endpoint whether it is still there, what the SUB
+    sockets' monitors say of their connections, and clearing an engine whose
+    continuity cannot be proven."""
 
     def _check_liveness(self) -> None:
         """Ask silent engines whether they are there; clear the ones that do not answer."""

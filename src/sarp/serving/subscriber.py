@@ -124,7 +124,8 @@ class Subscriber(ReplayJobs):
         max_sources: int | None = None,
         commit_wait_ms: float = COMMIT_WAIT_MS,
     ) -> None:
-        if not 0 <= commit_wait_ms <= MAX_BATCH_MS:
+        if isinstance(commit_wait_ms, bool) or not isinstance(commit_wait_ms, int | float) \
+                or not 0 <= commit_wait_ms <= MAX_BATCH_MS:
             raise ValueError(f"commit_wait_ms={commit_wait_ms!r}; pass a number of "
                              f"milliseconds from 0 to {MAX_BATCH_MS:g}")
         self._commit_wait_s = commit_wait_ms / 1000
@@ -273,7 +274,9 @@ class Subscriber(ReplayJobs):
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Handle the messages that arrive within ``timeout_ms`` (live ones, and the
-        replays' of the sources with a job); return batches applied.
+        replays' of the sources with a job), and those that arrive while the first of
+        them waits ``commit_wait_ms`` for its commit; return batches applied, all of
+        them committed.
 
         A write to the index that fails (``StoreError``: Valkey restarting, a full disk)
         stops nothing: what was not committed is dropped, every source is proven again
