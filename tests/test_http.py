@@ -171,14 +171,24 @@ def test_health_readiness_and_metrics_read_back_by_prometheus_client(service):
     assert status == 200 and ready["ready"] is True
     for _ in range(4):
         match(port, {"block_hashes": [1, 2]})
-    status, text = call(port, "GET", "/metrics")
-    assert status == 200
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in families.values() for s in f.samples}
+    # the worker asked folds its own counts at once, the other at its next fold (every
+    # 0.1 s, from 1 s after its start): read until both have, within a deadline
+    deadline = time.monotonic() + 10
+    while True:
+        status, text = call(port, "GET", "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in families.values() for s in f.samples}
+        if samples[("sarp_matches_total", ())] >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert samples[("sarp_source_batches_total", (("source", "eng"),))] == 2
     assert samples[("sarp_source_events_total", (("source", "eng"),))] == 5
     assert samples[("sarp_source_restarts_total", (("source", "eng"),))] == 0
+    # the 2 batches' commits (1 or 2, as they met the commit's wait) and their time
+    assert 1 <= samples[("sarp_commits_total", ())] <= 2
+    assert samples[("sarp_commit_seconds_total", ())] > 0
     assert ("sarp_source_seconds_since_last_applied", (("source", "eng"),)) in samples
     assert samples[("sarp_matches_total", ())] >= 4  # summed over the worker processes
     assert samples[("sarp_match_seconds_count", ())] >= 4

@@ -144,6 +144,7 @@ class Applier:
         self.columns = Columns()
         self._col_batches: list[tuple[ApplyStats, int]] = []  # stats, first row
         self._col_added: tuple[int, int] = (0, 0)  # the last payload's events, skipped
+        self.commits, self.commit_seconds = 0, 0.0  # index transactions, and their time
 
     @property
     def pending_ops(self) -> int:
@@ -266,7 +267,10 @@ class Applier:
         flush's state joins it unless an operation is refused (then the refusal's
         follow-up carries it)."""
         state = self._state if last else None
+        started = time.perf_counter()
         result = self.index.apply_decoded(ops, state=state)
+        self.commits += 1
+        self.commit_seconds += time.perf_counter() - started
         self._state_written |= state is not None and not result.failed
         return result
 

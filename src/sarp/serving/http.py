@@ -61,11 +61,11 @@ from ..errors import SarpError
 from ..hashing import as_hashes, hash_blocks
 from . import openapi, rfc, wire
 from .status import (
-    SOURCE_COUNTERS,
     STATUS_FILE,
     read_status,
     readiness,
     registration_problem,
+    status_metrics,
     submit,
     workers_listed,
 )
@@ -581,7 +581,8 @@ def _answer(m, scores) -> dict:
 
 
 class _StatusCollector:
-    """Per-source counters from the writer's status file, index sizes from this reader."""
+    """``/metrics``' families from the writer's status file (:func:`status_metrics`), and
+    index sizes from this reader."""
 
     def __init__(self, path: Path, index) -> None:
         self.path, self.index = path, index
@@ -589,41 +590,12 @@ class _StatusCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        status = read_status(self.path) or {"sources": {}, "caught_up": False}
-        sources = status["sources"]
-        for name, text in SOURCE_COUNTERS:
-            family = CounterMetricFamily(f"sarp_source_{name}", text, labels=["source"])
-            for key, s in sources.items():
-                family.add_metric([key], s.get(name, 0))
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        for name, kind, text, labels, samples in status_metrics(read_status(self.path)):
+            family = kinds[kind](name, text, labels=labels)
+            for values, value in samples:
+                family.add_metric(values, value)
             yield family
-        bad = CounterMetricFamily("sarp_source_bad_events", "bad events skipped, by kind",
-                                  labels=["source", "kind"])
-        for key, s in sources.items():
-            for kind, count in s.get("bad_events", {}).items():
-                bad.add_metric([key, kind], count)
-        yield bad
-        since = GaugeMetricFamily("sarp_source_seconds_since_last_applied",
-                                  "seconds since the source's last applied batch",
-                                  labels=["source"])
-        age = time.time() - status.get("heartbeat", time.time())
-        for key, s in sources.items():
-            if s.get("seconds_since_last_applied") is not None:
-                since.add_metric([key], s["seconds_since_last_applied"] + age)
-        yield since
-        yield GaugeMetricFamily("sarp_ready", "every source caught up since start",
-                                value=1.0 if status.get("caught_up") else 0.0)
-        yield CounterMetricFamily("sarp_http_worker_restarts",
-                                  "HTTP workers that died or hung and were replaced",
-                                  value=status.get("http_worker_restarts", 0))
-        yield CounterMetricFamily("sarp_http_deal_errors", "HTTP connections not accepted "
-                                  "or not handed to a worker (out of descriptors or memory)",
-                                  value=status.get("http_deal_errors", 0))
-        yield CounterMetricFamily("sarp_file_errors", "writes of serve's status and registry "
-                                  "files that failed and were made again",
-                                  value=status.get("file_errors", 0))
-        yield CounterMetricFamily("sarp_store_errors",
-                                  "writes to the index that failed and were retried",
-                                  value=status.get("store_errors", 0))
         stats = self.index.stats()
         for name in ("segments", "blocks", "directory_entries", "memory_bytes", "disk_bytes"):
             yield GaugeMetricFamily(f"sarp_index_{name}", f"index {name.replace('_', ' ')}",

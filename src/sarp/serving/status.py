@@ -2,9 +2,9 @@
 status folder (the index folder, or a folder of serve's for an index on Valkey):
 
 * ``serve-status.json``, written by the writer every 0.5 s (atomically): the
-  subscriber's counters per source, whether every source has been checked since
-  start, a heartbeat, and the engines followed; read by the workers for ``/metrics``,
-  ``/readyz`` and ``/workers``;
+  subscriber's counters per source and its commits, whether every source has been
+  checked since start, a heartbeat, and the engines followed; read by the workers for
+  ``/metrics`` (:func:`status_metrics`), ``/readyz`` and ``/workers``;
 * ``registry/``, requests of the workers' ``/register`` and ``/unregister``: a worker
   writes ``<id>.json`` (atomically), the writer applies it between two polls and writes
   ``<id>.done`` with the answer, which the worker waits for and returns.
@@ -66,7 +66,9 @@ def write_status(status_dir: Path, subscriber, *, caught_up: bool, started: floa
                           (subscriber.sources.values() if subscriber else engines)],
               "http_worker_restarts": worker_restarts, "http_deal_errors": deal_errors,
               "file_errors": file_errors,
-              "store_errors": getattr(subscriber, "store_errors", 0)}
+              "store_errors": getattr(subscriber, "store_errors", 0),
+              "commits": subscriber.applier.commits if subscriber else 0,
+              "commit_seconds": subscriber.applier.commit_seconds if subscriber else 0.0}
     tmp = status_dir / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps(status))
     os.replace(tmp, status_dir / STATUS_FILE)
@@ -226,3 +228,36 @@ def answer(taken: Path, status: int, body: object) -> None:
     tmp.write_text(json.dumps({"status": status, "body": body}))
     os.replace(tmp, taken.with_suffix(".done"))
     taken.unlink(missing_ok=True)
+
+
+def status_metrics(status: dict | None):
+    """``/metrics``' families from the writer's status (:func:`read_status`), as data
+    for the HTTP side to render: ``(name, "counter" or "gauge", help, label names,
+    [(label values, value)])`` each.  Cost: a pass over the sources."""
+    status = status or {"sources": {}, "caught_up": False}
+    sources = status["sources"]
+    for name, text in SOURCE_COUNTERS:
+        yield (f"sarp_source_{name}", "counter", text, ["source"],
+               [([key], s.get(name, 0)) for key, s in sources.items()])
+    yield ("sarp_source_bad_events", "counter", "bad events skipped, by kind",
+           ["source", "kind"], [([key, kind], count) for key, s in sources.items()
+                                for kind, count in s.get("bad_events", {}).items()])
+    age = time.time() - status.get("heartbeat", time.time())
+    yield ("sarp_source_seconds_since_last_applied", "gauge",
+           "seconds since the source's last applied batch", ["source"],
+           [([key], s["seconds_since_last_applied"] + age) for key, s in sources.items()
+            if s.get("seconds_since_last_applied") is not None])
+    yield ("sarp_ready", "gauge", "every source caught up since start", [],
+           [([], 1.0 if status.get("caught_up") else 0.0)])
+    for name, key, text in (
+            ("sarp_http_worker_restarts", "http_worker_restarts",
+             "HTTP workers that died or hung and were replaced"),
+            ("sarp_http_deal_errors", "http_deal_errors", "HTTP connections not accepted "
+             "or not handed to a worker (out of descriptors or memory)"),
+            ("sarp_file_errors", "file_errors",
+             "writes of serve's status and registry files that failed and were made again"),
+            ("sarp_commits", "commits", "index transactions of engines' events"),
+            ("sarp_commit_seconds", "commit_seconds", "time serve spent in them"),
+            ("sarp_store_errors", "store_errors",
+             "writes to the index that failed and were retried")):
+        yield name, "counter", text, [], [([], status.get(key, 0))]

@@ -155,7 +155,7 @@ class Subscriber(ReplayJobs):
         self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
         self._state_file = FingerprintFile(index)
-        self._applier = Applier(index)
+        self.applier = Applier(index)  # (its commits and their seconds: serve's status)
         self._queued_since: float | None = None
         self._batch_ms = MAX_BATCH_MS  # the wait now allowed (longer while catching up)
         self._on_commit = on_commit  # called with the fingerprints of each commit's batches
@@ -304,7 +304,7 @@ class Subscriber(ReplayJobs):
         for job in list(self._jobs.values()):
             job.gen.close()
             self._end_job(job, saving=False)
-        self._applier.discard()
+        self.applier.discard()
         self.state = dict(self._committed)
         self._dirty.clear()
         self._queued_since, self._queued_fps = None, []
@@ -396,10 +396,10 @@ class Subscriber(ReplayJobs):
         The fingerprints of those batches (``subscriber.json``) are written in the same
         transaction (:class:`~sarp.serving.sources.FingerprintFile`).
         """
-        if not self._dirty and not self._applier.pending_ops:
+        if not self._dirty and not self.applier.pending_ops:
             return False
         committed = {**self._committed, **self._dirty}
-        if not self._applier.flush(self._state_file.state(committed)):
+        if not self.applier.flush(self._state_file.state(committed)):
             self._state_file.save(committed)  # no commit took it (nothing to write)
         self.last_applied_at.update(dict.fromkeys(self._dirty, time.time()))
         self._committed = committed
@@ -420,7 +420,7 @@ class Subscriber(ReplayJobs):
             # engine stores and another evicts meets inside it, never written).
             self.flush()
             self._batch_ms = min(2 * self._batch_ms, MAX_CATCH_UP_MS)
-        elif self._applier.pending_ops >= MAX_BATCH_OPS:
+        elif self.applier.pending_ops >= MAX_BATCH_OPS:
             self.flush()
 
     def start_catch_up(self) -> int:
@@ -559,18 +559,18 @@ class Subscriber(ReplayJobs):
         if key in self._hash_pending and source.model is None:
             return False  # its hashes are checked against its tokens first
         rank = source.dp_rank if source.dp_rank is not None else self._ranks.get(key, 0)
-        got = self._applier.add_payload(payload, holder_name(source.name, rank),
+        got = self.applier.add_payload(payload, holder_name(source.name, rank),
                                         root=source.root, tokens=source.model is not None)
         if got is None:
             return False
         if got[2] != rank and source.dp_rank is None or fp is not None \
                 and got[1] < fp.ts - TS_SLACK_S:
-            self._applier.drop(got[0])  # another rank than the last's, or its time went back
+            self.applier.drop(got[0])  # another rank than the last's, or its time went back
             self._ranks[key] = got[2]
             return False
         self._live_last[key] = seq
         self._drop_ahead(key, seq)
-        self._applier.keep(self.stats[key].applied, got[0])
+        self.applier.keep(self.stats[key].applied, got[0])
         return self._queued(key, seq, frame_digest(payload), got[1], got[2]) == 1
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
@@ -595,7 +595,7 @@ class Subscriber(ReplayJobs):
         if key in self._hash_pending and source.model is None \
                 and self._hash_check.check_batch(key, payload, batch, stats):
             self._hash_pending.discard(key)  # again after a clear (a restarted engine)
-        self._applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank,
+        self.applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank,
                           root=source.root)
         return self._queued(key, seq, digest, batch.ts, batch.dp_rank)
 
