@@ -851,3 +851,34 @@ def test_a_poll_that_stops_at_its_message_budget_commits_without_waiting(index, 
         sub.close()
     finally:
         eng.publisher.close()
+
+
+def test_a_lone_batch_after_a_quiet_spell_is_committed_without_waiting(index, monkeypatch):
+    # The wait gathers batches that come close together; one that comes more than the
+    # wait after the last commit is likely alone, and is committed at once. The next,
+    # close behind that commit, waits again.
+    from sarp.serving import subscriber as module
+
+    clock = _Clock(skew_s=-1.0)
+    monkeypatch.setattr(module, "time", clock)
+    eng = engine("e", capacity=500)
+    rng = random.Random(7)
+    sleeps, commits = [], []
+    try:
+        sub = subscribe(index, eng, commit_wait_ms=5,
+                        on_commit=lambda fps: commits.append(len(fps)))
+        clock.on_sleep = lambda: sleeps.append(clock.now)
+        clock.now += 0.050  # quiet for 50 ms
+        eng.serve([rng.getrandbits(63) for _ in range(3)])
+        time.sleep(0.1)
+        sub.poll(100)
+        assert commits == [1] and sleeps == [], (commits, sleeps)
+        assert held(index, eng.holder) == set(eng.cache)
+        clock.now += 0.002  # 2 ms after that commit
+        eng.serve([rng.getrandbits(63) for _ in range(3)])
+        time.sleep(0.1)
+        sub.poll(100)
+        assert commits == [1, 1] and len(sleeps) == 1, (commits, sleeps)
+        sub.close()
+    finally:
+        eng.publisher.close()

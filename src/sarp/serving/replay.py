@@ -102,6 +102,13 @@ class ReplayJobs:
         self.flush()
         return any(self.index.blocks_of(inst).size for inst in self._instances(key))
 
+    def _drop_ahead(self, key: str, seq: int) -> None:
+        """Forget the replayed batches the live stream has passed."""
+        ahead = self._ahead[key]
+        if ahead:
+            for old in [s for s in ahead if s < seq]:
+                del ahead[old]
+
     def _connect(self, source: Source) -> None:
         """Its SUB socket and monitor; OSError, nothing left open, when out of sockets."""
         opened = []

@@ -98,9 +98,9 @@ class Subscriber(ReplayJobs):
     ``max_frame_bytes``: a frame larger than this is never received (libzmq drops the
     connection, which reconnects; counted in ``disconnects``).  ``replay_budget``:
     what one replay attempt may take (:class:`ReplayBudget`).  ``commit_wait_ms``: how
-    long the first batch queued waits for more before its commit (0: committed as soon
-    as the sockets run dry; a commit of a few events costs LMDB about as many page
-    writes per event as one of hundreds shares).
+    long the first batch queued waits for more before its commit, when it came within
+    that of the last commit (a small commit costs LMDB about as many page writes per
+    event as one of hundreds shares); 0, or a batch after a quiet spell: at once.
 
     A replay never blocks the loop: it runs as the source's job, fed by :meth:`poll`
     as its frames arrive, while every other source is followed.
@@ -157,6 +157,7 @@ class Subscriber(ReplayJobs):
         self._state_file = FingerprintFile(index)
         self.applier = Applier(index)  # (its commits and their seconds: serve's status)
         self._queued_since: float | None = None
+        self._committed_at = time.monotonic()  # when the last commit ended
         self._batch_ms = MAX_BATCH_MS  # the wait now allowed (longer while catching up)
         self._on_commit = on_commit  # called with the fingerprints of each commit's batches
         self._queued_fps: list[Fingerprint] = []
@@ -375,10 +376,11 @@ class Subscriber(ReplayJobs):
 
     def _commit_in_s(self) -> float:
         """How long the batches queued wait for more once the sockets ran dry (<= 0:
-        commit now)."""
-        if self._queued_since is None:
+        now; at once too when the first came after a quiet spell: it is likely alone)."""
+        first = self._queued_since
+        if first is None or first - self._committed_at > self._commit_wait_s:
             return 0.0
-        return self._queued_since + self._commit_wait_s - time.monotonic()
+        return first + self._commit_wait_s - time.monotonic()
 
     @property
     def caught_up(self) -> bool:
@@ -404,7 +406,7 @@ class Subscriber(ReplayJobs):
         self.last_applied_at.update(dict.fromkeys(self._dirty, time.time()))
         self._committed = committed
         self._dirty.clear()
-        self._queued_since = None
+        self._queued_since, self._committed_at = None, time.monotonic()
         if self._on_commit is not None:
             fps, self._queued_fps = self._queued_fps, []
             self._on_commit(fps)
@@ -507,13 +509,6 @@ class Subscriber(ReplayJobs):
         if self._rejected and live_last is not None:
             self._live_last[key] = live_last  # a bad frame does not move the live stream
         return applied
-
-    def _drop_ahead(self, key: str, seq: int) -> None:
-        """Forget the replayed batches the live stream has passed."""
-        ahead = self._ahead[key]
-        if ahead:
-            for old in [s for s in ahead if s < seq]:
-                del ahead[old]
 
     def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False):
         """Place one live batch against the fingerprint; check continuity when in doubt
