@@ -643,29 +643,39 @@ def test_a_backlog_of_fresh_batches_is_committed_in_growing_batches(index, monke
     assert round(caught_up[0], -1) == 20, caught_up
 
 
-@pytest.mark.parametrize("wait_ms", [5.0, 0.0])
-def test_batches_that_arrive_while_a_commit_waits_share_it(index, monkeypatch, wait_ms):
-    # Engines publishing at a steady rate: the sockets run dry between batches. The
-    # first batch queued waits commit_wait_ms for more (one commit costs LMDB about as
-    # many page writes for a few events as for hundreds), and poll returns with all
-    # of it committed; with 0 each batch is committed as soon as the sockets run dry.
+@pytest.fixture
+def fresh_clock(monkeypatch) -> _Clock:
+    """The subscriber's clock as the test's, its batches fresh (published just now)."""
     from sarp.serving import subscriber as module
 
     clock = _Clock(skew_s=-1.0)
     monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
+def publish(eng: SimEngine, rng: random.Random, batches: int = 1,
+            settle_s: float = 0.05) -> None:
+    """``batches`` batches of 3 new blocks, then time for them to reach the SUB socket."""
+    for _ in range(batches):
+        eng.serve([rng.getrandbits(63) for _ in range(3)])
+    time.sleep(settle_s)
+
+
+@pytest.mark.parametrize("wait_ms", [5.0, 0.0])
+def test_batches_that_arrive_while_a_commit_waits_share_it(index, fresh_clock, wait_ms):
+    # Engines publishing at a steady rate: the sockets run dry between batches. The
+    # first batch queued waits commit_wait_ms for more (one commit costs LMDB about as
+    # many page writes for a few events as for hundreds), and poll returns with all
+    # of it committed; with 0 each batch is committed as soon as the sockets run dry.
+    clock = fresh_clock
     eng = engine("e", capacity=500)
     commits: list[int] = []
     try:
         sub = subscribe(index, eng, commit_wait_ms=wait_ms,
                         on_commit=lambda fps: commits.append(len(fps)))
         rng = random.Random(3)
-
-        def publish_one() -> None:
-            eng.serve([rng.getrandbits(63) for _ in range(3)])
-            time.sleep(0.05)  # delivered to the SUB socket
-
-        publish_one()
-        clock.on_sleep = publish_one  # the next batch comes while the commit waits
+        publish(eng, rng)
+        clock.on_sleep = lambda: publish(eng, rng)  # the next comes while the commit waits
         for _ in range(50):
             sub.poll(0)
             if sub.last_seq.get("e", -1) >= 0:
@@ -784,15 +794,12 @@ def test_a_replay_that_finds_no_socket_fails_as_a_replay_does_and_is_retried(ind
         eng.publisher.close()
 
 
-def test_a_poll_waits_for_a_commit_once_while_batches_keep_coming(index, monkeypatch):
+def test_a_poll_waits_for_a_commit_once_while_batches_keep_coming(index, fresh_clock):
     # Batches that never stop (each sleep brings more, each taking 1 ms to read): the
     # commit's wait happens once in a poll, which then commits and returns (a loop
     # that waited again after every mid-read commit kept serve's loop, its status
     # heartbeat and SIGTERM waiting for as long as the stream lasted).
-    from sarp.serving import subscriber as module
-
-    clock = _Clock(skew_s=-1.0)
-    monkeypatch.setattr(module, "time", clock)
+    clock = fresh_clock
     eng = engine("e", capacity=5000)
     rng = random.Random(5)
     sleeps = []
@@ -809,13 +816,9 @@ def test_a_poll_waits_for_a_commit_once_while_batches_keep_coming(index, monkeyp
         def more() -> None:
             sleeps.append(clock.now)
             assert len(sleeps) < 50, "the poll never returned"
-            for _ in range(20):
-                eng.serve([rng.getrandbits(63) for _ in range(3)])
-            time.sleep(0.1)
+            publish(eng, rng, 20, settle_s=0.1)
 
-        for _ in range(23):  # read in 23 ms: a commit at 20, 3 batches queued after
-            eng.serve([rng.getrandbits(63) for _ in range(3)])
-        time.sleep(0.3)
+        publish(eng, rng, 23, settle_s=0.3)  # read in 23 ms: a commit at 20, 3 queued after
         clock.on_sleep = more
         sub.poll(100)
         clock.on_sleep = None
@@ -825,22 +828,20 @@ def test_a_poll_waits_for_a_commit_once_while_batches_keep_coming(index, monkeyp
         eng.publisher.close()
 
 
-def test_a_poll_that_stops_at_its_message_budget_commits_without_waiting(index, monkeypatch):
+def test_a_poll_that_stops_at_its_message_budget_commits_without_waiting(
+        index, monkeypatch, fresh_clock):
     # More batches waiting than one poll reads: the sockets did not run dry, so the
     # commit does not wait for more (there are more; the next poll reads them).
     from sarp.serving import subscriber as module
 
-    clock = _Clock(skew_s=-1.0)
-    monkeypatch.setattr(module, "time", clock)
+    clock = fresh_clock
     monkeypatch.setattr(module, "POLL_MESSAGES", module.ROUND_MESSAGES)
     eng = engine("e", capacity=5000)
     rng = random.Random(6)
     sleeps, commits = [], []
     try:
         sub = subscribe(index, eng, on_commit=lambda fps: commits.append(len(fps)))
-        for _ in range(20):
-            eng.serve([rng.getrandbits(63) for _ in range(3)])
-        time.sleep(0.3)
+        publish(eng, rng, 20, settle_s=0.3)
         clock.on_sleep = lambda: sleeps.append(clock.now)
         sub.poll(100)
         assert commits == [8] and not sleeps, (commits, sleeps)
@@ -853,14 +854,11 @@ def test_a_poll_that_stops_at_its_message_budget_commits_without_waiting(index, 
         eng.publisher.close()
 
 
-def test_a_lone_batch_after_a_quiet_spell_is_committed_without_waiting(index, monkeypatch):
+def test_a_lone_batch_after_a_quiet_spell_is_committed_without_waiting(index, fresh_clock):
     # The wait gathers batches that come close together; one that comes more than the
     # wait after the last commit is likely alone, and is committed at once. The next,
     # close behind that commit, waits again.
-    from sarp.serving import subscriber as module
-
-    clock = _Clock(skew_s=-1.0)
-    monkeypatch.setattr(module, "time", clock)
+    clock = fresh_clock
     eng = engine("e", capacity=500)
     rng = random.Random(7)
     sleeps, commits = [], []
@@ -869,14 +867,12 @@ def test_a_lone_batch_after_a_quiet_spell_is_committed_without_waiting(index, mo
                         on_commit=lambda fps: commits.append(len(fps)))
         clock.on_sleep = lambda: sleeps.append(clock.now)
         clock.now += 0.050  # quiet for 50 ms
-        eng.serve([rng.getrandbits(63) for _ in range(3)])
-        time.sleep(0.1)
+        publish(eng, rng, settle_s=0.1)
         sub.poll(100)
         assert commits == [1] and sleeps == [], (commits, sleeps)
         assert held(index, eng.holder) == set(eng.cache)
         clock.now += 0.002  # 2 ms after that commit
-        eng.serve([rng.getrandbits(63) for _ in range(3)])
-        time.sleep(0.1)
+        publish(eng, rng, settle_s=0.1)
         sub.poll(100)
         assert commits == [1, 1] and len(sleeps) == 1, (commits, sleeps)
         sub.close()
