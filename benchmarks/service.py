@@ -134,8 +134,9 @@ class Service:
         deadline = time.monotonic() + 60
         while True:
             try:
+                # any answer: up (503: sarp's first answers, before its workers run)
                 if cf.post(self.url, "/query", {"token_ids": [], "model_name": "-"},
-                           timeout_s=2)[0] in (200, 404):
+                           timeout_s=2)[0] in (200, 404, 503):
                     return
             except OSError:
                 pass

@@ -22,13 +22,14 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "sarp"
 DOORS = {
-    "lmdb": {"store_lmdb.py"},
+    "lmdb": {"lmdb_env.py"},  # the environment; store_lmdb and serve's first answers
     "valkey": {"store_valkey.py"},
     "pyroaring": {"filters.py"},
     "xxhash": {"hashing.py"},
     "cbor2": {"hashing.py"},
     "msgpack": {"serving/events.py"},
-    "zmq": {"serving/subscriber.py", "serving/replay.py"},  # the event code: live and replays
+    # the event code: live, replays, and the engines' sockets made before serve's imports
+    "zmq": {"serving/subscriber.py", "serving/replay.py", "serving/early.py"},
     "httptools": {"serving/wire.py"},
     "orjson": {"serving/http.py"},
     "prometheus_client": {"serving/http.py"},

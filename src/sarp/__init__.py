@@ -8,10 +8,9 @@
 (2, {'w3': 2})
 """
 
-# Most indexes are folders: the LMDB backend is imported with sarp, so that opening one
-# does not pay for importing lmdb (the valkey client is imported only for a URL).
-from . import store_lmdb  # noqa: F401
-from .answer import Match
+# The errors are imported with the package; the rest at first use (PEP 562), so that a
+# command that needs none of it (``sarp serve``'s first answers, forked before numpy is
+# imported: serving/early.py) does not pay for numpy and the core.
 from .errors import (
     ChainConflictError,
     CorruptRecordError,
@@ -28,9 +27,23 @@ from .errors import (
     StoreError,
     StoreFullError,
 )
-from .hashing import as_hashes, hash_blocks
-from .index import Index, open
-from .shards import ShardedIndex, open_shards
+
+_LAZY = {"Match": "answer", "as_hashes": "hashing", "hash_blocks": "hashing",
+         "Index": "index", "open": "index", "ShardedIndex": "shards",
+         "open_shards": "shards"}
+
+
+def __getattr__(name: str):
+    """``sarp.open``, ``sarp.Index`` and the rest, imported at first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sarp' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

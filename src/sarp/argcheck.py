@@ -18,8 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-from .store import check_location, check_shard_name, is_url
-
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose refusal is one line, ``PROG: MESSAGE``, and exit 2 (no
@@ -168,6 +166,8 @@ def _unreadable(text: str) -> str | None:
 def index_location(text: str) -> str:
     """An index: ``valkey://HOST:PORT/NAMESPACE``, an index folder, or a folder that can
     be made (its nearest existing parent a folder this user may write)."""
+    from .store import check_location  # (the store's import at parse time, not at the CLI's)
+
     try:
         check_location(text)
     except ValueError as exc:
@@ -177,7 +177,7 @@ def index_location(text: str) -> str:
 
 def valkey_url(text: str) -> str:
     """A ``valkey://HOST:PORT/NAMESPACE`` URL (its form checked; nothing is reached)."""
-    if not is_url(text):
+    if "://" not in text:
         raise argparse.ArgumentTypeError(f"{text!r} is not a Valkey URL; pass "
                                          "valkey://HOST:PORT/NAMESPACE")
     index_location(text)
@@ -186,6 +186,8 @@ def valkey_url(text: str) -> str:
 
 def shard(text: str) -> str:
     """A shard's name (``--shard``): 1 to 32 characters from [A-Za-z0-9_-]."""
+    from .store import check_shard_name
+
     try:
         check_shard_name(text)
     except ValueError as exc:
@@ -196,7 +198,7 @@ def shard(text: str) -> str:
 def existing_index(text: str) -> str:
     """An index that is there: a URL, or a folder that exists."""
     index_location(text)
-    if not is_url(text) and not Path(text).is_dir():
+    if "://" not in text and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(
             f"{text!r} does not exist; pass an index folder (one `sarp serve` or "
             "`sarp.open` made) or valkey://HOST:PORT/NAMESPACE")

@@ -14,6 +14,20 @@ from .errors import TraceError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    early = None
+    if argv[:1] == ["serve"]:  # its first answers and engines, before numpy is imported
+        from .serving.early import start
+
+        early = start(argv[1:])
+    try:
+        return _main(argv, early)
+    finally:
+        if early is not None:  # (serve's dealer stops the child once the workers run)
+            early.close()
+
+
+def _main(argv: list[str], early) -> int:
     from . import __version__, native
     from .argcheck import Parser
 
@@ -26,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                 _bench_events_parser, _repair_parser, _verify_and_stats_parser):
         add(sub)  # one function per command's options, one per command's run (COMMANDS)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        args.early = early
     if getattr(args, "plot", None) is not None:  # before the run, not after it
         import importlib.util
 
@@ -274,9 +290,13 @@ def _serve(args: argparse.Namespace) -> int:
         # The HTTP workers' zygote, forked before serve's own imports (ZeroMQ, the
         # decoder, the dealer): it imports the HTTP stack meanwhile, and a restart's
         # workers answer sooner (docs/performance.md).  run() stops it, whatever fails.
+        # The core first: the zygote and its workers share its pages with serve.
+        from . import index, store_lmdb  # noqa: F401
         from .serving.workers import start_zygote
 
-        zygote = start_zygote(args.http_workers)
+        early = getattr(args, "early", None)
+        answers = early.answers if early is not None else None
+        zygote = start_zygote(args.http_workers, answers.sockets() if answers else [])
     from .serving.serve import run
 
     try:

@@ -10,16 +10,16 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 25
+#define ABI_VERSION 26
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields, conn, rfc_query, heads): calls so far (conn: requests a
- * Conn answered) */
+ * plain_result, query_fields, conn, rfc_query, heads, xxh3_64): calls so far (conn:
+ * requests a Conn answered) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
@@ -27,7 +27,28 @@ static PyObject *calls(PyObject *self, PyObject *unused) {
                          sarp_calls[CALL_READ_MATCH], sarp_calls[CALL_RFC_ANSWER],
                          sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
                          sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
-                         sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS]);
+                         sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS],
+                         sarp_calls[CALL_XXH3_64]);
+}
+
+/* xxh3_64(data[, seed]) -> int: xxhash's xxh3_64_intdigest (sarp.hashing.checksum), for
+ * code that runs before numpy and xxhash are imported (serving/early.py) */
+static PyObject *xxh3_64(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_64(data, seed=0)");
+        return NULL;
+    }
+    unsigned long long seed = 0;
+    if (nargs == 2) {
+        seed = PyLong_AsUnsignedLongLong(args[1]);
+        if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    sarp_calls[CALL_XXH3_64]++;
+    uint64_t h = XXH3_64bits_withSeed(view.buf, (size_t)view.len, seed);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
 }
 
 static PyMethodDef methods[] = {
@@ -74,10 +95,12 @@ static PyMethodDef methods[] = {
      "or None (sarp.serving.rfc.answer_now)"},
     {"heads", (PyCFunction)(void (*)(void))sarp_heads, METH_FASTCALL,
      "heads(records): each record's check, first hash and holder ids (sarp.segment.heads)"},
+    {"xxh3_64", (PyCFunction)(void (*)(void))xxh3_64, METH_FASTCALL,
+     "xxh3_64(data, seed=0): xxh3-64 of a buffer (sarp.hashing.checksum)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields, conn, rfc_query, heads) calls so far"},
+     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -85,8 +108,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
-    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads); each "
-    "has a Python reference.", -1,
+    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads, xxh3_64); "
+    "each has a Python reference.", -1,
     methods,
 };
 

@@ -1,5 +1,5 @@
-"""The store on LMDB (a folder): :mod:`sarp.store`'s contract, and the only module that
-imports lmdb.
+"""The store on LMDB (a folder): :mod:`sarp.store`'s contract, on the environment
+:mod:`sarp.lmdb_env` (lmdb's door) opens.
 
 The contract's tables (``sarp.store.TABLES``) are named LMDB databases in ``data.mdb``,
 with the keys and values :mod:`sarp.store` gives.  Here: the environment and its locks
@@ -20,9 +20,9 @@ from operator import itemgetter
 from pathlib import Path
 from typing import TypeVar
 
-import lmdb
 import numpy as np
 
+from . import lmdb_env
 from . import snapshot as snapshots
 from .errors import (
     CorruptRecordError,
@@ -110,10 +110,9 @@ class LmdbStore:
             self._release_lock()
             raise
         try:
-            self.env = lmdb.open(str(self.path), map_size=map_size_bytes, max_dbs=8,
-                                 max_readers=max_readers, sync=durability == "sync",
-                                 metasync=durability == "sync", readahead=False, lock=True,
-                                 readonly=readonly, create=not readonly)
+            self.env = lmdb_env.open_env(str(self.path), map_size=map_size_bytes,
+                                         max_readers=max_readers, durability=durability,
+                                         readonly=readonly)
             if readonly:
                 self._open_tables_readonly()
             else:
@@ -122,10 +121,10 @@ class LmdbStore:
                     setattr(self, f"{name}_db", self.env.open_db(name.encode()))
                 self._init_meta()
                 self.release_dead_readers()  # slots a killed process left pin pages
-        except lmdb.ReadersFullError as exc:
+        except lmdb_env.ReadersFullError as exc:
             self.close()
             raise readers_full(self.path, self.max_readers, exc) from exc
-        except lmdb.Error as exc:
+        except lmdb_env.Error as exc:
             self.close()
             if "already open in this process" in str(exc):
                 raise IndexLockedError(
@@ -160,7 +159,7 @@ class LmdbStore:
                 # Without txn=, py-lmdb opens each table in a read transaction of its
                 # own and keeps the handle; a handle opened in our txn would not last.
                 setattr(self, f"{name}_db", self.env.open_db(name.encode(), create=False))
-        except lmdb.NotFoundError:
+        except lmdb_env.NotFoundError:
             raise NotAnIndexError(
                 f"{self.path}: no {name!r} table: not an index yet, or one written before "
                 f"that table was; open it once without readonly=True to add it") from None
@@ -171,14 +170,14 @@ class LmdbStore:
             self.format_version = check_version(version, self.path)
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
 
-    def _begin(self, **kwargs) -> lmdb.Transaction:
+    def _begin(self, **kwargs) -> lmdb_env.Transaction:
         """A read transaction; adopts a map the writer grew, names a full reader table."""
         for _ in range(3):
             try:
                 return self.env.begin(**kwargs)
-            except lmdb.MapResizedError:
+            except lmdb_env.MapResizedError:
                 self.env.set_mapsize(0)  # 0: take the size the writer set
-            except lmdb.ReadersFullError as exc:
+            except lmdb_env.ReadersFullError as exc:
                 raise readers_full(self.path, self.max_readers, exc) from exc
         return self.env.begin(**kwargs)
 
@@ -243,9 +242,9 @@ class LmdbStore:
             try:
                 with self.env.begin(write=True) as txn:
                     return fn(LmdbWriteTxn(self, txn))
-            except lmdb.MapFullError:
+            except lmdb_env.MapFullError:
                 self._grow()
-            except lmdb.Error as exc:
+            except lmdb_env.Error as exc:
                 # LMDB reports a full disk as a failed write (often EIO): the caller gets
                 # StoreFullError; the transaction was aborted, the index is as it was.
                 room = no_room(self.path)
@@ -260,7 +259,7 @@ class LmdbStore:
         new_size = self.env.info()["map_size"] * 2
         try:
             self.env.set_mapsize(new_size)
-        except lmdb.Error as exc:
+        except lmdb_env.Error as exc:
             raise StoreFullError(f"{self.path}: cannot grow map to {new_size} B: {exc}") from exc
 
     def counter(self, name: str) -> int:
@@ -313,7 +312,7 @@ class LmdbReadTxn:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._txn.abort()
         self._txn = None
-        if exc_type is not None and issubclass(exc_type, lmdb.Error):
+        if exc_type is not None and issubclass(exc_type, lmdb_env.Error):
             # A damaged page met while reading: sarp's error, naming the file, not lmdb's.
             raise DamagedIndexError(
                 f"{self._store.path / 'data.mdb'}: reading failed ({exc_type.__name__}: {exc}); "
@@ -384,7 +383,7 @@ class LmdbWriteTxn(WriteLogic):
     __slots__ = ("_store", "txn")
     capabilities = LmdbStore.capabilities
 
-    def __init__(self, store: LmdbStore, txn: lmdb.Transaction) -> None:
+    def __init__(self, store: LmdbStore, txn: lmdb_env.Transaction) -> None:
         self._store = store
         self.txn = txn
 
@@ -559,14 +558,14 @@ def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
     assertion), which is why it runs in a child: the parent knows the last id sent.
     Every id is reported, found or not: ``(seg_id, None)`` when absent.
     """
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
+    env = lmdb_env.open_env(path, readonly=True, lock=False)
     try:
         db = env.open_db(b"segments", create=False)
         txn = env.begin(db=db)
         for seg_id in range(first_id, last_id + 1):
             try:
                 record = txn.get(U64.pack(seg_id))
-            except lmdb.Error:
+            except lmdb_env.Error:
                 record = b""  # this id's page is damaged: unreadable, not absent
                 txn.abort()  # an error leaves the transaction unusable: take a new one
                 txn = env.begin(db=db)
@@ -586,7 +585,7 @@ def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
             packed = HOLDER_ID.pack(holder_id)
             try:
                 value, stored = txn.get(b"i:" + packed), txn.get(b"s:" + packed)
-            except lmdb.Error:
+            except lmdb_env.Error:
                 txn.abort()
                 txn = env.begin(db=holders_db)
                 found[holder_id] = None
@@ -603,7 +602,7 @@ def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
 
 def salvage_meta(path: str, conn) -> None:
     """Send ``(counters, holder names)`` read without trusting anything: for repair."""
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, create=False)
+    env = lmdb_env.open_env(path, readonly=True, lock=False)
     try:
         out: dict = {"next_seg_id": None, "names": {}}
         meta = None
@@ -612,7 +611,7 @@ def salvage_meta(path: str, conn) -> None:
             with env.begin(db=meta) as txn:
                 raw = txn.get(b"next_seg_id")
                 out["next_seg_id"] = U64.unpack(raw)[0] if raw else None
-        except lmdb.Error:
+        except lmdb_env.Error:
             pass
         try:
             holders = env.open_db(b"holders", create=False)
@@ -620,7 +619,7 @@ def salvage_meta(path: str, conn) -> None:
                 raw = txn.get(b"next_holder_id", db=meta)
             count = U64.unpack(raw)[0] if raw else MAX_HOLDERS
             out["names"] = _salvage_names(env, holders, min(count, MAX_HOLDERS))
-        except lmdb.Error:
+        except lmdb_env.Error:
             pass
         conn.send(out)
     finally:

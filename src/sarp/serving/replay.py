@@ -19,6 +19,7 @@ import zmq
 
 from ..hashing import checksum
 from .applier import RateLimitedLog
+from .early import sub_socket
 from .sources import Fingerprint, Source
 
 log = logging.getLogger("sarp.subscriber")
@@ -111,18 +112,11 @@ class ReplayJobs:
 
     def _connect(self, source: Source) -> None:
         """Its SUB socket and monitor; OSError, nothing left open, when out of sockets."""
-        opened = []
+        adopted = self._adopt.pop(source.endpoint, None)  # connected before serve's imports
         try:
-            opened.append(sock := self._ctx.socket(zmq.SUB))
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-            opened.append(monitor := sock.get_monitor_socket(zmq.EVENT_CONNECTED
-                                                             | zmq.EVENT_DISCONNECTED))
-            sock.connect(source.endpoint)
+            sock, monitor = adopted or sub_socket(self._ctx, source.endpoint,
+                                                  self.max_frame_bytes)
         except zmq.ZMQError as exc:
-            for s in opened:
-                s.close(linger=0)
             raise OSError(exc.errno, f"no sockets for engine {source.key} ({exc}), "
                           f"{len(self._subs)} followed: raise serve's open-files limit "
                           "(LimitNOFILE in its systemd unit, ulimit -n)") from None

@@ -37,6 +37,7 @@ STATUS_EVERY_S = 0.5
 # restart after a burst then loads it and replays a short log, where it rebuilt the
 # directory from every segment (0.13 s at 10,000 segments, in serve and in each worker).
 IDLE_SNAPSHOT_CHANGES = 1000
+QUIET_SNAPSHOT_S = 2.0  # ... and after any change, once the last is this old
 TRIM_EVERY_S = 1.0  # freed heap memory handed back at most this often (_trim_malloc)
 # Python's collector looks for cycles in the young objects after every YOUNG_OBJECTS
 # allocations net (700 by default): the subscriber's loop makes a few dozen short-lived
@@ -98,7 +99,9 @@ def run(args: argparse.Namespace, zygote=None) -> int:
             # forked while serve is its imports and nothing else (no thread, no index)
             zygote = zygote or start_zygote(args.http_workers)
             # listen before the index opens: a port in use stops serve, nothing changed
-            dealer = ConnectionDealer(host, port, args.http_workers, zygote.heartbeats)
+            early = getattr(args, "early", None)
+            dealer = ConnectionDealer(host, port, args.http_workers, zygote.heartbeats,
+                                      early.answers if early is not None else None)
         return _signalled(args, sources, dealer, zygote)
     finally:
         if dealer is not None:
@@ -170,7 +173,9 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
             # the workers open the index and answer while the subscriber is built
             service = _start_http(args, dealer, zygote, status_dir)
         try:  # built once the workers are asked for (they start meanwhile)
-            subscriber = Subscriber(index, sources,
+            early = getattr(args, "early", None)  # the engines' sockets, connected early
+            adopt = {} if early is None else early.take_engines(args.max_frame_bytes)
+            subscriber = Subscriber(index, sources, adopt=adopt,
                                     replay_idle_timeout_s=args.replay_idle_timeout_s,
                                     probe_after_s=args.probe_after_s or None,
                                     dead_after_s=args.dead_after_s,
@@ -234,12 +239,17 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             due = now - last_snapshot >= args.snapshot_every_s
             if busy_since_snapshot and not applied and now - last_snapshot >= 1.0:
                 # idle after work: snapshot now if the work changed a tenth of the
-                # directory (a snapshot costs a pass over it) or IDLE_SNAPSHOT_CHANGES
-                busy_since_snapshot = 0
+                # directory (a snapshot costs a pass over it) or IDLE_SNAPSHOT_CHANGES,
+                # or any of it once the last is QUIET_SNAPSHOT_S old (a restart's first
+                # answers need a snapshot of the store's state: serving/early.py)
                 with contextlib.suppress(StoreError):  # the store is away: not now
                     stats = index.stats()
-                    due = due or stats["changes_since_snapshot"] >= max(
-                        IDLE_SNAPSHOT_CHANGES, stats["directory_entries"] // 10)
+                    changed = stats["changes_since_snapshot"]
+                    due = due or changed >= max(IDLE_SNAPSHOT_CHANGES,
+                                                stats["directory_entries"] // 10) or (
+                        changed > 0 and now - last_snapshot >= QUIET_SNAPSHOT_S)
+                    if not changed:
+                        busy_since_snapshot = 0
             if due:
                 try:
                     index.snapshot()

@@ -59,6 +59,7 @@ import zmq
 
 from ..errors import StoreError
 from .applier import Applier, holder_name
+from .early import close_engines, zmq_context
 from .events import BadEvent, Batch, decode
 from .hashcheck import HashCheck
 from .replay import Job, ReplayJobs, fault_log, frame_digest, parse_frames, recv_message
@@ -101,6 +102,8 @@ class Subscriber(ReplayJobs):
     long the first batch queued waits for more before its commit, when it came within
     that of the last commit (a small commit costs LMDB about as many page writes per
     event as one of hundreds shares); 0, or a batch after a quiet spell: at once.
+    ``adopt``: SUB sockets connected before (``early.connect_engines``), used for the
+    sources of their endpoints; the rest closed.
 
     A replay never blocks the loop: it runs as the source's job, fed by :meth:`poll`
     as its frames arrive, while every other source is followed.
@@ -123,6 +126,7 @@ class Subscriber(ReplayJobs):
         hash_check: HashCheck | None = None,
         max_sources: int | None = None,
         commit_wait_ms: float = COMMIT_WAIT_MS,
+        adopt: dict | None = None,
     ) -> None:
         if isinstance(commit_wait_ms, bool) or not isinstance(commit_wait_ms, int | float) \
                 or not 0 <= commit_wait_ms <= MAX_BATCH_MS:
@@ -147,10 +151,7 @@ class Subscriber(ReplayJobs):
         self.index = index
         self.sources = {s.key: s for s in sources}
         self.replay_idle_timeout_s = replay_idle_timeout_s
-        self._ctx = context or zmq.Context.instance()
-        # ZeroMQ's default, 1,023 sockets, held about 250 engines (effective before the
-        # context's first socket: serve's case)
-        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
+        self._ctx = zmq_context(context)
         self.state: dict[str, Fingerprint] = load_fingerprints(index)  # applied or queued
         self._committed: dict[str, Fingerprint] = dict(self.state)  # what subscriber.json says
         self._dirty: dict[str, Fingerprint] = {}  # queued, not yet committed
@@ -192,8 +193,12 @@ class Subscriber(ReplayJobs):
         self._sub_of: dict[str, zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
-        for source in sources:
-            self._connect(source)
+        self._adopt = adopt if adopt is not None else {}  # endpoint -> (socket, monitor)
+        try:
+            for source in sources:
+                self._connect(source)
+        finally:  # sockets connected before, for sources no longer followed
+            close_engines(self._adopt)
 
     # -- engines that come and go -----------------------------------------------------------
 

@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -101,7 +102,9 @@ class ConnectionDealer:
     Cost: one accept and one ``sendmsg`` per connection, on a thread of serve.
 
     ``heartbeats``: the workers' stamps (:class:`Heartbeats`; default: a new
-    anonymous map).
+    anonymous map).  ``first``: serve's first answers (``early.FirstAnswers``), whose
+    listener this takes; the dealing thread stops that child once every worker's loop
+    has stamped its slot (or after ``HttpService.STARTUP_S``), then accepts.
 
     >>> dealer = ConnectionDealer("127.0.0.1", 0, workers=2)
     >>> len(dealer.worker_ends), dealer.listener.getsockname()[0]
@@ -110,11 +113,15 @@ class ConnectionDealer:
     """
 
     def __init__(self, host: str, port: int, workers: int,
-                 heartbeats: Heartbeats | None = None) -> None:
+                 heartbeats: Heartbeats | None = None, first=None) -> None:
+        self._first = first
         try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)[0][0]
-            self.listener = socket.create_server((host, port), family=family, backlog=1024)
+            listener = first.listener_for(host, port) if first is not None else None
+            if listener is None:
+                family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                            flags=socket.AI_PASSIVE)[0][0]
+                listener = socket.create_server((host, port), family=family, backlog=1024)
+            self.listener = listener
         except OSError as exc:
             raise ValueError(f"--http {host}:{port}: cannot listen there ({exc}); pick a free "
                              "port, or stop what holds it") from exc
@@ -152,6 +159,8 @@ class ConnectionDealer:
         from .applier import RateLimitedLog
 
         faults = RateLimitedLog(log)
+        if self._first is not None:
+            self._hand_over()
         while True:
             try:
                 conn, _ = self.listener.accept()
@@ -185,6 +194,15 @@ class ConnectionDealer:
                 else:
                     log.error("sarp: no HTTP worker is left; connection refused")
 
+    def _hand_over(self) -> None:
+        """Wait for every worker's first stamp (its loop runs), then stop the first
+        answers' child and take the listener: one process accepts at a time."""
+        deadline = time.monotonic() + HttpService.STARTUP_S
+        while not self._closing and time.monotonic() < deadline and not all(
+                self.heartbeats[k] > 0 for k in range(len(self.heartbeats))):
+            time.sleep(0.002)
+        self._first.stop()
+
     def _pick(self) -> int:
         """The next live worker in turn whose loop stamped its slot lately (one that
         stopped answering, SIGSTOP or a long request, gets nothing new); any live one
@@ -214,6 +232,8 @@ class ConnectionDealer:
     def close(self) -> None:
         """Stop accepting, and tell the workers (their socket pairs close)."""
         self._closing = True
+        if self._first is not None:
+            self._first.stop()
         with contextlib.suppress(OSError):  # closed already
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
         self.listener.close()
@@ -259,6 +279,7 @@ class Zygote:
                 ours.close()
                 for sock in close_in_child:
                     sock.close()
+                _close_inherited(keep=theirs.fileno())
                 # the workers' modules (the event loop, the HTTP stack), imported
                 # here while serve imports its own and opens the index
                 from .http import import_for_workers
@@ -296,13 +317,30 @@ class Zygote:
             os.waitpid(self.pid, 0)
 
 
-def start_zygote(workers: int) -> Zygote:
+def _close_inherited(keep: int) -> None:
+    """Close every descriptor this process was forked with but its standard streams,
+    ``keep`` and open files (the heartbeats' map): the sockets, pipes and event
+    descriptors ZeroMQ opened in serve above all (the engines' connections, made
+    before serve's imports: serving/early.py), which a copy here would keep open after
+    serve closed them.  (Their Python objects are never collected here: the zygote and
+    its workers end in ``os._exit``; pyzmq's skip a forked child.)"""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2 or fd == keep:
+            continue
+        with contextlib.suppress(OSError):  # (the listing's own, closed already)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+
+
+def start_zygote(workers: int, close_in_child: list[socket.socket] | None = None) -> Zygote:
     """serve's zygote for ``workers`` HTTP workers, forked now: with a new metrics
-    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer).
+    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer);
+    ``close_in_child``: serve's sockets it must not keep (the first answers').
     Cost: a fork, and about 50 ms of imports in the zygote, beside serve."""
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
     beats = Heartbeats(os.path.join(metrics_dir, "heartbeats"), workers)
-    return Zygote([], beats, metrics_dir=metrics_dir)
+    return Zygote(list(close_in_child or []), beats, metrics_dir=metrics_dir)
 
 
 def _zygote_loop(control: socket.socket, heartbeats) -> None:
