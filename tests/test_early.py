@@ -114,7 +114,7 @@ def test_the_command_line_and_the_first_answers_import_neither_numpy_nor_zmq():
 
 
 def test_what_the_first_answers_copy_is_what_they_mirror(tmp_path):
-    from sarp import snapshot
+    from sarp import directory, snapshot
     from sarp.hashing import checksum
     from sarp.serving import rfc
     from sarp.tokenkeys import DEFAULT_TENANT, SEED, model_root
@@ -122,6 +122,7 @@ def test_what_the_first_answers_copy_is_what_they_mirror(tmp_path):
     assert (early.SEED, early.DEFAULT_TENANT) == (SEED, DEFAULT_TENANT)
     assert early.MAX_QUERY_BLOCKS == rfc.MAX_QUERY_BLOCKS
     assert early.SNAPSHOT_FILE == snapshot.SNAPSHOT_FILE
+    assert early.HOT_ENTRIES == directory.HOT_ENTRIES
     assert early._HEADER.format == snapshot._HEADER.format
     rng = random.Random(3)
     with native.Tally() as tally:

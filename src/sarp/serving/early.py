@@ -73,6 +73,7 @@ MAX_BODY_BYTES = 1 << 20  # a larger /query is the workers' (503 here)
 STOP_S = 1.0  # the child's time to stop accepting once asked, then SIGKILL
 DRAIN_S = 0.5  # ... and to answer what its open connections ask meanwhile
 SWEEP_S = 0.1  # time bounds and serve's life checked this often
+HOT_ENTRIES = 1 << 16  # directory lookups remembered (directory.HOT_ENTRIES)
 # as tokenkeys.SEED, tokenkeys.DEFAULT_TENANT and rfc.MAX_QUERY_BLOCKS (those modules
 # import numpy; tests/test_early.py holds them equal)
 SEED = 1337
@@ -321,7 +322,9 @@ class _Directory:
     def lookup(self, first_hash: int) -> int | None:
         i = bisect.bisect_left(self.keys, first_hash)
         if i < len(self.keys) and self.keys[i] == first_hash:
-            self.hot[first_hash] = seg = self.segs[i]
+            seg = self.segs[i]
+            if len(self.hot) < HOT_ENTRIES:
+                self.hot[first_hash] = seg
             return seg
         return None
 
@@ -359,10 +362,17 @@ class Loaded:
         folders.check_data_file(folder / "data.mdb")
         self.env = lmdb_env.open_env(str(folder), readonly=True)
         try:
-            tables = {n: self.env.open_db(n, create=False)
-                      for n in (b"segments", b"meta", b"holders")}
+            self._load(folder)
         except lmdb_env.Error as exc:
+            self.close()
             raise Unusable(f"{folder}: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, folder: Path) -> None:
+        tables = {n: self.env.open_db(n, create=False)
+                  for n in (b"segments", b"meta", b"holders")}
         self.meta = tables[b"meta"]
         with self.env.begin(db=self.meta) as txn:
             self.index_id = _bytes(txn.get(b"index_id"))
