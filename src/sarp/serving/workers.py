@@ -279,6 +279,7 @@ class Zygote:
                 ours.close()
                 for sock in close_in_child:
                     sock.close()
+                gc.freeze()  # (nothing of serve's is collected here: see below)
                 _close_inherited(keep=theirs.fileno())
                 # the workers' modules (the event loop, the HTTP stack), imported
                 # here while serve imports its own and opens the index
@@ -322,8 +323,10 @@ def _close_inherited(keep: int) -> None:
     ``keep`` and open files (the heartbeats' map): the sockets, pipes and event
     descriptors ZeroMQ opened in serve above all (the engines' connections, made
     before serve's imports: serving/early.py), which a copy here would keep open after
-    serve closed them.  (Their Python objects are never collected here: the zygote and
-    its workers end in ``os._exit``; pyzmq's skip a forked child.)"""
+    serve closed them.  (Their Python objects are never collected here, so never
+    close a descriptor number taken since: what the zygote was forked with is frozen
+    out of the collector first, and the zygote and its workers end in ``os._exit``;
+    pyzmq's skip a forked child.)"""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd <= 2 or fd == keep:
