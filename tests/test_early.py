@@ -1,4 +1,5 @@
-"""serve's first milliseconds (serving/early.py): the command line imports no numpy;
+"""serve's first milliseconds (serving/early.py, serving/first.py): the command line
+imports no numpy;
 the first answers' child answers ``/query`` from the index on disk byte for byte as
 the workers do, 503 for the rest and once the writer commits, and leaves when told
 or when serve is gone; the engines' sockets connected before serve's imports are
@@ -23,14 +24,14 @@ from test_subscriber import chains, engine
 
 import sarp
 from sarp import native
-from sarp.serving import early
+from sarp.serving import early, first
 from sarp.serving.events import _tokens_of
 
 pytestmark = pytest.mark.skipif(native.C is None, reason="the first answers need sarp._native")
 
 HELPER = """
 import json, sys
-from sarp.serving import early
+from sarp.serving import early, first
 made = early.start(sys.argv[1:])
 print(json.dumps({"pid": made.answers.pid if made and made.answers else None,
                   "engines": sorted(made.engines) if made else []}), flush=True)
@@ -57,39 +58,61 @@ def query(tokens: list[int], model: str = "llama") -> bytes:
 
 
 def snapshot_covers_the_store(ix: Path) -> bool:
+    """Does the snapshot's watermark equal the store's next sequence?"""
+    from sarp.store_lmdb import LmdbStore
+
+    with open(ix / "directory.snap", "rb") as f:
+        watermark = first._HEADER.unpack(f.read(first._HEADER.size))[4]
+    store = LmdbStore(ix, readonly=True)
     try:
-        loaded = early.Loaded(ix)
-    except early.Unusable:
-        return False
-    loaded.close()
-    return True
+        return watermark == store.counter("next_seq")
+    finally:
+        store.close()
 
 
 @pytest.fixture
 def served(tmp_path):
-    """An index a serve with HTTP left (SIGKILLed once its quiet snapshot covered the
-    store), an engine of model llama, and the workers' answers to some queries."""
+    """An index a serve with HTTP left, SIGKILLed while its log ran past its last
+    snapshot (more work applied after the snapshot); an engine of model llama; and
+    the workers' answers to queries on both the work the snapshot holds and the work
+    only the log after it holds."""
     eng = engine("7")
-    work = chains(21, 6)
+    work, more = chains(21, 6), chains(22, 4)
     ix = tmp_path / "ix"
     spec = f"7={eng.publisher.endpoint},{eng.publisher.replay_endpoint}"
-    asked = [query(_tokens_of(c) + [5, 6]) for c in work] + [query(_tokens_of(work[0][:4]))]
+    asked = [query(_tokens_of(c) + [5, 6]) for c in work + more]
+    asked.append(query(_tokens_of(work[0][:4])))
     try:
         for chain in work:
             eng.serve(chain)
         with Serve(ix, [spec], "--model-name", "llama", "--block-size", "16") as serve:
             serve.wait_ready()
-            serve.wait_for(lambda: all(b'"7"' in raw(serve.port, "POST", "/query", q)[2]
-                                       for q in asked), what="the engine's blocks")
+
+            def answered(chains_: list) -> bool:
+                return all(b'"7"' in raw(serve.port, "POST", "/query", query(_tokens_of(c)))[2]
+                           for c in chains_)
+
+            serve.wait_for(lambda: answered(work), what="the engine's blocks")
             # serve writes a snapshot at an idle poll once the last is 2 s old
             serve.wait_for(lambda: snapshot_covers_the_store(ix), timeout_s=20,
                            what="a snapshot of the store's state")
+            for chain in more:  # then more work, only in the log when serve is killed
+                eng.serve(chain)
+            serve.wait_for(lambda: answered(more), what="the engine's later blocks")
             before = {q: raw(serve.port, "POST", "/query", q)[2] for q in asked}
             serve.proc.kill()
             serve.proc.wait(10)
+        assert not snapshot_covers_the_store(ix)  # (the log runs past the snapshot)
         yield ix, eng, spec, before
     finally:
         eng.publisher.close()
+
+
+def writer(call: str, ix: Path) -> None:
+    """``call`` on the index at ``ix`` opened as its writer, in a process that then
+    exits as if killed (no snapshot, no log trimmed at a close)."""
+    subprocess.run([sys.executable, "-c", f"import os, sys, sarp; ix = sarp.open(sys.argv[1]);"
+                    f" {call}; os._exit(0)", str(ix)], check=True, timeout=60)
 
 
 def helper(args: list[str]) -> tuple[subprocess.Popen, dict]:
@@ -114,16 +137,19 @@ def test_the_command_line_and_the_first_answers_import_neither_numpy_nor_zmq():
 
 
 def test_what_the_first_answers_copy_is_what_they_mirror(tmp_path):
-    from sarp import directory, snapshot
+    from sarp import directory, segment, snapshot, store
     from sarp.hashing import checksum
     from sarp.serving import rfc
     from sarp.tokenkeys import DEFAULT_TENANT, SEED, model_root
 
-    assert (early.SEED, early.DEFAULT_TENANT) == (SEED, DEFAULT_TENANT)
-    assert early.MAX_QUERY_BLOCKS == rfc.MAX_QUERY_BLOCKS
-    assert early.SNAPSHOT_FILE == snapshot.SNAPSHOT_FILE
-    assert early.HOT_ENTRIES == directory.HOT_ENTRIES
-    assert early._HEADER.format == snapshot._HEADER.format
+    assert (first.SEED, first.DEFAULT_TENANT) == (SEED, DEFAULT_TENANT)
+    assert first.MAX_QUERY_BLOCKS == rfc.MAX_QUERY_BLOCKS
+    assert first.SNAPSHOT_FILE == snapshot.SNAPSHOT_FILE
+    assert first.HOT_ENTRIES == directory.HOT_ENTRIES
+    assert (first._HEADER_BYTES, first._LOG.format) == (segment.HASHES_AT,
+                                                        store.LOG_VALUE.format)
+    assert segment.MAGIC == b"SG" and segment.RECORD_VERSION == 1
+    assert first._HEADER.format == snapshot._HEADER.format
     rng = random.Random(3)
     with native.Tally() as tally:
         for n in (0, 1, 7, 64, 1000):
@@ -137,13 +163,15 @@ def test_what_the_first_answers_copy_is_what_they_mirror(tmp_path):
                {"name": "9", "model": None, "block_size": None}]
     mirrored = rfc.models_of(engines)
     (tmp_path / "serve-status.json").write_text(json.dumps({"engines": engines}))
-    ours = early.models_of(tmp_path)
+    ours = first.models_of(tmp_path)
     assert ours.keys() == mirrored.keys() == {("m", "t")}
     assert (ours["m", "t"].block_size, ours["m", "t"].root, ours["m", "t"].ranks) == (
         16, model_root("m", "t"), mirrored["m", "t"].ranks)
 
 
-def test_the_first_answers_are_the_workers_and_stop_once_the_writer_commits(served):
+def test_the_first_answers_are_the_workers_and_follow_the_writer(served):
+    """From the snapshot and the log after it, byte for byte the workers' answers;
+    caught up again at each query after a writer's commit."""
     ix, _, _, before = served
     port = free_port()
     proc, made = helper(["--index", str(ix), "--http", f"127.0.0.1:{port}"])
@@ -162,10 +190,16 @@ def test_the_first_answers_are_the_workers_and_stop_once_the_writer_commits(serv
             status, head, body = raw(port, *refused)
             assert (status, head["Retry-After"], json.loads(body)["field"]) == (
                 503, "1", "service"), refused
-        # the writer commits: what the child loaded is no longer the store's state
+        # a writer clears the engine (and is killed: no snapshot): the next answers are
+        # caught up with it, from the log
+        writer("ix.clear('7#0')", ix)
+        for q in before:
+            status, _, body = raw(port, "POST", "/query", q)
+            assert status == 200 and json.loads(body)["scores"] == {}, body
+        # a snapshot that trims the log past the child's: it answers no more
         with sarp.open(ix, durability="nosync") as index:
-            index.insert([11, 12], holder="w9")
-        assert all(raw(port, "POST", "/query", q)[0] == 503 for q in before)
+            index.insert([15, 16], holder="w9")
+        assert {raw(port, "POST", "/query", q)[0] for q in before} == {503}
     finally:
         proc.stdin.write("\n")
         proc.stdin.flush()
@@ -191,14 +225,15 @@ def test_the_first_answers_ask_for_the_token_and_leave_when_serve_is_gone(served
     wait_until(lambda: gone(made["pid"]), 5, lambda: "the child outlived serve")
 
 
-def test_no_child_without_a_snapshot_of_the_store_and_it_declines_a_stale_one(served):
-    ix, _, _, _ = served
+def test_no_answers_without_a_snapshot_the_log_still_reaches(served):
+    ix, _, _, before = served
+    stale = (ix / "directory.snap").read_bytes()
+    with sarp.open(ix, durability="nosync") as index:  # a snapshot, and the log trimmed
+        index.insert([13, 14], holder="w9")
+    (ix / "directory.snap").write_bytes(stale)  # the older snapshot back
     port = free_port()
-    # a commit after the snapshot, and no snapshot at a close (a writer killed)
-    subprocess.run([sys.executable, "-c", "import os, sarp; ix = sarp.open(os.sys.argv[1]); "
-                    "ix.insert([13, 14], holder='w9'); os._exit(0)", str(ix)], check=True)
     proc, made = helper(["--index", str(ix), "--http", f"127.0.0.1:{port}"])
-    try:  # it loaded, found the snapshot behind the log, and left without accepting
+    try:  # it loaded, found the log trimmed past the snapshot, and left, accepting nothing
         wait_until(lambda: gone(made["pid"]), 5, lambda: "the child stayed")
     finally:
         proc.stdin.write("\n")

@@ -241,7 +241,7 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 # idle after work: snapshot now if the work changed a tenth of the
                 # directory (a snapshot costs a pass over it) or IDLE_SNAPSHOT_CHANGES,
                 # or any of it once the last is QUIET_SNAPSHOT_S old (a restart's first
-                # answers need a snapshot of the store's state: serving/early.py)
+                # answers start from a snapshot and replay the log: serving/early.py)
                 with contextlib.suppress(StoreError):  # the store is away: not now
                     stats = index.stats()
                     changed = stats["changes_since_snapshot"]
