@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from servekit import Serve, free_port, wait_until
+from servekit import Serve, applied, free_port, wait_until
 from test_subscriber import chains, engine
 
 import sarp
@@ -88,17 +88,17 @@ def served(tmp_path):
         with Serve(ix, [spec], "--model-name", "llama", "--block-size", "16") as serve:
             serve.wait_ready()
 
-            def answered(chains_: list) -> bool:
-                return all(b'"7"' in raw(serve.port, "POST", "/query", query(_tokens_of(c)))[2]
-                           for c in chains_)
-
-            serve.wait_for(lambda: answered(work), what="the engine's blocks")
+            serve.wait_for(lambda: all(b'"7"' in raw(serve.port, "POST", "/query",
+                                                     query(_tokens_of(c)))[2] for c in work),
+                           what="the engine's blocks")
             # serve writes a snapshot at an idle poll once the last is 2 s old
             serve.wait_for(lambda: snapshot_covers_the_store(ix), timeout_s=20,
                            what="a snapshot of the store's state")
             for chain in more:  # then more work, only in the log when serve is killed
                 eng.serve(chain)
-            serve.wait_for(lambda: answered(more), what="the engine's later blocks")
+            last = eng.publisher.next_seq - 1  # (its evictions too: all of it applied)
+            serve.wait_for(lambda: max((applied(ix) or {0: -1}).values()) >= last,
+                           what="the engine's later batches")
             before = {q: raw(serve.port, "POST", "/query", q)[2] for q in asked}
             serve.proc.kill()
             serve.proc.wait(10)
