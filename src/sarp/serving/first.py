@@ -357,7 +357,7 @@ def serve_first(listener: socket.socket, control: socket.socket, folder: Path,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # serve stops us (a Ctrl-C hits both)
     try:
         loaded = Loaded(folder)
-    except Exception:  # noqa: BLE001 - no snapshot of this state: the workers answer
+    except Exception:  # noqa: BLE001 - no snapshot the log reaches: the workers answer
         return
     c, models, reading = native.C, loaded.models, loaded.reading
     bearer = None if token is None else b"Bearer " + token.encode()
