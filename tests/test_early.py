@@ -137,7 +137,7 @@ def test_the_command_line_and_the_first_answers_import_neither_numpy_nor_zmq():
 
 
 def test_what_the_first_answers_copy_is_what_they_mirror(tmp_path):
-    from sarp import directory, segment, snapshot, store
+    from sarp import directory, snapshot, store
     from sarp.hashing import checksum
     from sarp.serving import rfc
     from sarp.tokenkeys import DEFAULT_TENANT, SEED, model_root
@@ -146,9 +146,7 @@ def test_what_the_first_answers_copy_is_what_they_mirror(tmp_path):
     assert first.MAX_QUERY_BLOCKS == rfc.MAX_QUERY_BLOCKS
     assert first.SNAPSHOT_FILE == snapshot.SNAPSHOT_FILE
     assert first.HOT_ENTRIES == directory.HOT_ENTRIES
-    assert (first._HEADER_BYTES, first._LOG.format) == (segment.HASHES_AT,
-                                                        store.LOG_VALUE.format)
-    assert segment.MAGIC == b"SG" and segment.RECORD_VERSION == 1
+    assert first._LOG.format == store.LOG_VALUE.format
     assert first._HEADER.format == snapshot._HEADER.format
     rng = random.Random(3)
     with native.Tally() as tally:
@@ -239,6 +237,14 @@ def test_no_answers_without_a_snapshot_the_log_still_reaches(served):
         proc.stdin.write("\n")
         proc.stdin.flush()
         proc.wait(10)
+    # a damaged snapshot (the log reaching it again): refused at its checksum
+    with sarp.open(ix, durability="nosync") as index:
+        index.insert([19, 20], holder="w9")  # (closing writes a snapshot the log reaches)
+    damaged = bytearray((ix / "directory.snap").read_bytes())
+    damaged[70] ^= 1  # a directory key's byte
+    (ix / "directory.snap").write_bytes(bytes(damaged))
+    with pytest.raises(first.Unusable, match="checksum"):
+        first.Loaded(ix)
     (ix / "directory.snap").unlink()
     proc, made = helper(["--index", str(ix), "--http", f"127.0.0.1:{port}"])
     proc.stdin.write("\n")
@@ -326,3 +332,30 @@ def test_a_restart_after_kill_9_answers_right_or_503_and_its_zygote_holds_no_eng
                   .read_text().split()]
         for pid in zygote + worker_pids(serve.pid):
             assert pub_port not in _tcp_peers(pid), pid
+
+
+def test_the_first_answers_read_holder_names_as_the_store_does(tmp_path):
+    """The child's names (``first._holder_names``) are ``Holders``' of the store's: a
+    name whose checksum fails is left out by both."""
+    import lmdb
+
+    from sarp.holders import Holders
+    from sarp.store_lmdb import LmdbStore
+
+    ix = tmp_path / "ix"
+    with sarp.open(ix, durability="nosync") as index:
+        for i, (holder, medium) in enumerate([("w1", "GPU"), ("w2", "CPU"), ("w3", "GPU")]):
+            index.insert([100 + i, 200 + i], holder=holder, medium=medium)
+    env = lmdb.open(str(ix), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"holders")) as txn:
+        key = next(k for k, v in txn.cursor() if k.startswith(b"i:") and v.startswith(b"w2"))
+        txn.put(b"s:" + key[2:], b"\0" * 8)  # w2's sum no longer matches
+    env.close()
+    loaded = first.Loaded(ix)
+    ours = dict(loaded.holders.names)
+    loaded.close()
+    store = LmdbStore(ix, readonly=True)
+    with store.read() as r:
+        theirs = Holders(r.holder_names()).names
+    store.close()
+    assert ours == theirs and len(ours) == 2 and ("w2", "CPU") not in ours.values()

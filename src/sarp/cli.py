@@ -294,9 +294,8 @@ def _serve(args: argparse.Namespace) -> int:
         from . import index, store_lmdb  # noqa: F401
         from .serving.workers import start_zygote
 
-        early = getattr(args, "early", None)
-        answers = early.answers if early is not None else None
-        zygote = start_zygote(args.http_workers, answers.sockets() if answers else [])
+        # (it closes what it inherits: the first answers' sockets, the engines')
+        zygote = start_zygote(args.http_workers)
     from .serving.serve import run
 
     try:

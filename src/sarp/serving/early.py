@@ -111,10 +111,6 @@ class FirstAnswers:
             if self.listener.fileno() >= 0:
                 self.listener.setblocking(True)
 
-    def sockets(self) -> list[socket.socket]:
-        """What a process forked after this one must close (the zygote)."""
-        return [self.listener, self.control]
-
 
 class Early:
     """What :func:`start` made before serve's imports: the first answers' child (or

@@ -38,9 +38,7 @@ MAX_QUERY_BLOCKS = 1 << 18
 SNAPSHOT_FILE = "directory.snap"  # as snapshot.SNAPSHOT_FILE, whose layout is read here
 _HEADER = struct.Struct("<8sII16sQQQQ")
 _U64_BE = struct.Struct(">Q")
-_HEADER_BYTES = 24  # a segment record's header (segment.HASHES_AT)
 _LOG = struct.Struct("<IQ")  # a log entry: segment id, first hash (store.LOG_VALUE)
-_SEGMENT = struct.Struct("<2sBBH")  # a record's magic, version, flags, blocks
 _STARTING = json.dumps({"error": "sarp serve is starting: this request is answered once its "
                         "HTTP workers are up (in well under a second); try again",
                         "field": "service"}).encode()
@@ -166,7 +164,8 @@ class Loaded:
         watermark (``recovery.replay_log``'s rules: a segment logged several times is
         read once; an entry whose id no longer starts with its hash goes).  Unusable for
         a log trimmed past the watermark, a hole, or a watermark ahead of the store.
-        Cost: a log entry's read and a dict operation each, a record read per segment.
+        Cost: a log entry's read and a dict operation each, a record read per segment,
+        their checks in one C call.
         """
         mark, directory = self._watermark, self.directory
         if not _counter(txn.get(b"log_trimmed_upto", db=self.meta)) <= mark <= newest:
@@ -186,12 +185,15 @@ class Loaded:
         if seq < newest:
             raise Unusable(f"log entries {seq + 1}..{newest} are missing")
         segments = self.tables[b"segments"]
-        for seg_id, logged in latest.items():
-            first = _first_hash(txn.get(_U64_BE.pack(seg_id), db=segments))
+        # each record checked as recovery.replay checks it: one C call (segment.heads)
+        firsts, states, _, _ = native.C.heads(
+            [txn.get(_U64_BE.pack(seg_id), db=segments) for seg_id in latest])
+        for (seg_id, logged), first, state in zip(latest.items(), memoryview(firsts).cast("Q"),
+                                                  memoryview(states).cast("b"), strict=True):
             for first_hash in logged:
-                if first_hash != first:
+                if state <= 0 or first_hash != first:  # gone or damaged, or another chain
                     directory.remove(first_hash, seg_id)
-            if first is not None:
+            if state > 0:
                 directory.add(first, seg_id)
         self._watermark = max(seq, newest)
 
@@ -229,19 +231,6 @@ def _bytes(value) -> bytes:
 
 def _counter(value) -> int:  # store.counter_value: 8 bytes BE, absent 0
     return 0 if value is None else _U64_BE.unpack(value)[0]
-
-
-def _first_hash(record) -> int | None:
-    """A segment record's first hash; None when absent or damaged (its magic, version,
-    size or checksum: ``segment.head``'s checks that matter to a route; the walk
-    checks the whole record it reads)."""
-    if record is None or len(record) < _HEADER_BYTES + 16:
-        return None
-    magic, version, _, n = _SEGMENT.unpack_from(record)
-    tail = struct.unpack_from("<Q", record, len(record) - 8)[0]
-    if magic != b"SG" or version != 1 or n == 0 or native.C.xxh3_64(record[:-8]) != tail:
-        return None
-    return struct.unpack_from("<Q", record, _HEADER_BYTES)[0]
 
 
 def _snapshot(path: Path) -> memoryview:

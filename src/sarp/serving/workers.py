@@ -336,14 +336,13 @@ def _close_inherited(keep: int) -> None:
                 os.close(fd)
 
 
-def start_zygote(workers: int, close_in_child: list[socket.socket] | None = None) -> Zygote:
+def start_zygote(workers: int) -> Zygote:
     """serve's zygote for ``workers`` HTTP workers, forked now: with a new metrics
-    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer);
-    ``close_in_child``: serve's sockets it must not keep (the first answers').
+    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer).
     Cost: a fork, and about 50 ms of imports in the zygote, beside serve."""
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
     beats = Heartbeats(os.path.join(metrics_dir, "heartbeats"), workers)
-    return Zygote(list(close_in_child or []), beats, metrics_dir=metrics_dir)
+    return Zygote([], beats, metrics_dir=metrics_dir)
 
 
 def _zygote_loop(control: socket.socket, heartbeats) -> None:
