@@ -11,9 +11,10 @@ fresh service:
    stream published as fast as the engines can send it, timed to the moment the
    service answers every engine's last batch (a marker block);
 2. **HTTP**: 8 asyncio clients on keep-alive connections send ``/query`` for
-   ``--http-s`` seconds (requests drawn from the trace), requests/s and latency
-   p50/p99; then the same with wrk (a C load generator, 2 threads, 8 connections),
-   where it is installed (Debian's ``wrk``);
+   ``--http-s`` seconds (requests drawn from the trace; an ``asyncio.Protocol`` with
+   httptools, light enough that the service, not the client, sets the rate),
+   requests/s and latency p50/p99; then the same with wrk (a C load generator, 2
+   threads, 8 connections), where it is installed (Debian's ``wrk``);
    The CPU the service's process tree used in the drain and under wrk is read too:
    the cores it kept busy, and CPU µs per event and per request (and wrk's own CPU
    per request: the machine is shared, so it bounds what any service's rate can be);
@@ -122,8 +123,8 @@ class Service:
     def start(self) -> None:
         if self.kind == "sarp":
             cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", self.index,
-                   "--durability", "nosync", "--http", f"127.0.0.1:{self.port}",
-                   "--http-workers", "2"]
+                   "--durability", "nosync", "--http", f"127.0.0.1:{self.port}"]
+            # --http-workers: serve's default (the usable cores less one)
             if VALKEY is not None:  # a restart takes over the killed writer's lease
                 cmd += ["--lease-s", "2", "--wait-for-lease-s", "30"]
         else:
@@ -200,30 +201,70 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _load(url: str, bodies: list[bytes], seconds: float, clients: int = 8) -> dict:
-    import aiohttp
+class _Exchange(asyncio.Protocol):
+    """One keep-alive connection of the asyncio client: a request written whole, its
+    answer parsed by httptools (sarp's own parser), a future per request."""
 
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.answered: asyncio.Future | None = None
+        self.status = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.answered.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if self.answered is not None and not self.answered.done():
+            self.answered.set_exception(ConnectionError(f"closed by the service ({exc})"))
+
+    async def ask(self, request: bytes) -> int:
+        self.answered = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        await self.answered
+        return self.status
+
+
+async def _load(url: str, bodies: list[bytes], seconds: float, clients: int = 8) -> dict:
+    """``clients`` keep-alive connections on one asyncio loop (the standard library's),
+    each sending ``/query`` and waiting for its answer, for ``seconds``.  An
+    ``asyncio.Protocol`` with httptools, not aiohttp: aiohttp's client spent 94-107 µs
+    of CPU a request and held both services at about 10,000 requests/s on Mooncake
+    (the client, not the service, was measured); this one spends about 20."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    requests = [b"POST /query HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (host.encode(), port.encode(), len(b), b)
+                for b in bodies]
+    loop = asyncio.get_running_loop()
     latencies: list[float] = []
     errors = 0
     stop = time.perf_counter() + seconds
 
-    async def client(k: int, session) -> None:
+    async def client(k: int) -> None:
         nonlocal errors
-        i = k
-        while time.perf_counter() < stop:
-            started = time.perf_counter()
-            async with session.post(url + "/query", data=bodies[i % len(bodies)],
-                                    headers={"Content-Type": "application/json"}) as resp:
-                await resp.read()
-                errors += resp.status != 200
-            latencies.append(time.perf_counter() - started)
-            i += clients
+        transport, exchange = await loop.create_connection(_Exchange, host, int(port))
+        try:
+            i = k
+            while time.perf_counter() < stop:
+                started = time.perf_counter()
+                errors += await exchange.ask(requests[i % len(requests)]) != 200
+                latencies.append(time.perf_counter() - started)
+                i += clients
+        finally:
+            transport.close()
 
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        began, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(client(k, session) for k in range(clients)))
-        wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    began, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
     ms = np.array(latencies) * 1e3
     # the client's own CPU per request: near 1e6 / requests_per_s, it held the rate
     return {"requests_per_s": len(latencies) / wall, "p50_ms": float(np.percentile(ms, 50)),
@@ -546,8 +587,11 @@ def run(args) -> int:
             runs[kind].append(got)
             print(f"pass {k + 1} {kind}: " + ", ".join(f"{m} {v:,.1f}" for m, v in got.items()
                                                        if m != "sweep"), flush=True)
+    from sarp.serving.workers import default_workers
+
     out: dict = {"trace": args.trace, "requests": args.requests, "engines": args.engines,
-                 "batches": len(stream), "runs": runs, "median": {}, "ratio": {}}
+                 "batches": len(stream), "sarp_http_workers": default_workers(),
+                 "runs": runs, "median": {}, "ratio": {}}
     for metric in next(iter(runs.values()))[0]:
         if metric == "sweep":
             continue

@@ -352,6 +352,52 @@ def _workers_answering(port: int) -> set[int]:
             conn.close()
 
 
+def test_without_http_workers_serve_runs_a_worker_per_core_the_writer_leaves(tmp_path):
+    """No --http-workers: the usable cores less one, at least 1 (on this machine's
+    cores and quota, as the test process reads them)."""
+    from sarp.serving.workers import default_workers, worker_pids
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sarp.cli", "serve", "--index",
+                             str(tmp_path / "ix"), "--source", "e=tcp://127.0.0.1:9",
+                             "--http", f"127.0.0.1:{port}"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if call(port, "GET", "/healthz", timeout_s=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "serve never answered"
+            time.sleep(0.1)
+        time.sleep(0.5)  # every worker is forked at once; none more comes
+        assert len(worker_pids(proc.pid)) == default_workers() == max(
+            1, min(8, len(os.sched_getaffinity(0)) - 1))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_cpu_quota_bounds_the_cores_read_from_either_cgroup_version(tmp_path):
+    from sarp.serving.workers import quota_cores
+
+    group = tmp_path / "kube" / "pod7"
+    group.mkdir(parents=True)
+    (tmp_path / "kube" / "cpu.max").write_text("max 100000\n")  # the parent: no limit
+    (group / "cpu.max").write_text("250000 100000\n")  # --cpus 2.5: 3 cores' worth
+    assert quota_cores("0::/kube/pod7\n", tmp_path) == 3
+    (tmp_path / "kube" / "cpu.max").write_text("150000 100000\n")  # a parent's is lower
+    assert quota_cores("0::/kube/pod7\n", tmp_path) == 2
+    assert quota_cores("0::/elsewhere\n", tmp_path) is None  # no group file: no quota
+    (tmp_path / "cpu").mkdir()  # cgroup v1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert quota_cores("4:cpu:/\n", tmp_path) == 1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert quota_cores("4:cpu:/\n", tmp_path) is None
+
+
 def test_a_worker_that_dies_is_replaced_and_nothing_is_refused_meanwhile(tmp_path):
     port = free_port()
     proc, _, workers = _serve_http(tmp_path / "ix", port)

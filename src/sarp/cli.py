@@ -184,8 +184,9 @@ def _serve_parser(sub) -> None:
                        "connection is closed)")
     serve.add_argument("--http-idle-timeout-s", type=ac.seconds, default=30.0,
                        help="a keep-alive connection with nothing asked is closed after this")
-    serve.add_argument("--http-workers", type=ac.count, default=2,
-                       help="HTTP worker processes, each with a readonly open of the index")
+    serve.add_argument("--http-workers", type=ac.count, default=None,
+                       help="HTTP worker processes, each with a readonly open of the index "
+                       "(default: the usable cores less one, the writer's, from 1 to 8)")
     serve.add_argument("--hash-scheme", default=VLLM_DEFAULT_SCHEME,
                        choices=["vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash",
                                 "vllm-xxhash-cbor", "sglang", "xxh3"],
@@ -292,8 +293,10 @@ def _serve(args: argparse.Namespace) -> int:
         # workers answer sooner (docs/performance.md).  run() stops it, whatever fails.
         # The core first: the zygote and its workers share its pages with serve.
         from . import index, store_lmdb  # noqa: F401
-        from .serving.workers import start_zygote
+        from .serving.workers import default_workers, start_zygote
 
+        if args.http_workers is None:
+            args.http_workers = default_workers()
         # (it closes what it inherits: the first answers' sockets, the engines')
         zygote = start_zygote(args.http_workers)
     from .serving.serve import run

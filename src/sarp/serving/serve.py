@@ -89,8 +89,10 @@ def run(args: argparse.Namespace, zygote=None) -> int:
             read_sources_file(args.sources_file, args.dp_ranks)  # a bad file: refused
         if args.http:
             from .access import access_token, parse_address
-            from .workers import ConnectionDealer, start_zygote
+            from .workers import ConnectionDealer, default_workers, start_zygote
 
+            if args.http_workers is None:
+                args.http_workers = default_workers()
             if args.http_workers < 1:
                 raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
             host, port = parse_address(args.http)
