@@ -188,6 +188,51 @@ def test_a_serve_that_rebuilt_its_directory_snapshots_it_at_its_first_idle_poll(
         assert "rebuilding the directory" in serve.log.read_text()  # as it started
 
 
+def test_serve_snapshots_while_busy_once_the_log_after_the_last_is_long():
+    """serve's snapshot rule (``SnapshotRule``): under a stream with no idle poll, once
+    the log after the last snapshot has BUSY_SNAPSHOT_CHANGES changes or the
+    directory's entries if more, looked at once a second; when idle, the rules of
+    before; a store that is away means not now."""
+    from sarp.errors import StoreError
+    from sarp.serving.serve import BUSY_SNAPSHOT_CHANGES, SnapshotRule
+
+    looked = []
+
+    def stats_of(changes: int, entries: int):
+        def stats():
+            looked.append(changes)
+            return {"changes_since_snapshot": changes, "directory_entries": entries}
+        return stats
+
+    rule = SnapshotRule(60.0, now=0.0, rebuilt=False)
+    assert not rule.due(1.0, 5, stats_of(BUSY_SNAPSHOT_CHANGES - 1, 1000))
+    assert not rule.due(1.5, 5, stats_of(BUSY_SNAPSHOT_CHANGES, 1000))  # looked 0.5 s ago
+    assert looked == [BUSY_SNAPSHOT_CHANGES - 1]
+    assert rule.due(2.0, 5, stats_of(BUSY_SNAPSHOT_CHANGES, 1000))
+    rule.taken(2.0)
+    big = 4 * BUSY_SNAPSHOT_CHANGES  # a large directory: a pass over it per as many changes
+    assert not rule.due(3.0, 5, stats_of(big - 1, big))
+    assert rule.due(4.0, 5, stats_of(big, big))
+    rule.taken(4.0)
+
+    def away():
+        raise StoreError("the store is away")
+    assert not rule.due(5.0, 5, away)  # not now, and no error out of the loop
+    assert rule.due(64.0, 5, away)  # --snapshot-every-s whatever the store says
+
+    idle = SnapshotRule(60.0, now=0.0, rebuilt=False)
+    assert not idle.due(0.5, 3, stats_of(10, 1000))  # busy, a short log: not yet
+    assert not idle.due(1.5, 0, stats_of(10, 1000))  # idle, the last 1.5 s old
+    assert idle.due(2.0, 0, stats_of(10, 1000))  # ... any change once it is 2 s old
+    idle.taken(2.0)
+    assert not idle.due(2.5, 0, stats_of(10, 1000))  # nothing applied since: no look
+    assert idle.due(3.5, 7, stats_of(0, 1000)) is False
+    assert idle.due(4.0, 0, stats_of(1000, 1000))  # idle after IDLE_SNAPSHOT_CHANGES
+    # a directory rebuilt at open counts as work at the first idle polls, engines or not
+    assert SnapshotRule(60.0, 0.0, rebuilt=True).due(2.0, 0, stats_of(1, 10))
+    assert not SnapshotRule(60.0, 0.0, rebuilt=False).due(2.0, 0, stats_of(1, 10))
+
+
 def test_a_rebuild_no_one_watches_does_not_import_the_progress_bar(tmp_path):
     """A reader that rebuilds its directory with stderr not a terminal (an HTTP
     worker after a kill -9 that left no snapshot) skips tqdm's import, 15-45 ms of its

@@ -16,7 +16,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -38,11 +38,67 @@ STATUS_EVERY_S = 0.5
 # directory from every segment (0.13 s at 10,000 segments, in serve and in each worker).
 IDLE_SNAPSHOT_CHANGES = 1000
 QUIET_SNAPSHOT_S = 2.0  # ... and after any change, once the last is this old
+# Under a stream that never lets serve idle: a snapshot once the log after the last
+# has this many segment changes, or the directory's entries if more (looked at once a
+# second).  A restart's first answers replay that log at about 2 µs a change before
+# they answer (serving/first.py): 0.1 s, where --snapshot-every-s alone let 60 s of a
+# stream pile up (0.22 s at 15,000 events/s 13 s after the last); a snapshot costs a
+# pass over the directory, so at most a directory entry's work per change.
+BUSY_SNAPSHOT_CHANGES = 50_000
 TRIM_EVERY_S = 1.0  # freed heap memory handed back at most this often (_trim_malloc)
 # Python's collector looks for cycles in the young objects after every YOUNG_OBJECTS
 # allocations net (700 by default): the subscriber's loop makes a few dozen short-lived
 # objects per event, and almost no cycles.
 YOUNG_OBJECTS = 50_000
+
+
+class SnapshotRule:
+    """When serve writes the directory snapshot: every ``every_s``; at an idle poll
+    after work (at most once a second) once the work changed a tenth of the directory
+    or :data:`IDLE_SNAPSHOT_CHANGES`, or anything once the last is
+    :data:`QUIET_SNAPSHOT_S` old; and while busy (looked at once a second) once the log
+    after the last has :data:`BUSY_SNAPSHOT_CHANGES` changes or the directory's entries.
+    ``stats`` is :meth:`sarp.Index.stats`, called only at those looks; a store that is
+    away (:class:`StoreError`) means not now.
+
+    >>> rule = SnapshotRule(60.0, now=0.0, rebuilt=False)
+    >>> stats = lambda: {"changes_since_snapshot": 60_000, "directory_entries": 9_000}
+    >>> rule.due(0.5, 10, stats), rule.due(1.5, 10, stats)
+    (False, True)
+    """
+
+    def __init__(self, every_s: float, now: float, rebuilt: bool) -> None:
+        self.every_s = every_s
+        self.last = self.last_look = now
+        # a directory rebuilt at open is snapshotted at the first idle poll
+        self.busy = int(rebuilt)  # work applied since the last snapshot
+
+    def due(self, now: float, applied: int, stats: Callable[[], dict]) -> bool:
+        self.busy += applied
+        due = now - self.last >= self.every_s
+        if self.busy and not applied and now - self.last >= 1.0:
+            # idle after work: a snapshot costs a pass over the directory, so after a
+            # tenth of it changed; after any change once the last is QUIET_SNAPSHOT_S
+            # old (a restart's first answers replay the log after it: serving/first.py)
+            with contextlib.suppress(StoreError):
+                got = stats()
+                changed = got["changes_since_snapshot"]
+                due = due or changed >= max(IDLE_SNAPSHOT_CHANGES,
+                                            got["directory_entries"] // 10) or (
+                    changed > 0 and now - self.last >= QUIET_SNAPSHOT_S)
+                if not changed:
+                    self.busy = 0
+        elif applied and now - self.last_look >= 1.0:  # busy: has the log grown long?
+            self.last_look = now
+            with contextlib.suppress(StoreError):
+                got = stats()
+                due = due or got["changes_since_snapshot"] >= max(
+                    BUSY_SNAPSHOT_CHANGES, got["directory_entries"])
+        return due
+
+    def taken(self, now: float) -> None:
+        """A snapshot was written (or tried: a failed one waits for the next period)."""
+        self.last, self.busy = now, 0
 
 
 @contextmanager
@@ -222,10 +278,11 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
     # The start-up checks run as jobs the polls feed: an engine whose replay is slow
     # or hostile delays only itself, and SIGTERM is seen within one poll.
     subscriber.start_catch_up()
-    last_snapshot = last_report = last_status = last_trim = time.monotonic()
+    last_report = last_status = last_trim = time.monotonic()
     busy_since_trim = 0
     # a directory rebuilt at open is snapshotted at the first idle poll, engines or not
-    busy_since_snapshot = int(index.recovered_from == "rebuild")
+    snapshots = SnapshotRule(args.snapshot_every_s, last_report,
+                             index.recovered_from == "rebuild")
     registered = set() if registered is None else registered  # the keys /register added
     watch = _SourcesFile(args, subscriber, index, registered) if args.sources_file else None
     try:
@@ -233,32 +290,17 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             applied = subscriber.poll(100)
             now = time.monotonic()
             busy_since_trim += applied
-            busy_since_snapshot += applied
             if watch is not None:
                 watch.check(now)
             if with_status:
                 files(_registry, path, subscriber, index, registered)
-            due = now - last_snapshot >= args.snapshot_every_s
-            if busy_since_snapshot and not applied and now - last_snapshot >= 1.0:
-                # idle after work: snapshot now if the work changed a tenth of the
-                # directory (a snapshot costs a pass over it) or IDLE_SNAPSHOT_CHANGES,
-                # or any of it once the last is QUIET_SNAPSHOT_S old (a restart's first
-                # answers start from a snapshot and replay the log: serving/early.py)
-                with contextlib.suppress(StoreError):  # the store is away: not now
-                    stats = index.stats()
-                    changed = stats["changes_since_snapshot"]
-                    due = due or changed >= max(IDLE_SNAPSHOT_CHANGES,
-                                                stats["directory_entries"] // 10) or (
-                        changed > 0 and now - last_snapshot >= QUIET_SNAPSHOT_S)
-                    if not changed:
-                        busy_since_snapshot = 0
-            if due:
+            if snapshots.due(now, applied, index.stats):
                 try:
                     index.snapshot()
                 except StoreError as exc:  # the store is away: the next period tries again
                     log.warning("snapshot failed (%s); trying again in %g s", exc,
                                 args.snapshot_every_s)
-                last_snapshot, busy_since_snapshot = now, 0
+                snapshots.taken(now)
             if with_status and now - last_status >= STATUS_EVERY_S:
                 if service is not None:
                     files(_check_workers, service, index)
