@@ -233,6 +233,52 @@ def test_serve_snapshots_while_busy_once_the_log_after_the_last_is_long():
     assert not SnapshotRule(60.0, 0.0, rebuilt=False).due(2.0, 0, stats_of(1, 10))
 
 
+def test_a_trim_of_the_whole_log_empties_it_and_a_partial_one_keeps_what_follows(tmp_path):
+    """LMDB's ``trim_log``: up to the newest entry (a snapshot's), the table emptied in
+    one call; up to an older one, only what precedes; either way the trimmed mark is
+    kept, later entries follow on, and a reader opened before (another process) catches
+    up through them."""
+    path = tmp_path / "ix"
+    probe = textwrap.dedent("""
+        import sys, sarp
+        with sarp.open(sys.argv[1], readonly=True) as ix:
+            for line in sys.stdin:
+                print(*(ix.match(c).num_blocks for c in ([41, 42], [71, 72], [11, 12])),
+                      flush=True)
+        """)
+    with sarp.open(path, durability="nosync") as index:
+        for i in range(6):
+            index.insert([10 * i + 1, 10 * i + 2], holder="w0")
+        reader = subprocess.Popen([sys.executable, "-c", probe, str(path)], text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            reader.stdin.write("\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().split() == ["2", "0", "2"]
+            store = index._store
+            newest = store.counter("next_seq")
+
+            def log_keys() -> list[int]:
+                with store.env.begin(db=store.log_db) as txn:
+                    return [int.from_bytes(k, "big") for k, _ in txn.cursor()]
+
+            keys = log_keys()
+            assert len(keys) >= 6 and keys[-1] == newest
+            store.trim_log(keys[2])  # an older entry: those after it stay
+            assert log_keys() == keys[3:] and store.counter("log_trimmed_upto") == keys[2]
+            index.snapshot()  # the newest: all of it
+            assert log_keys() == [] and store.counter("log_trimmed_upto") == newest
+            index.insert([71, 72], holder="w0")
+            index.remove([11, 12], holder="w0")
+            assert log_keys() and min(log_keys()) > newest
+            reader.stdin.write("\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().split() == ["2", "2", "0"]
+        finally:
+            reader.stdin.close()
+            reader.wait(30)
+
+
 def test_a_rebuild_no_one_watches_does_not_import_the_progress_bar(tmp_path):
     """A reader that rebuilds its directory with stderr not a terminal (an HTTP
     worker after a kill -9 that left no snapshot) skips tqdm's import, 15-45 ms of its

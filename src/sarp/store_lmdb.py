@@ -271,7 +271,11 @@ class LmdbStore:
 
         def trim(w: LmdbWriteTxn) -> None:
             cur = w.txn.cursor(db=self.log_db)
-            if cur.first():
+            if cur.last() and U64.unpack(cur.key())[0] <= upto:
+                # all of it (a snapshot's trim): emptied in one call, where a delete per
+                # entry cost 32 ms for 60,000 entries, with the writer waiting
+                w.txn.drop(self.log_db, delete=False)
+            elif cur.first():
                 while cur.key() and U64.unpack(cur.key())[0] <= upto:
                     if not cur.delete():
                         break
