@@ -191,11 +191,13 @@ def test_a_serve_that_rebuilt_its_directory_snapshots_it_at_its_first_idle_poll(
 def test_serve_snapshots_while_busy_once_the_log_after_the_last_is_long():
     """serve's snapshot rule (``SnapshotRule``): under a stream with no idle poll, once
     the log after the last snapshot has BUSY_SNAPSHOT_CHANGES changes or the
-    directory's entries if more, looked at once a second; when idle, the rules of
-    before; a store that is away means not now."""
+    directory's entries if more, looked at once a second, a snapshot that keeps the
+    log ("busy"); when idle or every --snapshot-every-s, the rules of before ("due":
+    it trims); a store that is away means not now."""
     from sarp.errors import StoreError
     from sarp.serving.serve import BUSY_SNAPSHOT_CHANGES, SnapshotRule
 
+    busy, due = SnapshotRule.BUSY, SnapshotRule.DUE
     looked = []
 
     def stats_of(changes: int, entries: int):
@@ -205,32 +207,93 @@ def test_serve_snapshots_while_busy_once_the_log_after_the_last_is_long():
         return stats
 
     rule = SnapshotRule(60.0, now=0.0, rebuilt=False)
-    assert not rule.due(1.0, 5, stats_of(BUSY_SNAPSHOT_CHANGES - 1, 1000))
-    assert not rule.due(1.5, 5, stats_of(BUSY_SNAPSHOT_CHANGES, 1000))  # looked 0.5 s ago
+    assert rule.due(1.0, 5, stats_of(BUSY_SNAPSHOT_CHANGES - 1, 1000)) == ""
+    assert rule.due(1.5, 5, stats_of(BUSY_SNAPSHOT_CHANGES, 1000)) == ""  # looked 0.5 s ago
     assert looked == [BUSY_SNAPSHOT_CHANGES - 1]
-    assert rule.due(2.0, 5, stats_of(BUSY_SNAPSHOT_CHANGES, 1000))
+    assert rule.due(2.0, 5, stats_of(BUSY_SNAPSHOT_CHANGES, 1000)) == busy
     rule.taken(2.0)
     big = 4 * BUSY_SNAPSHOT_CHANGES  # a large directory: a pass over it per as many changes
-    assert not rule.due(3.0, 5, stats_of(big - 1, big))
-    assert rule.due(4.0, 5, stats_of(big, big))
+    assert rule.due(3.0, 5, stats_of(big - 1, big)) == ""
+    assert rule.due(4.0, 5, stats_of(big, big)) == busy
     rule.taken(4.0)
 
     def away():
         raise StoreError("the store is away")
-    assert not rule.due(5.0, 5, away)  # not now, and no error out of the loop
-    assert rule.due(64.0, 5, away)  # --snapshot-every-s whatever the store says
+    assert rule.due(5.0, 5, away) == ""  # not now, and no error out of the loop
+    assert rule.due(64.0, 5, away) == due  # --snapshot-every-s whatever the store says
 
     idle = SnapshotRule(60.0, now=0.0, rebuilt=False)
-    assert not idle.due(0.5, 3, stats_of(10, 1000))  # busy, a short log: not yet
-    assert not idle.due(1.5, 0, stats_of(10, 1000))  # idle, the last 1.5 s old
-    assert idle.due(2.0, 0, stats_of(10, 1000))  # ... any change once it is 2 s old
+    assert idle.due(0.5, 3, stats_of(10, 1000)) == ""  # busy, a short log: not yet
+    assert idle.due(1.5, 0, stats_of(10, 1000)) == ""  # idle, the last 1.5 s old
+    assert idle.due(2.0, 0, stats_of(10, 1000)) == due  # ... any change once it is 2 s old
     idle.taken(2.0)
-    assert not idle.due(2.5, 0, stats_of(10, 1000))  # nothing applied since: no look
-    assert idle.due(3.5, 7, stats_of(0, 1000)) is False
-    assert idle.due(4.0, 0, stats_of(1000, 1000))  # idle after IDLE_SNAPSHOT_CHANGES
+    assert idle.due(2.5, 0, stats_of(10, 1000)) == ""  # nothing applied since: no look
+    assert idle.due(3.5, 7, stats_of(0, 1000)) == ""
+    assert idle.due(4.0, 0, stats_of(1000, 1000)) == due  # idle after IDLE_SNAPSHOT_CHANGES
     # a directory rebuilt at open counts as work at the first idle polls, engines or not
-    assert SnapshotRule(60.0, 0.0, rebuilt=True).due(2.0, 0, stats_of(1, 10))
-    assert not SnapshotRule(60.0, 0.0, rebuilt=False).due(2.0, 0, stats_of(1, 10))
+    assert SnapshotRule(60.0, 0.0, rebuilt=True).due(2.0, 0, stats_of(1, 10)) == due
+    assert SnapshotRule(60.0, 0.0, rebuilt=False).due(2.0, 0, stats_of(1, 10)) == ""
+
+
+def test_a_snapshot_that_keeps_the_log_is_loaded_and_the_log_after_it_replayed(tmp_path):
+    """``snapshot(trim=False)`` (serve's busy snapshots): the log stays, a reader that
+    was behind it replays it, and an open after a kill loads the snapshot and replays
+    only what came after it."""
+    path = tmp_path / "ix"
+    probe = textwrap.dedent("""
+        import sys, sarp
+        with sarp.open(sys.argv[1], readonly=True) as ix:
+            for line in sys.stdin:
+                print(ix.recovered_from, *(ix.match(c).num_blocks for c in
+                                           ([1, 2], [31, 32], [41, 42])), flush=True)
+        """)
+    writer = textwrap.dedent("""
+        import os, sys, sarp
+        ix = sarp.open(sys.argv[1], durability="nosync")
+        for i in range(3):
+            ix.insert([10 * i + 1, 10 * i + 2], holder="w0")
+        ix.snapshot(trim=False)
+        ix.insert([31, 32], holder="w0")
+        ix.remove([1, 2], holder="w0")
+        print(ix.stats()["log_watermark"], flush=True)
+        sys.stdin.readline()
+        ix.insert([41, 42], holder="w0")
+        print("more", flush=True)
+        sys.stdin.readline()
+        os._exit(0)  # as if killed: no snapshot at a close
+        """)
+    w = subprocess.Popen([sys.executable, "-c", writer, str(path)], text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        w.stdout.readline()
+        r = subprocess.Popen([sys.executable, "-c", probe, str(path)], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            r.stdin.write("\n")
+            r.stdin.flush()
+            assert r.stdout.readline().split() == ["snapshot", "0", "2", "0"]
+            w.stdin.write("\n")
+            w.stdin.flush()
+            assert w.stdout.readline().strip() == "more"
+            r.stdin.write("\n")
+            r.stdin.flush()
+            assert r.stdout.readline().split() == ["snapshot", "0", "2", "2"]
+        finally:
+            r.stdin.close()
+            r.wait(30)
+        w.stdin.write("\n")
+        w.stdin.flush()
+        assert w.wait(30) == 0
+    finally:
+        if w.poll() is None:
+            w.kill()
+    with sarp.open(path, durability="nosync") as index:  # the killed writer's index
+        assert index.recovered_from == "snapshot"
+        assert index.stats()["replayed_changes"] == 3  # 2 stores, 1 removal: not the 3 before
+        assert [index.match(c).num_blocks for c in ([1, 2], [31, 32], [41, 42])] == [0, 2, 2]
+        assert not index.check()
+        with index._store.env.begin(db=index._store.log_db) as txn:
+            assert txn.stat(index._store.log_db)["entries"] == 6  # the 3 before it kept
 
 
 def test_a_trim_of_the_whole_log_empties_it_and_a_partial_one_keeps_what_follows(tmp_path):

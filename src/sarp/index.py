@@ -496,15 +496,25 @@ class Index:
 
     # -- snapshots, stats, checks ------------------------------------------------------------
 
-    def snapshot(self) -> int:
-        """Write the directory snapshot now, then drop the log entries it covers; return
-        its size in bytes.  Cost: O(directory entries)."""
+    def snapshot(self, *, trim: bool = True) -> int:
+        """Write the directory snapshot now, then drop the log entries it covers (unless
+        ``trim`` is False: readers behind it replay the log then, where a trim past them
+        makes them load the snapshot); return its size in bytes.  Cost: O(directory
+        entries).
+
+        >>> import tempfile, sarp
+        >>> with sarp.open(tempfile.mkdtemp()) as index:
+        ...     _ = index.insert([1, 2], holder="w0")
+        ...     index.snapshot(trim=False) > 0
+        True
+        """
         with self._lock:
             store = self._writable_store("snapshot")
             watermark = store.counter("next_seq")
             size = store.save_snapshot(watermark, self._memory.directory, self._memory.filters)
-            store.trim_log(watermark)
-            store.release_dead_readers()  # so the pages the trim freed can be reused
+            if trim:
+                store.trim_log(watermark)
+                store.release_dead_readers()  # so the pages the trim freed can be reused
             self._snapshot_present = True
             self._counters.snapshots += 1
             self._counters.changes_since_snapshot = 0

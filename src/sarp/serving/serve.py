@@ -40,10 +40,10 @@ IDLE_SNAPSHOT_CHANGES = 1000
 QUIET_SNAPSHOT_S = 2.0  # ... and after any change, once the last is this old
 # Under a stream that never lets serve idle: a snapshot once the log after the last
 # has this many segment changes, or the directory's entries if more (looked at once a
-# second).  A restart's first answers replay that log at about 2 µs a change before
-# they answer (serving/first.py): 0.1 s, where --snapshot-every-s alone let 60 s of a
-# stream pile up (0.22 s at 15,000 events/s 13 s after the last); a snapshot costs a
-# pass over the directory, so at most a directory entry's work per change.
+# second).  A restart's first answers replay that log at 1.3-2.1 µs a change before
+# they answer (serving/first.py): at most 0.1 s, where the index's own rule
+# (snapshot_every_changes, 200,000) let 0.3-0.4 s pile up (140,068 changes: 0.22 s);
+# a snapshot costs a pass over the directory, so at most an entry's work per change.
 BUSY_SNAPSHOT_CHANGES = 50_000
 TRIM_EVERY_S = 1.0  # freed heap memory handed back at most this often (_trim_malloc)
 # Python's collector looks for cycles in the young objects after every YOUNG_OBJECTS
@@ -59,13 +59,18 @@ class SnapshotRule:
     :data:`QUIET_SNAPSHOT_S` old; and while busy (looked at once a second) once the log
     after the last has :data:`BUSY_SNAPSHOT_CHANGES` changes or the directory's entries.
     ``stats`` is :meth:`sarp.Index.stats`, called only at those looks; a store that is
-    away (:class:`StoreError`) means not now.
+    away (:class:`StoreError`) means not now.  :meth:`due` says which: :data:`BUSY`
+    (the snapshot keeps the log: a trim past the HTTP workers, busy answering, would
+    have them load the snapshot again, which cost the rate sweep's probes their p99),
+    :data:`DUE` (it trims the log), or "" (none).
 
     >>> rule = SnapshotRule(60.0, now=0.0, rebuilt=False)
     >>> stats = lambda: {"changes_since_snapshot": 60_000, "directory_entries": 9_000}
-    >>> rule.due(0.5, 10, stats), rule.due(1.5, 10, stats)
-    (False, True)
+    >>> rule.due(0.5, 10, stats), rule.due(1.5, 10, stats), rule.due(60.0, 10, stats)
+    ('', 'busy', 'due')
     """
+
+    DUE, BUSY = "due", "busy"
 
     def __init__(self, every_s: float, now: float, rebuilt: bool) -> None:
         self.every_s = every_s
@@ -73,7 +78,7 @@ class SnapshotRule:
         # a directory rebuilt at open is snapshotted at the first idle poll
         self.busy = int(rebuilt)  # work applied since the last snapshot
 
-    def due(self, now: float, applied: int, stats: Callable[[], dict]) -> bool:
+    def due(self, now: float, applied: int, stats: Callable[[], dict]) -> str:
         self.busy += applied
         due = now - self.last >= self.every_s
         if self.busy and not applied and now - self.last >= 1.0:
@@ -88,13 +93,14 @@ class SnapshotRule:
                     changed > 0 and now - self.last >= QUIET_SNAPSHOT_S)
                 if not changed:
                     self.busy = 0
-        elif applied and now - self.last_look >= 1.0:  # busy: has the log grown long?
+        elif applied and now - self.last_look >= 1.0 and not due:  # has the log grown?
             self.last_look = now
             with contextlib.suppress(StoreError):
                 got = stats()
-                due = due or got["changes_since_snapshot"] >= max(
-                    BUSY_SNAPSHOT_CHANGES, got["directory_entries"])
-        return due
+                if got["changes_since_snapshot"] >= max(BUSY_SNAPSHOT_CHANGES,
+                                                        got["directory_entries"]):
+                    return self.BUSY
+        return self.DUE if due else ""
 
     def taken(self, now: float) -> None:
         """A snapshot was written (or tried: a failed one waits for the next period)."""
@@ -294,9 +300,9 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
                 watch.check(now)
             if with_status:
                 files(_registry, path, subscriber, index, registered)
-            if snapshots.due(now, applied, index.stats):
+            if due := snapshots.due(now, applied, index.stats):
                 try:
-                    index.snapshot()
+                    index.snapshot(trim=due != SnapshotRule.BUSY)
                 except StoreError as exc:  # the store is away: the next period tries again
                     log.warning("snapshot failed (%s); trying again in %g s", exc,
                                 args.snapshot_every_s)
