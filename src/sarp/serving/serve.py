@@ -60,9 +60,8 @@ class SnapshotRule:
     after the last has :data:`BUSY_SNAPSHOT_CHANGES` changes or the directory's entries.
     ``stats`` is :meth:`sarp.Index.stats`, called only at those looks; a store that is
     away (:class:`StoreError`) means not now.  :meth:`due` says which: :data:`BUSY`
-    (the snapshot keeps the log: a trim past the HTTP workers, busy answering, would
-    have them load the snapshot again, which cost the rate sweep's probes their p99),
-    :data:`DUE` (it trims the log), or "" (none).
+    (the snapshot keeps the log: a trim past the HTTP workers while they answer would
+    have them load the snapshot again), :data:`DUE` (it trims the log), or "" (none).
 
     >>> rule = SnapshotRule(60.0, now=0.0, rebuilt=False)
     >>> stats = lambda: {"changes_since_snapshot": 60_000, "directory_entries": 9_000}

@@ -344,7 +344,8 @@ def usable_cores() -> int:
     >>> 1 <= usable_cores() <= os.cpu_count()
     True
     """
-    cores = len(os.sched_getaffinity(0))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux's; elsewhere every core
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     try:
         membership = Path("/proc/self/cgroup").read_text()
     except OSError:
@@ -391,7 +392,7 @@ def default_workers(cores: int | None = None) -> int:
     writer keeps busy while engines publish, from 1 to :data:`MAX_DEFAULT_WORKERS`.
     More workers than the cores left only queue behind each other and the writer:
     on 2 cores one worker answered ``/query`` with a lower p99 than two on both
-    traces (docs/performance.md, "How many workers").
+    traces (docs/performance.md, "one worker per core left").
 
     >>> default_workers(2), default_workers(1), default_workers(16)
     (1, 1, 8)
