@@ -386,6 +386,31 @@ def test_many_directory_entries_added_at_once_are_each_added_in_turn():
         assert [many.lookup(k) for k in range(90)] == [one.lookup(k) for k in range(90)]
 
 
+def test_a_compact_keeps_every_entry_and_drops_every_removed_one():
+    """``Directory.compact`` (each snapshot merges the changes into the sorted arrays)
+    against a dict of the same changes: entries, lookups and sortedness agree, over
+    changes that hit the arrays, miss them, land past their ends and undo each other."""
+    from sarp.directory import Directory
+
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        keys = rng.choice(np.arange(10, 200, dtype=np.uint64), int(rng.integers(0, 40)),
+                          replace=False)
+        d = Directory.from_entries(keys, rng.integers(1, 99, keys.size).astype(np.uint32))
+        model = d.entries()
+        for _ in range(int(rng.integers(0, 60))):
+            k = int(rng.integers(1, 260))  # below, inside and past the arrays' keys
+            if k in model and rng.random() < 0.5:
+                d.remove(k, model.pop(k))
+            elif k not in model:
+                model[k] = int(rng.integers(1, 99))
+                d.add(k, model[k])
+        d.compact()
+        assert d.entries() == model and len(d) == len(model)
+        assert d.keys.tolist() == sorted(model)
+        assert [d.lookup(k) for k in range(270)] == [model.get(k) for k in range(270)]
+
+
 class _Log:
     """A read transaction holding only what a replay reads: the log, records, a counter."""
 

@@ -205,11 +205,23 @@ class Directory:
         self._count -= 1
 
     def compact(self) -> None:
-        """Merge recent changes into the sorted arrays. Cost: O(n log n)."""
+        """Merge recent changes into the sorted arrays. Cost: O(n log n).
+
+        >>> d = Directory.from_entries(np.array([5, 1, 9], np.uint64), np.array([1, 2, 3]))
+        >>> d.remove(9, 3); d.add(7, 4); d.add(5, 6); d.compact()
+        >>> d.keys.tolist(), d.segs.tolist()
+        ([1, 5, 7], [2, 6, 4])
+        """
         if not self._added and not self._removed:
             return
         changed = np.fromiter(self._removed | self._added.keys(), np.uint64)
-        keep = ~np.isin(self.keys, changed)
+        # the changed keys found by binary search in the sorted keys (np.isin sorts both,
+        # and its np.unique imports numpy.ma: 16 ms at a process's first snapshot)
+        keep = np.ones(self.keys.size, bool)
+        at = np.searchsorted(self.keys, changed)
+        inside = at < self.keys.size
+        at = at[inside]
+        keep[at[self.keys[at] == changed[inside]]] = False
         add_keys = np.fromiter(self._added.keys(), np.uint64, len(self._added))
         add_segs = np.fromiter(self._added.values(), np.uint32, len(self._added))
         merged = Directory.from_entries(
