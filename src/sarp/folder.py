@@ -80,27 +80,14 @@ def check_data_file(data: Path) -> None:
     """
     try:
         size = data.stat().st_size
-        with data.open("rb") as f:
-            head = f.read(2 * 65536)
+        page_size, roots = tree_roots(data)
     except FileNotFoundError:
         return
-    metas = []
-    first = _META.unpack_from(head, _PAGE_HEADER_BYTES) if len(head) >= 64 else None
-    page_size = first[4] if first and first[0] == _LMDB_MAGIC else 0
-    for at in (0, page_size) if page_size else (0,):
-        if at + _META_TAIL_AT + _META_TAIL.size > len(head):
-            continue
-        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
-        if magic == _LMDB_MAGIC:
-            roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
-            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
-            metas.append((txnid, roots))
-    if not metas or page_size < 512:
+    if page_size < 512:
         raise DamagedIndexError(
             f"{data}: no valid LMDB meta page ({size} bytes); the file is damaged or is not "
             f"an index. {REPAIR_HINT.format(path=data.parent)}"
         )
-    _, roots = max(metas)
     pages = size // page_size
     if size % page_size:
         # LMDB writes whole pages: a file that ends inside one was cut short.
@@ -115,6 +102,30 @@ def check_data_file(data: Path) -> None:
             f"tree root at page {beyond[0]}: the file was truncated. "
             f"{REPAIR_HINT.format(path=data.parent)}"
         )
+
+
+def tree_roots(data: Path) -> tuple[int, list[int]]:
+    """The page size and the root pages of LMDB's two trees (free pages, main) in the
+    newer valid meta page of ``data`` (``P_INVALID`` for an empty tree); page size 0
+    when neither meta page is valid.  Cost: one read of two pages.
+
+    >>> tree_roots(Path("/dev/null"))
+    (0, [])
+    """
+    with data.open("rb") as f:
+        head = f.read(2 * 65536)
+    metas = []
+    first = _META.unpack_from(head, _PAGE_HEADER_BYTES) if len(head) >= 64 else None
+    page_size = first[4] if first and first[0] == _LMDB_MAGIC else 0
+    for at in (0, page_size) if page_size else (0,):
+        if at + _META_TAIL_AT + _META_TAIL.size > len(head):
+            continue
+        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
+        if magic == _LMDB_MAGIC:
+            roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
+            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
+            metas.append((txnid, roots))
+    return (page_size, max(metas)[1]) if metas else (0, [])
 
 
 def check_readable(path: Path) -> None:

@@ -497,17 +497,8 @@ class Index:
     # -- snapshots, stats, checks ------------------------------------------------------------
 
     def snapshot(self, *, trim: bool = True) -> int:
-        """Write the directory snapshot now, then drop the log entries it covers (unless
-        ``trim`` is False: readers behind it replay the log then, where a trim past them
-        makes them load the snapshot); return its size in bytes.  Cost: O(directory
-        entries).
-
-        >>> import tempfile, sarp
-        >>> with sarp.open(tempfile.mkdtemp()) as index:
-        ...     _ = index.insert([1, 2], holder="w0")
-        ...     index.snapshot(trim=False) > 0
-        True
-        """
+        """The directory snapshot written, and with ``trim`` the log it covers dropped (kept:
+        readers behind replay it rather than load the snapshot); bytes.  Cost: O(entries)."""
         with self._lock:
             store = self._writable_store("snapshot")
             watermark = store.counter("next_seq")
@@ -521,9 +512,8 @@ class Index:
             return size
 
     def release_dead_readers(self) -> int:
-        """Free the LMDB reader slots of processes that died mid-read (the pages they pin
-        are never reused); how many.  Also done at open, at each snapshot, and by serve
-        when it replaces a worker.  Cost: a look at each used slot."""
+        """Free the reader slots of processes that died mid-read (their pages are never
+        reused); how many (also at open, at trims, for a new worker).  Cost: one per slot."""
         with self._lock:
             return self._live_store().release_dead_readers()
 
