@@ -212,6 +212,7 @@ class _Exchange(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.answered: asyncio.Future | None = None
         self.status = 0
+        self.lost: Exception | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -224,10 +225,13 @@ class _Exchange(asyncio.Protocol):
         self.answered.set_result(None)
 
     def connection_lost(self, exc) -> None:
+        self.lost = ConnectionError(f"closed by the service ({exc})")
         if self.answered is not None and not self.answered.done():
-            self.answered.set_exception(ConnectionError(f"closed by the service ({exc})"))
+            self.answered.set_exception(self.lost)
 
     async def ask(self, request: bytes) -> int:
+        if self.lost is not None:  # closed after an answer: say so, not wait forever
+            raise self.lost
         self.answered = asyncio.get_running_loop().create_future()
         self.transport.write(request)
         await self.answered
