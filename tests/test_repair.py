@@ -92,6 +92,52 @@ def test_repair_refuses_to_overwrite(tmp_path):
     assert out.returncode == 2 and "never overwrites" in out.stderr
 
 
+_CUT_CHILD = """
+import sys
+import sarp
+from sarp.errors import DamagedIndexError, StoreError
+stored = eval(sys.stdin.read())
+damaged = wrong = 0
+with sarp.open(sys.argv[1], durability="nosync") as index:
+    for chain, holder in stored:
+        try:
+            wrong += not set(index.match(chain).by_holder) <= {holder}
+        except DamagedIndexError as exc:
+            damaged += "sarp repair" in str(exc)
+    try:
+        index.insert([7, 8, 9], holder="w2")
+    except StoreError:
+        damaged += 1
+print(damaged, wrong)
+"""
+
+
+def test_a_file_cut_past_its_roots_reads_as_damage_not_a_crash(tmp_path):
+    """Cut short past every root its meta page names, the file passes the open's
+    check; a writer's open appends zero pages up to LMDB's last page, so what was lost
+    reads as damage (``DamagedIndexError`` naming repair, a failed write), never SIGBUS
+    (the child's death, as it was), never a wrong holder; repair takes what is left."""
+    from sarp.folder import tree_roots
+
+    stored = build(tmp_path / "old", chains=1500)
+    data = tmp_path / "old" / "data.mdb"
+    page_size, roots = tree_roots(data)
+    pages = data.stat().st_size // page_size
+    cut = max(r for r in roots if r < pages) + 1
+    assert cut < pages - 10, (cut, pages)
+    with data.open("r+b") as f:
+        f.truncate(cut * page_size)
+    child = subprocess.run([sys.executable, "-c", _CUT_CHILD, str(tmp_path / "old")],
+                           input=repr(stored), capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])  # -7: SIGBUS
+    damaged, wrong = map(int, child.stdout.split())
+    assert damaged > 0 and wrong == 0
+    assert data.stat().st_size > cut * page_size  # the writer's open covered the cut
+    out = run("repair", tmp_path / "old", "--out", tmp_path / "new")
+    assert out.returncode == 0, out.stderr
+    assert run("verify", tmp_path / "new").returncode == 0
+
+
 def test_repair_of_a_truncated_file_keeps_what_is_left(tmp_path):
     """A file cut short where its last transaction's main tree has its root (so the
     cut is past a page the index needs; where a cut lands in the file depends on

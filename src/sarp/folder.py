@@ -112,6 +112,44 @@ def tree_roots(data: Path) -> tuple[int, list[int]]:
     >>> tree_roots(Path("/dev/null"))
     (0, [])
     """
+    page_size, meta = _newer_meta(data)
+    return (page_size, meta[0]) if meta else (0, [])
+
+
+def cover_last_page(data: Path) -> int:
+    """Append zero pages to ``data`` up to the last page its newer meta page counts;
+    how many (0 for a whole file).  For a writer, under its locks (no one else writes
+    the file, so the size read cannot move under the truncate).
+
+    A file cut short past its trees' roots passes :func:`check_data_file`, and the
+    first touch of a lost page killed the process with SIGBUS.  Zero pages instead
+    read as damaged: LMDB answers ``MDB_CORRUPTED``, which sarp reports as
+    ``DamagedIndexError`` naming ``sarp repair`` on a read and as a failed write on a
+    write, and serve goes on.  LMDB may also count a few pages it allocated and never
+    wrote: those are free, and a zero page there is never read.  A meta page whose
+    last page lies past its own map size is left to LMDB (damaged, not cut).  Cost: a
+    read of two pages and a stat; a truncate when short.
+
+    >>> cover_last_page(Path("/dev/null"))
+    0
+    """
+    page_size, meta = _newer_meta(data)
+    if not meta:
+        return 0
+    _, last_page, map_size = meta
+    want, size = (last_page + 1) * page_size, data.stat().st_size
+    if size >= want or want > map_size or size % page_size:
+        return 0
+    try:
+        os.truncate(data, want)
+    except OSError:
+        return 0  # as before: the first read of a lost page is the process's end
+    return (want - size) // page_size
+
+
+def _newer_meta(data: Path) -> tuple[int, tuple[list[int], int, int] | None]:
+    """The page size, and the newer valid meta page's tree roots, last page and map
+    size (None when neither is valid)."""
     with data.open("rb") as f:
         head = f.read(2 * 65536)
     metas = []
@@ -120,12 +158,12 @@ def tree_roots(data: Path) -> tuple[int, list[int]]:
     for at in (0, page_size) if page_size else (0,):
         if at + _META_TAIL_AT + _META_TAIL.size > len(head):
             continue
-        magic = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[0]
+        magic, _, _, map_size = _META.unpack_from(head, at + _PAGE_HEADER_BYTES)[:4]
         if magic == _LMDB_MAGIC:
             roots = [_U64_LE.unpack_from(head, at + off)[0] for off in _ROOTS_AT]
-            txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)[1]
-            metas.append((txnid, roots))
-    return (page_size, max(metas)[1]) if metas else (0, [])
+            last_page, txnid = _META_TAIL.unpack_from(head, at + _META_TAIL_AT)
+            metas.append((txnid, (roots, last_page, map_size)))
+    return page_size, max(metas)[1] if metas else None
 
 
 def check_readable(path: Path) -> None:

@@ -1,10 +1,9 @@
 """The store on LMDB (a folder): :mod:`sarp.store`'s contract, on the environment
-:mod:`sarp.lmdb_env` (lmdb's door) opens.
-
-The contract's tables (``sarp.store.TABLES``) are named LMDB databases in ``data.mdb``,
-with the keys and values :mod:`sarp.store` gives.  Here: the environment and its locks
-(``sarp.lock`` and a lock on ``data.mdb``), map growth, a check of the file before LMDB
-maps it, the salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
+:mod:`sarp.lmdb_env` (lmdb's door) opens.  The contract's tables (``sarp.store.TABLES``)
+are named LMDB databases in ``data.mdb``, with the keys and values :mod:`sarp.store`
+gives.  Here: the environment and its locks (``sarp.lock`` and a lock on ``data.mdb``),
+map growth, checks of the file before LMDB maps it and a writer's cover of a file cut
+short, the salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
 :mod:`sarp.errors` (here and nowhere else).
 """
 
@@ -36,6 +35,7 @@ from .folder import (
     REPAIR_HINT,
     check_data_file,
     check_readable,
+    cover_last_page,
     no_room,
     readers_full,
     take_data_lock,
@@ -117,6 +117,7 @@ class LmdbStore:
                 self._open_tables_readonly()
             else:
                 self._data_lock_fd = take_data_lock(self.path / "data.mdb")
+                cover_last_page(self.path / "data.mdb")  # a file cut short: damage, not SIGBUS
                 for name in TABLES:
                     setattr(self, f"{name}_db", self.env.open_db(name.encode()))
                 self._init_meta()
@@ -219,8 +220,7 @@ class LmdbStore:
         return [self.path / "data.mdb", self.path / "lock.mdb"]
 
     def release_dead_readers(self) -> int:
-        """Free the slots of readers that died mid-transaction (their pinned pages would
-        never be reused); how many.  Cost: a lock probe per process with a slot."""
+        """Free dead readers' slots (their pages stay pinned); how many.  A lock probe each."""
         return self.env.reader_check() if self.env is not None else 0
 
     def disk_bytes(self) -> int:
