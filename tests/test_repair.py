@@ -105,9 +105,9 @@ with sarp.open(sys.argv[1], durability="nosync") as index:
         except DamagedIndexError as exc:
             damaged += "sarp repair" in str(exc)
     try:
-        index.insert([7, 8, 9], holder="w2")
+        index.insert([7, 8, 9], holder="w2")  # may meet a lost page: a failed write
     except StoreError:
-        damaged += 1
+        pass
 print(damaged, wrong)
 """
 
@@ -131,7 +131,7 @@ def test_a_file_cut_past_its_roots_reads_as_damage_not_a_crash(tmp_path):
                            input=repr(stored), capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])  # -7: SIGBUS
     damaged, wrong = map(int, child.stdout.split())
-    assert damaged > 0 and wrong == 0
+    assert damaged > 0 and wrong == 0  # reads met lost pages, as damage naming repair
     assert data.stat().st_size > cut * page_size  # the writer's open covered the cut
     out = run("repair", tmp_path / "old", "--out", tmp_path / "new")
     assert out.returncode == 0, out.stderr
