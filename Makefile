@@ -12,7 +12,7 @@ SOAK_S ?= 120
 # sarp._native (the match walk and the batch write in C) builds with the system's C compiler; without one
 # (or with SARP_USE_ZIG=1) with zig's, from the ziglang wheel. If neither can build it,
 # the install goes on and sarp runs its Python path (sarp.native.AVAILABLE says which; SARP_REQUIRE_NATIVE=1 makes that an error).
-$(STAMP): pyproject.toml setup.py src/sarp/native.c src/sarp/verify.c src/sarp/packing.c src/sarp/serving/events.c src/sarp/serving/http.c src/sarp/tokenkeys.c src/sarp/directory.c src/sarp/segment.c src/sarp/valkey_read.c src/sarp/serving/rfc.c src/sarp/serving/wire.c src/sarp/native.h
+$(STAMP): pyproject.toml setup.py src/sarp/native.c src/sarp/verify.c src/sarp/packing.c src/sarp/serving/events.c src/sarp/serving/http.c src/sarp/tokenkeys.c src/sarp/directory.c src/sarp/segment.c src/sarp/valkey_read.c src/sarp/serving/rfc.c src/sarp/serving/wire.c src/sarp/aliastable.c src/sarp/native.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	if [ -n "$$SARP_USE_ZIG" ] || ! command -v cc >/dev/null 2>&1; then \

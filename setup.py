@@ -14,7 +14,7 @@ setup(
                      "src/sarp/serving/events.c", "src/sarp/serving/http.c", "src/sarp/serving/rfc.c",
                      "src/sarp/serving/wire.c",
                      "src/sarp/tokenkeys.c", "src/sarp/directory.c", "src/sarp/segment.c",
-                     "src/sarp/valkey_read.c"],
+                     "src/sarp/valkey_read.c", "src/sarp/aliastable.c"],
             depends=["src/sarp/native.h", "src/sarp/vendor/xxhash.h"],
             extra_compile_args=["-O2"],
             optional=True,

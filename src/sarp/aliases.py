@@ -26,13 +26,12 @@ to its own block).
 from __future__ import annotations
 
 import weakref
-from operator import itemgetter
 
 import numpy as np
 
 from . import native
 from .errors import ParentNotFoundError
-from .store import WriteTxn, alias_keys
+from .store import WriteTxn
 from .tokenkeys import lora_seed, token_keys
 from .writeset import Plan
 
@@ -52,7 +51,7 @@ class _Pace:
     __slots__ = ("after", "credit", "dead_share")
 
     def __init__(self) -> None:
-        self.after: bytes | None = None  # the key the next sweep starts from
+        self.after: object = None  # the store's cursor the next sweep starts from
         self.credit = 0.0  # aliases the sweep may check now
         self.dead_share = SWEEP_DEAD_SHARE  # of those checked lately, the dead ones
 
@@ -241,10 +240,7 @@ def _put(w: WriteTxn, r: np.ndarray, h: np.ndarray, k: np.ndarray) -> None:
     r, h, k = r[order], h[order], k[order]
     first = np.ones(h.size, bool)
     first[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
-    r, h, k = r[first], h[first], k[first]
-    for root in _distinct(r).tolist():
-        mine = r == np.uint64(root)
-        w.alias_put(alias_keys(root, h[mine]), _be(k[mine]))
+    w.alias_put(r[first], h[first], k[first])
 
 
 def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Exception]]]:
@@ -468,11 +464,8 @@ class _Batch:
         return out
 
     def put(self, refused: set[int]) -> None:
-        """Write the aliases of the stores applied, per root, in key order."""
-        roots, hashes, keys = self._made(refused)
-        for root in np.unique(roots).tolist():
-            mine = roots == np.uint64(root)
-            self.w.alias_put(alias_keys(root, hashes[mine]), _be(keys[mine]))
+        """Write the aliases of the stores applied (:func:`_put`)."""
+        _put(self.w, *self._made(refused))
 
 
 def _search(table_hashes: np.ndarray, table_keys: np.ndarray, hashes: np.ndarray
@@ -511,19 +504,18 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
         return
     count = int(pace.credit)
     pace.credit -= count
-    items, pace.after = w.alias_scan(pace.after, count)
-    if items:
-        keys = np.frombuffer(b"".join(map(itemgetter(1), items)), ">u8").astype(np.uint64)
+    roots, hashes, keys, pace.after = w.alias_scan(pace.after, count)
+    if keys.size:
         # engines hashing with other seeds alias one key twice (locate wants it once)
         unique, back = np.unique(keys, return_inverse=True)
         dead = np.flatnonzero(w.locate(unique)[0][back] == 0)
-        share = dead.size / len(items)
+        share = dead.size / keys.size
         if share >= pace.dead_share:  # more dead than lately: back to that pace at once
             pace.dead_share = share
         else:  # fewer: slower, as the checks that found them add up
-            pace.dead_share += min(1.0, len(items) / SWEEP_MEMORY) * (share - pace.dead_share)
+            pace.dead_share += min(1.0, keys.size / SWEEP_MEMORY) * (share - pace.dead_share)
         if dead.size:
-            w.alias_delete(list(map(itemgetter(0), map(items.__getitem__, dead.tolist()))))
+            w.alias_delete(roots[dead], hashes[dead])
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
@@ -543,7 +535,3 @@ def _distinct(values: np.ndarray) -> np.ndarray:
 def _has_tokens(hashes: np.ndarray, tokens: np.ndarray | None, block_size: int | None) -> bool:
     """Did a store carry the tokens of all its blocks?"""
     return tokens is not None and bool(block_size) and tokens.size >= hashes.size * block_size
-
-
-def _be(keys: np.ndarray) -> list[bytes]:
-    return keys.astype(">u8").view("V8").tolist()

@@ -10,16 +10,16 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 26
+#define ABI_VERSION 27
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields, conn, rfc_query, heads, xxh3_64): calls so far (conn:
- * requests a Conn answered) */
+ * plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table): calls so far
+ * (conn: requests a Conn answered) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
@@ -28,7 +28,7 @@ static PyObject *calls(PyObject *self, PyObject *unused) {
                          sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
                          sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
                          sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS],
-                         sarp_calls[CALL_XXH3_64]);
+                         sarp_calls[CALL_XXH3_64], sarp_calls[CALL_ALIAS_TABLE]);
 }
 
 /* xxh3_64(data[, seed]) -> int: xxhash's xxh3_64_intdigest (sarp.hashing.checksum), for
@@ -100,7 +100,7 @@ static PyMethodDef methods[] = {
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64) calls so far"},
+     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -108,7 +108,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "sarp._native",
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
-    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads, xxh3_64); "
+    "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads, xxh3_64, "
+    "AliasTable); "
     "each has a Python reference.", -1,
     methods,
 };
@@ -128,7 +129,9 @@ PyMODINIT_FUNC PyInit__native(void) {
                         || PyType_Ready(&sarp_ReadsType) < 0
                         || PyModule_AddType(mod, &sarp_ReadsType) < 0
                         || PyType_Ready(&sarp_ConnType) < 0
-                        || PyModule_AddType(mod, &sarp_ConnType) < 0)) {
+                        || PyModule_AddType(mod, &sarp_ConnType) < 0
+                        || PyType_Ready(&sarp_AliasTableType) < 0
+                        || PyModule_AddType(mod, &sarp_AliasTableType) < 0)) {
         Py_DECREF(mod);
         return NULL;
     }

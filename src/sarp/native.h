@@ -4,7 +4,7 @@
  * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields,
  * rfc_query), serving/wire.c (Conn, whose reference is wire.Connection),
  * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match),
- * segment.c (heads);
+ * segment.c (heads), aliastable.c (AliasTable);
  * native.c is the module (native.py is its only loader).  The segment record's layout
  * is read in one place, here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
@@ -38,6 +38,7 @@ PyObject *sarp_heads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 extern PyTypeObject sarp_ConnType; /* serving/wire.c: a connection answered in C */
+extern PyTypeObject sarp_AliasTableType; /* aliastable.c: a writer's aliases in memory */
 
 /* directory.c: a query's probes of a directory's sorted arrays (find, predict, and a
  * reader's match in valkey_read.c): the buffers of query, keys, segs[, added,
@@ -91,7 +92,7 @@ enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARR
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
        CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY, CALL_HEADS,
-       CALL_XXH3_64, CALL_KINDS };
+       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -56,6 +56,10 @@ class Memory:
         return cls(Directory.from_entries(np.empty(0, np.uint64), np.empty(0, np.uint32)),
                    HolderSegments(), Holders())
 
+    def nbytes(self) -> int:
+        """The directory's arrays and the holders' bitmaps, exactly."""
+        return self.directory.nbytes() + self.filters.nbytes()
+
     def apply(self, plan) -> None:
         """Bring memory up to date with a committed write's :class:`sarp.writeset.Plan`."""
         self.holders.learn(plan.holder_names)  # new, or ids reused

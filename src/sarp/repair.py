@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CorruptRecordError, NotAnIndexError, ParentNotFoundError
+from .salvage import salvage_meta, salvage_records
 from .segment import Segment, decode
 from .store import ID_STRIDE
-from .store_lmdb import salvage_meta, salvage_records
 
 SCAFFOLD = "sarp.repair.scaffold"
 _PROBE_IDS_PAST_COUNTER = 1024 * ID_STRIDE  # when the counter itself is unreadable, probe this far

@@ -16,7 +16,9 @@ big-endian, so byte order is numeric order):
               segment a write touched, replayed on restart after the snapshot watermark
 ``aliases``   model root (u64) + engine hash (u64) -> token key (u64): the engine's
               hash of each block of an engine whose blocks are keyed by their tokens
-              (:mod:`sarp.tokenkeys`, :mod:`sarp.aliases`)
+              (:mod:`sarp.tokenkeys`, :mod:`sarp.aliases`); an entry each on Valkey,
+              a dump and a journal on LMDB, whose writer holds them in memory
+              (:mod:`sarp.aliastable`)
 
 A backend names what it can do in :class:`Capabilities`, which the index and the
 packer read instead of probing attributes.
@@ -41,7 +43,7 @@ from .errors import CorruptRecordError, DamagedIndexError, FormatVersionError, S
 from .hashing import checksum_bytes
 from .segment import Segment
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: LMDB's aliases as a dump and a journal (sarp.aliastable)
 DURABILITY_MODES = ("sync", "nosync")
 MAX_SEGMENT_ID = 0xFFFFFFFF
 # A new segment takes the next id that is a multiple of ID_STRIDE, and the ids after it
@@ -250,11 +252,13 @@ class WriteTxn(Protocol):
     def forget_holders(self, holder_ids: list[int]) -> None: ...
     def new_segment_id(self) -> int: ...
     def untake_segment_ids(self, first: int) -> None: ...
-    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]: ...
-    def alias_put(self, keys: list[bytes], values: list[bytes]) -> None: ...
-    def alias_delete(self, keys: list[bytes]) -> None: ...
-    # up to ``count`` entries from ``cursor`` (None: the start), and the next cursor
-    def alias_scan(self, cursor, count: int) -> tuple[list[tuple[bytes, bytes]], object]: ...
+    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def alias_put(self, roots: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None: ...
+    def alias_delete(self, roots: np.ndarray, hashes: np.ndarray) -> None: ...
+    # up to ``count`` aliases from ``cursor`` (None: the start) as (roots, hashes, keys),
+    # and the next cursor (None: the end was reached)
+    def alias_scan(self, cursor, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                      object]: ...
     # a small named value (Store.load_state) replaced with this write, all or nothing
     def put_state(self, name: str, data: bytes) -> None: ...
 
@@ -280,6 +284,7 @@ class Store(Protocol):
     def load_state(self, name: str) -> bytes | None: ...
     def save_state(self, name: str, data: bytes, durable: bool) -> None: ...
     def disk_bytes(self) -> int: ...
+    def memory_bytes(self) -> int: ...  # what it keeps in this process between writes
     def release_dead_readers(self) -> int: ...
     # with capabilities.prefetch: send a reader's next read (counters and the records
     # of these keys) now, its reply taken by that read's prefetch
@@ -287,8 +292,9 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-def alias_keys(root: int, hashes: np.ndarray) -> list[bytes]:
-    """The ``aliases`` keys of engine hashes under a model root (16 bytes each, BE).
+def alias_keys(root: int | np.ndarray, hashes: np.ndarray) -> list[bytes]:
+    """The ``aliases`` entries' keys on Valkey (16 bytes each, BE) of engine hashes
+    under a model root (one, or one per hash).
 
     >>> alias_keys(1, np.array([2], np.uint64))[0].hex()
     '00000000000000010000000000000002'
@@ -301,21 +307,9 @@ def alias_keys(root: int, hashes: np.ndarray) -> list[bytes]:
 class WriteLogic:
     """What a write does the same way on every store, over a backend's primitives
     (``counter``, ``set_counter``, ``put_meta``, ``segment_exists``, ``holder_get``,
-    ``holder_put``, ``holder_items``, ``alias_found``) and ``_store.path``."""
+    ``holder_put``, ``holder_items``) and ``_store.path``."""
 
     __slots__ = ()
-
-    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(engine hashes, token keys)`` of those of ``hashes`` (sorted, unique) that
-        have an alias under ``root``, sorted.  Cost: one batched lookup (one cursor
-        call, or one ``HMGET``); numpy, no Python per block."""
-        found = self.alias_found(alias_keys(root, hashes))
-        if not found:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-        got = np.frombuffer(b"".join(found), ">u8")[1::2].astype(np.uint64)
-        keys = np.frombuffer(b"".join(found.values()), ">u8").astype(np.uint64)
-        order = np.argsort(got, kind="stable")
-        return got[order], keys[order]
 
     def prefetch_blocks(self, hashes: np.ndarray) -> None:
         """Nothing to do where lookups are page reads (``capabilities.prefetch`` off; a

@@ -3,8 +3,9 @@
 are named LMDB databases in ``data.mdb``, with the keys and values :mod:`sarp.store`
 gives.  Here: the environment and its locks (``sarp.lock`` and a lock on ``data.mdb``),
 map growth, checks of the file before LMDB maps it and a writer's cover of a file cut
-short, the salvage readers of :mod:`sarp.repair`, and lmdb's errors translated to
-:mod:`sarp.errors` (here and nowhere else).
+short, a writer's aliases in memory over their dump and journal (:mod:`sarp.aliastable`),
+and lmdb's errors translated to :mod:`sarp.errors` (here and nowhere else; the salvage
+readers of :mod:`sarp.repair` are :mod:`sarp.salvage`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
-from itertools import islice
 from operator import itemgetter
 from pathlib import Path
 from typing import TypeVar
@@ -23,6 +23,7 @@ import numpy as np
 
 from . import lmdb_env
 from . import snapshot as snapshots
+from .aliastable import Aliases
 from .errors import (
     CorruptRecordError,
     DamagedIndexError,
@@ -46,9 +47,8 @@ from .store import (
     BLOCK_DTYPE,
     BLOCK_VALUE,
     DEFAULT_MAX_READERS,
-    HOLDER_ID,
+    FORMAT_VERSION,
     LOG_VALUE,
-    MAX_HOLDERS,
     TABLES,
     U64,
     Capabilities,
@@ -56,7 +56,6 @@ from .store import (
     check_durability,
     check_int,
     check_version,
-    checked_name,
     counter_value,
     hash_keys,
     holder_names,
@@ -99,6 +98,7 @@ class LmdbStore:
         self.durability = durability
         self.readonly = readonly
         self.max_readers = max_readers
+        self.alias_memory = Aliases()  # a writer's aliases (read at its first write)
         self._lock_fd = None
         if readonly:
             check_readable(self.path)
@@ -149,9 +149,29 @@ class LmdbStore:
                 w.create_meta()
             self.format_version = check_version(txn.get(b"format_version", db=self.meta_db),
                                                 self.path)
+            if self.format_version < FORMAT_VERSION:
+                self._upgrade_aliases(txn)
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
             if txn.get(b"name_sums", db=self.meta_db) is None:
                 w.add_missing_name_sums()
+
+    def _upgrade_aliases(self, txn: lmdb_env.Transaction) -> None:
+        """Format 1 kept an entry per alias (root + hash -> key, BE); 2 keeps a dump and
+        a journal (:mod:`sarp.aliastable`).  Cost: a Python step per alias, once."""
+        items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self.aliases_db)]
+        if any(len(k) != 16 or len(v) != 8 for k, v in items):
+            raise DamagedIndexError(f"{self.path}: an aliases entry of format 1 is not 16+8 "
+                                    f"bytes; {REPAIR_HINT}")
+        if items:
+            pairs = np.frombuffer(b"".join(map(itemgetter(0), items)), ">u8").reshape(-1, 2)
+            keys = np.frombuffer(b"".join(map(itemgetter(1), items)), ">u8")
+            self.alias_memory.load([])
+            self.alias_memory.put(pairs[:, 0], pairs[:, 1], keys)
+            txn.drop(self.aliases_db, delete=False)
+            txn.cursor(db=self.aliases_db).putmulti(self.alias_memory.dump(), append=True)
+            self.alias_memory.forget()
+        txn.put(b"format_version", U64.pack(FORMAT_VERSION), db=self.meta_db)
+        self.format_version = FORMAT_VERSION
 
     def _open_tables_readonly(self) -> None:
         """Open the named tables without creating anything (a reader writes nothing)."""
@@ -226,6 +246,10 @@ class LmdbStore:
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.files() if p.exists())
 
+    def memory_bytes(self) -> int:
+        """A writer's aliases (:mod:`sarp.aliastable`), once its first write read them."""
+        return self.alias_memory.nbytes
+
     # -- transactions ----------------------------------------------------------------------
 
     def read(self) -> LmdbReadTxn:
@@ -240,8 +264,12 @@ class LmdbStore:
         """
         for _ in range(MAX_GROWTHS):
             try:
-                with self.env.begin(write=True) as txn:
-                    return fn(LmdbWriteTxn(self, txn))
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(LmdbWriteTxn(self, txn))
+                except BaseException:
+                    self.alias_memory.forget()  # what the aborted write changed in memory
+                    raise
             except lmdb_env.MapFullError:
                 self._grow()
             except lmdb_env.Error as exc:
@@ -382,12 +410,13 @@ class LmdbReadTxn:
 class LmdbWriteTxn(WriteLogic):
     """The operations a write needs, inside one LMDB write transaction."""
 
-    __slots__ = ("_store", "txn")
+    __slots__ = ("_store", "txn", "_aliased")
     capabilities = LmdbStore.capabilities
 
     def __init__(self, store: LmdbStore, txn: lmdb_env.Transaction) -> None:
         self._store = store
         self.txn = txn
+        self._aliased = False  # this transaction changed the aliases in memory
 
     def set_counter(self, name: str, value: int) -> None:
         self.txn.put(name.encode(), U64.pack(value), db=self._store.meta_db)
@@ -493,6 +522,8 @@ class LmdbWriteTxn(WriteLogic):
     def abort(self) -> None:
         """Drop a :meth:`nested` transaction and everything it wrote."""
         self.txn.abort()
+        if self._aliased:
+            self._store.alias_memory.forget()
 
     def release_blocks(self, hashes: np.ndarray) -> None:
         """Delete the ``blocks`` entries of ``hashes`` (consumed in C: no Python per block)."""
@@ -519,21 +550,33 @@ class LmdbWriteTxn(WriteLogic):
         """The holders table's entries whose keys start with ``prefix``, in key order."""
         return _items(self.txn.cursor(db=self._store.holders_db), prefix)
 
-    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
-        return dict(self.txn.cursor(db=self._store.aliases_db).getmulti(keys))
+    def _aliases(self) -> Aliases:
+        memory = self._store.alias_memory
+        if not memory.loaded:
+            memory.load(self.txn.cursor(db=self._store.aliases_db), self._store.path)
+        return memory
 
-    def alias_put(self, keys: list[bytes], values: list[bytes]) -> None:
-        # the pairs as they are made: zip hands putmulti one tuple again and again,
-        # where a list of them cost about as much as the puts (200,000: 28 ms)
-        self.txn.cursor(db=self._store.aliases_db).putmulti(zip(keys, values, strict=True))
+    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The store contract's ``aliases``, from the writer's table in memory."""
+        return self._aliases().get(root, hashes)
 
-    def alias_delete(self, keys: list[bytes]) -> None:
-        deque(map(partial(self.txn.delete, db=self._store.aliases_db), keys), maxlen=0)
+    def alias_put(self, roots: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
+        self._journal(self._aliases().put(roots, hashes, keys))
 
-    def alias_scan(self, cursor: bytes | None, count: int) -> tuple[list, bytes | None]:
-        cur = self.txn.cursor(db=self._store.aliases_db)
-        items = list(islice(cur.iternext(), count)) if cur.set_range(cursor or b"") else []
-        return items, (items[-1][0] + b"\0" if len(items) == count else None)
+    def alias_delete(self, roots: np.ndarray, hashes: np.ndarray) -> None:
+        self._journal(self._aliases().delete(roots, hashes))
+
+    def alias_scan(self, cursor: int | None, count: int):
+        return self._aliases().scan(cursor, count)
+
+    def _journal(self, record: tuple[bytes, bytes]) -> None:
+        """Append a change's record; past the journal's bound, the dump in its place."""
+        memory, db = self._store.alias_memory, self._store.aliases_db
+        self._aliased = True
+        self.txn.put(*record, db=db, append=True)
+        if memory.compaction_due():
+            self.txn.drop(db, delete=False)
+            self.txn.cursor(db=db).putmulti(memory.dump(), append=True)
 
     def counter(self, name: str) -> int:
         raw = self.txn.get(name.encode(), db=self._store.meta_db)
@@ -549,82 +592,3 @@ def _items(cur, prefix: bytes) -> list[tuple[bytes, bytes]]:
                 break
             out.append((bytes(key), bytes(value)))
     return out
-
-
-def salvage_records(path: str, first_id: int, last_id: int, conn) -> None:
-    """Send ``(seg_id, record)`` for every segment id in ``[first_id, last_id]`` that the
-    live B-tree still yields, then ``None``; for :mod:`sarp.repair`, in a child process.
-
-    Reads go through the tree (``get`` by key), never through free pages, so only live
-    records come back; a damaged page may kill this process (a SIGBUS or an LMDB
-    assertion), which is why it runs in a child: the parent knows the last id sent.
-    Every id is reported, found or not: ``(seg_id, None)`` when absent.
-    """
-    env = lmdb_env.open_env(path, readonly=True, lock=False)
-    try:
-        db = env.open_db(b"segments", create=False)
-        txn = env.begin(db=db)
-        for seg_id in range(first_id, last_id + 1):
-            try:
-                record = txn.get(U64.pack(seg_id))
-            except lmdb_env.Error:
-                record = b""  # this id's page is damaged: unreadable, not absent
-                txn.abort()  # an error leaves the transaction unusable: take a new one
-                txn = env.begin(db=db)
-            conn.send((seg_id, None if record is None else bytes(record)))
-        txn.abort()
-    finally:
-        env.close()
-    conn.send(None)
-
-
-def _salvage_names(env, holders_db, count: int) -> dict[int, str | None]:
-    """Each holder name by its own key, so that one damaged entry costs one name."""
-    found: dict[int, tuple[bytes, bytes | None] | None] = {}
-    txn = env.begin(db=holders_db)
-    try:
-        for holder_id in range(count):
-            packed = HOLDER_ID.pack(holder_id)
-            try:
-                value, stored = txn.get(b"i:" + packed), txn.get(b"s:" + packed)
-            except lmdb_env.Error:
-                txn.abort()
-                txn = env.begin(db=holders_db)
-                found[holder_id] = None
-                continue
-            if value is not None:
-                found[holder_id] = (bytes(value), None if stored is None else bytes(stored))
-    finally:
-        txn.abort()
-    # An index written before name checksums has none at all; otherwise one is required.
-    sums = any(f is not None and f[1] is not None for f in found.values())
-    return {holder_id: None if entry is None else checked_name(entry[0], entry[1], sums)
-            for holder_id, entry in found.items()}
-
-
-def salvage_meta(path: str, conn) -> None:
-    """Send ``(counters, holder names)`` read without trusting anything: for repair."""
-    env = lmdb_env.open_env(path, readonly=True, lock=False)
-    try:
-        out: dict = {"next_seg_id": None, "names": {}}
-        meta = None
-        try:
-            meta = env.open_db(b"meta", create=False)
-            with env.begin(db=meta) as txn:
-                raw = txn.get(b"next_seg_id")
-                out["next_seg_id"] = U64.unpack(raw)[0] if raw else None
-        except lmdb_env.Error:
-            pass
-        try:
-            holders = env.open_db(b"holders", create=False)
-            with env.begin() as txn:
-                raw = txn.get(b"next_holder_id", db=meta)
-            count = U64.unpack(raw)[0] if raw else MAX_HOLDERS
-            out["names"] = _salvage_names(env, holders, min(count, MAX_HOLDERS))
-        except lmdb_env.Error:
-            pass
-        conn.send(out)
-    finally:
-        env.close()
-
-

@@ -249,6 +249,10 @@ class ValkeyStore:
         """Bytes the namespace's keys take in the server (``MEMORY USAGE``)."""
         return sum(self.client.memory_usage(key) or 0 for key in self.keys.values())
 
+    def memory_bytes(self) -> int:
+        """Nothing between writes (a write's tables live as long as it does)."""
+        return 0
+
     # -- transactions ------------------------------------------------------------------------
 
     def read(self) -> ValkeyReadTxn:

@@ -21,6 +21,7 @@ from .store import (
     ID_STRIDE,
     U64,
     WriteLogic,
+    alias_keys,
     counter_value,
     hash_keys,
 )
@@ -413,21 +414,27 @@ class ValkeyWriteTxn(WriteLogic):
         return sorted((k, v) for k, v in self._view["hold"].items()
                       if v is not None and k.startswith(prefix))
 
-    def alias_found(self, keys: list[bytes]) -> dict[bytes, bytes]:
-        """Found ``aliases`` entries (this write's changes included): one ``HMGET``."""
-        got = dict(zip(keys, self._get_many("alias", keys), strict=True))
-        return {k: v for k, v in got.items() if v is not None}
+    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(engine hashes, token keys)`` of those of ``hashes`` with an alias under
+        ``root`` (this write's changes included), in the order given: one ``HMGET``."""
+        got = self._get_many("alias", alias_keys(root, hashes))
+        found = np.array([v is not None for v in got], bool)
+        keys = np.frombuffer(b"".join(v for v in got if v is not None), ">u8")
+        return hashes[found], keys.astype(np.uint64)
 
-    def alias_put(self, keys: list[bytes], values: list[bytes]) -> None:
-        self._put_many("alias", dict(zip(keys, values, strict=True)))
+    def alias_put(self, roots: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
+        self._put_many("alias", dict(zip(alias_keys(roots, hashes),
+                                          keys.astype(">u8").view("V8").tolist(), strict=True)))
 
-    def alias_delete(self, keys: list[bytes]) -> None:
-        self._put_many("alias", dict.fromkeys(keys))
+    def alias_delete(self, roots: np.ndarray, hashes: np.ndarray) -> None:
+        self._put_many("alias", dict.fromkeys(alias_keys(roots, hashes)))
 
-    def alias_scan(self, cursor: int | None, count: int) -> tuple[list, int | None]:
-        """One ``HSCAN`` step (about ``count`` entries)."""
+    def alias_scan(self, cursor: int | None, count: int):
+        """One ``HSCAN`` step (about ``count`` entries), as columns."""
         after, items = self._c.hscan(self._store.keys["alias"], cursor or 0, count=count)
-        return list(items.items()), (after or None)
+        pairs = np.frombuffer(b"".join(items), ">u8").reshape(-1, 2).astype(np.uint64)
+        keys = np.frombuffer(b"".join(items.values()), ">u8").astype(np.uint64)
+        return pairs[:, 0], pairs[:, 1], keys, (after or None)
 
     # the commit
 
