@@ -200,8 +200,7 @@ def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, t
         left_roots = np.repeat(roots, sizes)[left]
         for root in _distinct(left_roots).tolist():
             mine = left[left_roots == np.uint64(root)]
-            got, got_keys = w.aliases(root, _distinct(hashes[mine]))
-            keys[mine], found[mine] = _search(got, got_keys, hashes[mine])
+            keys[mine], found[mine] = w.alias_get(root, hashes[mine])
     return (keys, found, np.frombuffer(made, bool), np.frombuffer(parent_keys, np.uint64),
             np.frombuffer(first, bool))
 
@@ -212,10 +211,11 @@ def _read(w: WriteTxn, roots: np.ndarray, hashes: np.ndarray
     hashes and keys."""
     s_roots, s_hashes, s_keys = [_EMPTY], [_EMPTY], [_EMPTY]
     for root in _distinct(roots).tolist():
-        got, keys = w.aliases(root, _distinct(hashes[roots == np.uint64(root)]))
-        s_roots.append(np.full(got.size, root, np.uint64))
-        s_hashes.append(got)
-        s_keys.append(keys)
+        asked = _distinct(hashes[roots == np.uint64(root)])
+        keys, found = w.alias_get(root, asked)
+        s_roots.append(np.full(int(found.sum()), root, np.uint64))
+        s_hashes.append(asked[found])
+        s_keys.append(keys[found])
     return np.concatenate(s_roots), np.concatenate(s_hashes), np.concatenate(s_keys)
 
 
@@ -233,14 +233,9 @@ def _written(first: np.ndarray, applied: np.ndarray, sizes: np.ndarray,
 
 def _put(w: WriteTxn, r: np.ndarray, h: np.ndarray, k: np.ndarray) -> None:
     """Write the aliases (root ``r``, engine hash ``h``) -> key ``k`` of the stores
-    applied, per root, in key order (the first store's key for a hash twice)."""
-    # stable: a hash twice keeps its stores' order (one model root: one key to sort)
-    order = np.argsort(h, kind="stable") if not r.size or (r == r[0]).all() \
-        else np.lexsort((h, r))
-    r, h, k = r[order], h[order], k[order]
-    first = np.ones(h.size, bool)
-    first[1:] = (h[1:] != h[:-1]) | (r[1:] != r[:-1])
-    w.alias_put(r[first], h[first], k[first])
+    applied, the first store's key for a hash twice: reversed, since of two puts of one
+    alias the later wins (no sort)."""
+    w.alias_put(r[::-1].copy(), h[::-1].copy(), k[::-1].copy())
 
 
 def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Exception]]]:
@@ -343,7 +338,7 @@ class _Batch:
                     wanted.setdefault(op[4], []).append(op[1])
             elif op[0] == "remove_engine":
                 wanted.setdefault(op[3], []).append(op[1])
-        self.stored = {root: w.aliases(root, np.unique(np.concatenate(parts)))
+        self.stored = {root: _found(w, root, np.unique(np.concatenate(parts)))
                        for root, parts in wanted.items()}
         # the batch's stores: every block's hash, its store and its place, sorted by
         # (root, hash, store) so that the first hit is the earliest store holding it
@@ -466,6 +461,12 @@ class _Batch:
     def put(self, refused: set[int]) -> None:
         """Write the aliases of the stores applied (:func:`_put`)."""
         _put(self.w, *self._made(refused))
+
+
+def _found(w: WriteTxn, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(hashes, keys)`` of those of ``hashes`` with an alias under ``root``."""
+    keys, found = w.alias_get(root, hashes)
+    return hashes[found], keys[found]
 
 
 def _search(table_hashes: np.ndarray, table_keys: np.ndarray, hashes: np.ndarray

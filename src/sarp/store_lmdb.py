@@ -556,8 +556,8 @@ class LmdbWriteTxn(WriteLogic):
             memory.load(self.txn.cursor(db=self._store.aliases_db), self._store.path)
         return memory
 
-    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The store contract's ``aliases``, from the writer's table in memory."""
+    def alias_get(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The store contract's ``alias_get``, from the writer's table in memory."""
         return self._aliases().get(root, hashes)
 
     def alias_put(self, roots: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:

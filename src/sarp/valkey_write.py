@@ -414,13 +414,14 @@ class ValkeyWriteTxn(WriteLogic):
         return sorted((k, v) for k, v in self._view["hold"].items()
                       if v is not None and k.startswith(prefix))
 
-    def aliases(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(engine hashes, token keys)`` of those of ``hashes`` with an alias under
-        ``root`` (this write's changes included), in the order given: one ``HMGET``."""
+    def alias_get(self, root: int, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, found)`` of engine hashes under ``root``, aligned with them (this
+        write's changes included): one ``HMGET``."""
         got = self._get_many("alias", alias_keys(root, hashes))
         found = np.array([v is not None for v in got], bool)
-        keys = np.frombuffer(b"".join(v for v in got if v is not None), ">u8")
-        return hashes[found], keys.astype(np.uint64)
+        keys = np.zeros(len(got), np.uint64)
+        keys[found] = np.frombuffer(b"".join(v for v in got if v is not None), ">u8")
+        return keys, found
 
     def alias_put(self, roots: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
         self._put_many("alias", dict(zip(alias_keys(roots, hashes),

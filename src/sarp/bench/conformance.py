@@ -307,4 +307,4 @@ def wait_for_markers(urls: Sequence[str], engine_list: Sequence[Engine],
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{url} did not apply engine {e.iid}#{e.rank}'s "
                                        f"batches within {timeout_s:.0f} s ({status}: {got})")
-                time.sleep(0.05)
+                time.sleep(0.005)
