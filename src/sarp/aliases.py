@@ -67,8 +67,9 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     stores; then the removals no store of the batch made; one on a remote store, a
     round trip); two xxh3 per block of a store
     with tokens (in C); a few numpy calls per store and per batch, no Python per
-    block; one ``aliases`` write per alias new to the batch (not read, nor made by
-    an earlier store), in key order; a sweep of stored aliases, up to two per block of
+    block; one ``alias_put`` of the aliases new to the batch (not read, nor made by
+    an earlier store: on LMDB a hash probe each and one journal record); a sweep of
+    stored aliases, up to two per block of
     the batch (:func:`_sweep`: fewer while few of those it checks are dead).
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
