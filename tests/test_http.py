@@ -687,3 +687,55 @@ def test_long_arrays_read_through_bitmaps_are_the_general_parse_s_or_refused():
         outcomes["taken"] += 1
         assert obj[field].tolist() == [v % (1 << 64) for v in general], body[:200]
     assert outcomes["taken"] > 300 and outcomes["refused"] > 100, outcomes
+
+
+def test_a_query_of_hundreds_of_kb_stays_on_the_c_connection(tmp_path):
+    """An agentic context's ``/query`` (a median of 176 kB in the agentic trace) is
+    answered by the C connection on the event loop, where at 64 KiB it went to the
+    reference and a thread hop each (1.17x slower); a body over 1 MiB goes to the
+    reference, beside the loop, and gets the same answer."""
+    code = f"""
+import http.client, json, socket, threading
+import sarp
+from sarp import native
+from sarp.serving import http as served, wire
+from sarp.serving.workers import HttpConfig
+ix, m = {str(tmp_path / "ix")!r}, {str(tmp_path / "m")!r}
+with sarp.open(ix) as index:
+    index.insert([1, 2], holder="e0")
+served.import_for_workers(m)
+server = served.make_server(sarp.open(ix, readonly=True), HttpConfig(ix, m))
+import uvloop
+loop = uvloop.new_event_loop()
+listener = socket.create_server(("127.0.0.1", 0))
+listener.setblocking(False)
+
+def accept():
+    try:
+        conn, _ = listener.accept()
+    except BlockingIOError:
+        return
+    wire.take(server, loop, conn)
+
+loop.call_soon(loop.add_reader, listener.fileno(), accept)
+threading.Thread(target=loop.run_forever, daemon=True).start()
+conn = http.client.HTTPConnection("127.0.0.1", listener.getsockname()[1], timeout=30)
+seen = []
+for tokens in (60_000, 120_000, 300_000):  # 0.4 MB, 0.8 MB and 2 MB of JSON
+    body = json.dumps({{"token_ids": list(range(100_000, 100_000 + tokens)),
+                       "model_name": "m"}}).encode()
+    conn.request("POST", "/query", body)
+    answer = conn.getresponse()
+    seen.append((len(body) >> 10, answer.status, answer.read()[:40].decode(),
+                 native.calls()["conn"][0]))
+print(json.dumps(seen))
+"""
+    (tmp_path / "m").mkdir()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert [kb > 1024 for kb, *_ in seen] == [False, False, True]
+    assert len({(status, text) for _, status, text, _ in seen}) == 1  # one answer
+    if sarp.native.AVAILABLE:
+        assert [in_c for *_, in_c in seen] == [1, 2, 2]  # the third: the reference's
