@@ -561,10 +561,12 @@ class LmdbWriteTxn(WriteLogic):
         return self._aliases().get(root, hashes)
 
     def alias_put(self, roots: np.ndarray, hashes: np.ndarray, keys: np.ndarray) -> None:
-        self._journal(self._aliases().put(roots, hashes, keys))
+        if hashes.size:  # (a batch whose aliases are all known already: no record)
+            self._journal(self._aliases().put(roots, hashes, keys))
 
     def alias_delete(self, roots: np.ndarray, hashes: np.ndarray) -> None:
-        self._journal(self._aliases().delete(roots, hashes))
+        if hashes.size:
+            self._journal(self._aliases().delete(roots, hashes))
 
     def alias_scan(self, cursor: int | None, count: int):
         return self._aliases().scan(cursor, count)
