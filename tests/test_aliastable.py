@@ -193,6 +193,8 @@ def test_an_index_of_format_1_has_its_aliases_moved_to_the_dump(tmp_path):
     _raw(tmp_path, to_v1)
     reader = LmdbStore(tmp_path, readonly=True)
     assert reader.format_version == 1
+    with reader.read() as r:
+        assert r.aliases_problems() == []  # format 1's entries, read as format 1
     reader.close()
     store = _store(tmp_path)
     try:
@@ -204,13 +206,26 @@ def test_an_index_of_format_1_has_its_aliases_moved_to_the_dump(tmp_path):
         store.close()
 
 
-def test_a_damaged_aliases_record_is_named_as_damage(tmp_path):
+def test_a_damaged_aliases_record_is_named_as_damage_by_a_write_and_by_verify(tmp_path):
+    """A journal record that does not parse: the next write that needs the aliases
+    refuses with DamagedIndexError naming repair, and ``Index.check`` (``sarp
+    verify``) names it, on a reader's open and a writer's; before the damage, none."""
+    import sarp
+
     store = _store(tmp_path)
     store.write(lambda w: w.alias_put(np.array([1], U), np.array([2, 3], U),
                                       np.array([4, 5], U)))
     store.close()
+    for readonly in (True, False):
+        with sarp.open(tmp_path, readonly=readonly) as index:
+            assert index.check() == []
     _raw(tmp_path, lambda txn, aliases, meta: txn.put(b"J" + struct.pack(">Q", 1), b"P123",
                                                       db=aliases))
+    for readonly in (True, False):
+        with sarp.open(tmp_path, readonly=readonly) as index:
+            problems = index.check()
+            assert len(problems) == 1 and "aliases entry 4a" in problems[0], problems
+            assert f"sarp repair {tmp_path}" in problems[0]
     store = _store(tmp_path)
     try:
         with pytest.raises(DamagedIndexError, match="sarp repair"):

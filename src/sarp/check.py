@@ -18,7 +18,7 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
 
     ``directory`` and ``holders`` must describe the state ``r`` reads.
 
-    Cost: one scan of the segments and of the blocks table.
+    Cost: one scan of the segments, of the blocks table and of the aliases.
     """
     problems: list[str] = []
     expected_blocks: dict[int, tuple[int, int]] = {}
@@ -60,6 +60,7 @@ def check(r: ReadTxn, directory: Directory, holders: HolderSegments) -> list[str
     for h, want in expected_blocks.items():
         problems.append(f"blocks table: {h} missing, stored in segment {want[0]} at {want[1]}")
     _check_log(r, problems)
+    problems += r.aliases_problems()
     got = directory.entries()
     for h in sorted(got.keys() | expected_directory.keys()):
         if got.get(h) != expected_directory.get(h):

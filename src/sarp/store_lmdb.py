@@ -23,7 +23,7 @@ import numpy as np
 
 from . import lmdb_env
 from . import snapshot as snapshots
-from .aliastable import Aliases
+from .aliastable import Aliases, format1_columns
 from .errors import (
     CorruptRecordError,
     DamagedIndexError,
@@ -158,15 +158,10 @@ class LmdbStore:
     def _upgrade_aliases(self, txn: lmdb_env.Transaction) -> None:
         """Format 1 kept an entry per alias (root + hash -> key, BE); 2 keeps a dump and
         a journal (:mod:`sarp.aliastable`).  Cost: a Python step per alias, once."""
-        items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self.aliases_db)]
-        if any(len(k) != 16 or len(v) != 8 for k, v in items):
-            raise DamagedIndexError(f"{self.path}: an aliases entry of format 1 is not 16+8 "
-                                    f"bytes; {REPAIR_HINT}")
-        if items:
-            pairs = np.frombuffer(b"".join(map(itemgetter(0), items)), ">u8").reshape(-1, 2)
-            keys = np.frombuffer(b"".join(map(itemgetter(1), items)), ">u8")
+        roots, hashes, keys = format1_columns(txn.cursor(db=self.aliases_db), self.path)
+        if keys.size:
             self.alias_memory.load([])
-            self.alias_memory.put(pairs[:, 0], pairs[:, 1], keys)
+            self.alias_memory.put(roots, hashes, keys)
             txn.drop(self.aliases_db, delete=False)
             txn.cursor(db=self.aliases_db).putmulti(self.alias_memory.dump(), append=True)
             self.alias_memory.forget()
@@ -405,6 +400,24 @@ class LmdbReadTxn:
 
     def stat(self, table: str) -> dict:
         return self._txn.stat(getattr(self._store, f"{table}_db"))
+
+    def aliases_problems(self) -> list[str]:
+        """The ``aliases`` table read as a writer reads it (format 2's dump and journal,
+        format 1's entries): a line for its first damage, none when it reads."""
+        store = self._store
+        try:  # (a reader does not keep the table open: only a writer reads it)
+            db = getattr(store, "aliases_db", None) or store.env.open_db(
+                b"aliases", txn=self._txn, create=False)
+        except lmdb_env.NotFoundError:
+            return []  # an index from before the table
+        try:
+            if store.format_version < FORMAT_VERSION:
+                format1_columns(self._txn.cursor(db=db), store.path)
+            else:
+                Aliases().load(self._txn.cursor(db=db), store.path)
+        except DamagedIndexError as exc:
+            return [str(exc)]
+        return []
 
 
 class LmdbWriteTxn(WriteLogic):

@@ -147,6 +147,14 @@ class ValkeyReadTxn:
             seg_id, offset = BLOCK_VALUE.unpack(value)
             yield U64.unpack(key)[0], seg_id, offset
 
+    def aliases_problems(self) -> list[str]:
+        """Entries of the aliases hash that are not 16+8 bytes (a write would refuse
+        them): a line, none when all are."""
+        bad = sum(len(k) != 16 or len(v) != 8
+                  for k, v in self._c.hscan_iter(self._store.keys["alias"], count=1000))
+        return [f"{self._store.path}: {bad} aliases entries are not 16+8 bytes (engine "
+                "hashes they name no longer resolve)"] if bad else []
+
     def holder_names(self) -> dict[int, str | None]:
         table = self._c.hgetall(self._store.keys["hold"])
         required = b"name_sums" in self._meta_fields()
