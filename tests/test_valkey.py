@@ -766,3 +766,24 @@ def test_a_reader_rebuilding_beside_a_busy_writer_ends_current(url, monkeypatch)
             assert reader.match(chains[4]).by_holder == {"w1": 29}
             assert reader.match(chains[1]).num_blocks == 0  # cleared mid-scan
             assert reader.stats()["directory_entries"] == writer.stats()["directory_entries"]
+
+
+def test_a_damaged_alias_entry_on_valkey_is_named_by_verify_and_by_the_sweep(url):
+    """An aliases entry of the wrong size: ``Index.check`` names it (none before), and
+    a write's scan of the aliases refuses it as damage instead of misreading it."""
+    import numpy as np
+
+    from sarp.errors import DamagedIndexError
+
+    u = np.uint64
+    with sarp.open(url) as index:
+        store = index._store
+        store.write(lambda w: w.alias_put(np.array([1], u), np.array([2, 3], u),
+                                          np.array([4, 5], u)))
+        assert index.check() == []
+        assert sorted(store.write(lambda w: w.alias_scan(None, 100)[2]).tolist()) == [4, 5]
+        store.client.hset(store.keys["alias"], b"short", b"x")
+        problems = index.check()
+        assert len(problems) == 1 and "aliases entry is not 16+8 bytes" in problems[0]
+        with pytest.raises(DamagedIndexError, match="16\\+8"):
+            store.write(lambda w: w.alias_scan(None, 100))

@@ -57,6 +57,7 @@ class PyTable:
 
     @property
     def nbytes(self) -> int:
+        """An estimate: a dict slot, a key tuple and three ints, about 100 B an alias."""
         return 100 * len(self._d)
 
     @staticmethod
@@ -214,25 +215,6 @@ class Aliases:
         self._next_seq += 1
         self._journaled += cols[-1].size
         return key, head + b"".join(c.astype("<u8").tobytes() for c in cols)
-
-
-def format1_columns(entries: Iterable[tuple[bytes, bytes]], where: object
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Format 1's ``aliases`` entries (root + engine hash -> key, big-endian, an entry
-    each) as ``(roots, hashes, keys)``; an entry of another size is
-    :class:`DamagedIndexError`.
-
-    >>> format1_columns([(bytes(15) + b"\\x02", bytes(7) + b"\\x03")], "x")[1].tolist()
-    [2]
-    """
-    items = [(bytes(k), bytes(v)) for k, v in entries]
-    if any(len(k) != 16 or len(v) != 8 for k, v in items):
-        raise DamagedIndexError(f"{where}: an aliases entry of format 1 is not 16+8 bytes. "
-                                f"{REPAIR_HINT.format(path=where)}")
-    pairs = np.frombuffer(b"".join(k for k, _ in items), ">u8").reshape(-1, 2)
-    keys = np.frombuffer(b"".join(v for _, v in items), ">u8")
-    return (*(np.ascontiguousarray(c, np.uint64) for c in (pairs[:, 0], pairs[:, 1])),
-            keys.astype(np.uint64))
 
 
 def _replay(table, value: memoryview) -> int:

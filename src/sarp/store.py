@@ -308,6 +308,26 @@ def alias_keys(root: int | np.ndarray, hashes: np.ndarray) -> list[bytes]:
     return keys.view("V16").tolist()
 
 
+def alias_columns(entries: Iterable[tuple[bytes, bytes]], where: object, fix: str
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Aliases kept an entry each (Valkey's, and LMDB's format 1: :func:`alias_keys`
+    -> key, BE) as ``(roots, hashes, keys)``; an entry of another size is
+    :class:`DamagedIndexError` naming ``where`` and ``fix``.
+
+    >>> alias_columns([(alias_keys(1, np.array([2], np.uint64))[0], bytes(7) + b"\\x03")],
+    ...               "x", "")[2].tolist()
+    [3]
+    """
+    items = [(bytes(k), bytes(v)) for k, v in entries]
+    if any(len(k) != 16 or len(v) != 8 for k, v in items):
+        raise DamagedIndexError(f"{where}: an aliases entry is not 16+8 bytes (model root "
+                                f"and engine hash -> token key). {fix}".rstrip())
+    pairs = np.frombuffer(b"".join(k for k, _ in items), ">u8").reshape(-1, 2)
+    keys = np.frombuffer(b"".join(v for _, v in items), ">u8")
+    return (np.ascontiguousarray(pairs[:, 0], np.uint64),
+            np.ascontiguousarray(pairs[:, 1], np.uint64), keys.astype(np.uint64))
+
+
 class WriteLogic:
     """What a write does the same way on every store, over a backend's primitives
     (``counter``, ``set_counter``, ``put_meta``, ``segment_exists``, ``holder_get``,

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import lmdb_env
 from . import snapshot as snapshots
-from .aliastable import Aliases, format1_columns
+from .aliastable import Aliases
 from .errors import (
     CorruptRecordError,
     DamagedIndexError,
@@ -53,6 +53,7 @@ from .store import (
     U64,
     Capabilities,
     WriteLogic,
+    alias_columns,
     check_durability,
     check_int,
     check_version,
@@ -158,7 +159,8 @@ class LmdbStore:
     def _upgrade_aliases(self, txn: lmdb_env.Transaction) -> None:
         """Format 1 kept an entry per alias (root + hash -> key, BE); 2 keeps a dump and
         a journal (:mod:`sarp.aliastable`).  Cost: a Python step per alias, once."""
-        roots, hashes, keys = format1_columns(txn.cursor(db=self.aliases_db), self.path)
+        roots, hashes, keys = alias_columns(txn.cursor(db=self.aliases_db), self.path,
+                                            REPAIR_HINT.format(path=self.path))
         if keys.size:
             self.alias_memory.load([])
             self.alias_memory.put(roots, hashes, keys)
@@ -412,7 +414,8 @@ class LmdbReadTxn:
             return []  # an index from before the table
         try:
             if store.format_version < FORMAT_VERSION:
-                format1_columns(self._txn.cursor(db=db), store.path)
+                alias_columns(self._txn.cursor(db=db), store.path,
+                              REPAIR_HINT.format(path=store.path))
             else:
                 Aliases().load(self._txn.cursor(db=db), store.path)
         except DamagedIndexError as exc:

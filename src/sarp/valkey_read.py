@@ -25,12 +25,14 @@ import numpy as np
 
 from . import native, recovery
 from .answer import Match, plain_answer
+from .errors import DamagedIndexError
 from .segment import Segment, decode
 from .store import (
     BLOCK_VALUE,
     LOG_VALUE,
     U64,
     Capabilities,
+    alias_columns,
     counter_value,
     holder_names,
     log_arrays,
@@ -148,12 +150,13 @@ class ValkeyReadTxn:
             yield U64.unpack(key)[0], seg_id, offset
 
     def aliases_problems(self) -> list[str]:
-        """Entries of the aliases hash that are not 16+8 bytes (a write would refuse
-        them): a line, none when all are."""
-        bad = sum(len(k) != 16 or len(v) != 8
-                  for k, v in self._c.hscan_iter(self._store.keys["alias"], count=1000))
-        return [f"{self._store.path}: {bad} aliases entries are not 16+8 bytes (engine "
-                "hashes they name no longer resolve)"] if bad else []
+        """The aliases hash read as a write reads it: a line for a damaged entry."""
+        try:
+            alias_columns(self._c.hscan_iter(self._store.keys["alias"], count=1000),
+                          self._store.path, "")
+        except DamagedIndexError as exc:
+            return [str(exc)]
+        return []
 
     def holder_names(self) -> dict[int, str | None]:
         table = self._c.hgetall(self._store.keys["hold"])

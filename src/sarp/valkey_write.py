@@ -21,6 +21,7 @@ from .store import (
     ID_STRIDE,
     U64,
     WriteLogic,
+    alias_columns,
     alias_keys,
     counter_value,
     hash_keys,
@@ -433,9 +434,7 @@ class ValkeyWriteTxn(WriteLogic):
     def alias_scan(self, cursor: int | None, count: int):
         """One ``HSCAN`` step (about ``count`` entries), as columns."""
         after, items = self._c.hscan(self._store.keys["alias"], cursor or 0, count=count)
-        pairs = np.frombuffer(b"".join(items), ">u8").reshape(-1, 2).astype(np.uint64)
-        keys = np.frombuffer(b"".join(items.values()), ">u8").astype(np.uint64)
-        return pairs[:, 0], pairs[:, 1], keys, (after or None)
+        return (*alias_columns(items.items(), self._store.path, ""), after or None)
 
     # the commit
 
