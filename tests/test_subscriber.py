@@ -477,10 +477,7 @@ def test_an_engine_that_publishes_while_asked_is_not_taken_as_gone(index, monkey
     (a ROUTER nobody reads), but it publishes again before the probe times out: it is
     alive, and its blocks stay.  The subscriber's clock moves only when the test moves
     it, so no window depends on this machine's speed."""
-    from sarp.serving import subscriber as module
-
-    clock = _Clock(0.0)
-    monkeypatch.setattr(module, "time", clock)
+    clock = subscriber_clock(monkeypatch, _Clock(0.0))
     ctx = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     pub.bind("tcp://127.0.0.1:*")
@@ -591,13 +588,23 @@ class _Clock:
         self.now += seconds
 
 
+def subscriber_clock(monkeypatch, clock: _Clock) -> _Clock:
+    """``clock`` as the subscriber's, in both its modules: the replay jobs' and the
+    liveness probes' times (``replay``) are compared with its own."""
+    from sarp.serving import replay, subscriber
+
+    for module in (subscriber, replay):
+        monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
 def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[int]]:
     """500 batches queued before the subscriber reads, each message taking 1 ms on
     its clock; then, caught up, 60 more. The batches per commit of each part."""
     from sarp.serving import subscriber as module
 
     clock = _Clock(skew_s)
-    monkeypatch.setattr(module, "time", clock)
+    subscriber_clock(monkeypatch, clock)
     eng = engine("e", capacity=5000)
     commits: list[int] = []
     try:
@@ -646,11 +653,7 @@ def test_a_backlog_of_fresh_batches_is_committed_in_growing_batches(index, monke
 @pytest.fixture
 def fresh_clock(monkeypatch) -> _Clock:
     """The subscriber's clock as the test's, its batches fresh (published just now)."""
-    from sarp.serving import subscriber as module
-
-    clock = _Clock(skew_s=-1.0)
-    monkeypatch.setattr(module, "time", clock)
-    return clock
+    return subscriber_clock(monkeypatch, _Clock(skew_s=-1.0))
 
 
 def publish(eng: SimEngine, rng: random.Random, batches: int = 1,
@@ -878,3 +881,56 @@ def test_a_lone_batch_after_a_quiet_spell_is_committed_without_waiting(index, fr
         sub.close()
     finally:
         eng.publisher.close()
+
+
+_BEGUN_WHEN_DROPPED = """
+import json, sys, time
+import zmq
+import sarp
+from sarp.bench.cluster import EnginePublisher, SimEngine
+from sarp.serving.subscriber import Source, Subscriber
+
+index = sarp.open(sys.argv[1], durability="nosync")
+eng = SimEngine("e", 200, EnginePublisher(zmq.Context.instance()))
+pub = eng.publisher
+sub = Subscriber(index, [Source("e", pub.endpoint, pub.replay_endpoint)])
+time.sleep(0.2)
+eng.serve([1, 2, 3])
+while sub.last_seq.get("e", -1) < pub.next_seq - 1:
+    sub.poll(5)
+eng.serve([4, 5])  # in the SUB socket's queue, not read yet
+time.sleep(0.2)
+pub.close()  # the engine goes away
+time.sleep(0.2)
+sub.poll(0)  # the poll begins the waiting message, then the disconnect is handled
+sub.poll(0)
+eng = SimEngine("e", 200, EnginePublisher(zmq.Context.instance(),
+                                          bind=(pub.endpoint, pub.replay_endpoint)))
+pub = eng.publisher  # a new engine on the same ports
+time.sleep(0.3)
+eng.serve([7, 8])
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and 7 not in set(index.blocks_of("e#0").tolist()):
+    sub.poll(20)
+print(json.dumps({"held": sorted(index.blocks_of("e#0").tolist()),
+                  "disconnects": sub.stats["e"].disconnects}), flush=True)
+sub.close()
+pub.close()
+"""
+
+
+def test_a_message_a_poll_began_when_its_engine_went_away_stops_nothing(tmp_path):
+    """zmq_poll reads the first frame of a waiting message ahead; dropping the connection
+    under it (serve reconnects on a disconnect) left libzmq expecting the rest from the
+    new connection, and it aborts the process (``!_more``, fq.cpp).  Run in a child:
+    the abort would take pytest with it."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _BEGUN_WHEN_DROPPED, str(tmp_path / "ix")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["disconnects"] >= 1
+    assert {7, 8} <= set(got["held"]), got  # the new engine is followed

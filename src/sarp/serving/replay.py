@@ -141,6 +141,12 @@ class ReplayJobs:
                 # does after the engine goes away): connect again ourselves.
                 self.stats[key].disconnects += 1
                 sock, endpoint = self._sub_of[key], self.sources[key].endpoint
+                # The poll that brought this event may have read the first frame of a
+                # waiting message ahead; libzmq aborts the process (fq.cpp, `!_more`)
+                # when the rest is dropped with the connection. Take that message
+                # whole: the disconnect drops it and the rest of the queue anyway.
+                with contextlib.suppress(zmq.ZMQError):
+                    recv_message(sock.recv)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.disconnect(endpoint)
                 sock.connect(endpoint)
