@@ -277,6 +277,90 @@ def test_the_sweep_slows_while_the_aliases_it_checks_live_and_not_once_they_die(
             "e1#0": 64 * commits}
 
 
+def _sweep_lookups(monkeypatch) -> list[int]:
+    """The blocks each sweep looks up (``WriteTxn.locate`` within ``aliases._sweep``)."""
+    from sarp import aliases, store_lmdb, valkey_write
+
+    asked: list[int] = []
+    sweeping = [False]
+    for cls in (store_lmdb.LmdbWriteTxn, valkey_write.ValkeyWriteTxn):
+        def counting(self, hashes, locate=cls.locate):
+            if sweeping[0]:
+                asked.append(int(hashes.size))
+            return locate(self, hashes)
+        monkeypatch.setattr(cls, "locate", counting)
+
+    def sweep(*args, real=aliases._sweep):
+        sweeping[0] = True
+        try:
+            return real(*args)
+        finally:
+            sweeping[0] = False
+    monkeypatch.setattr(aliases, "_sweep", sweep)
+    return asked
+
+
+def _two_engines(index, rng, commits: int, parent=None) -> int:
+    """e1 stores 64 new blocks a commit (alive); the last hash."""
+    for _ in range(commits):
+        chain = rng.integers(1, 1 << 62, 64).tolist()
+        _feed(index, "e1", [("stored", chain, parent, "GPU")],
+              [rng.integers(0, 1 << 17, 16 * 64).tolist()])
+        parent = chain[-1]
+    return parent
+
+
+@pytest.mark.parametrize("gone", ["cleared", "removed"])  # in Python, and in C
+def test_the_sweep_looks_up_only_the_aliases_whose_block_left_and_finds_them_all(
+        where, monkeypatch, gone):
+    """A packer notes the blocks its writes delete; the sweep looks up only the aliases
+    of those (none while all live), and still finds every dead one."""
+    asked = _sweep_lookups(monkeypatch)
+    rng = np.random.default_rng(5)
+    with sarp.open(where("ix"), durability="nosync") as index:
+        e0 = rng.integers(1, 1 << 62, 600).tolist()
+        _feed(index, "e0", [("stored", e0, None, "GPU")],
+              [rng.integers(0, 1 << 17, 16 * 600).tolist()])
+        parent = _two_engines(index, rng, 10)
+        assert sum(asked) == 0 and _aliases(index) == 600 + 640  # all alive: none looked up
+        _feed(index, "e0", [("cleared",) if gone == "cleared" else ("removed", e0, "GPU")],
+              [None])
+        commits = 10
+        while _aliases(index) > 64 * commits and commits < 400:
+            parent = _two_engines(index, rng, 1, parent)
+            commits += 1
+        assert _aliases(index) == 64 * commits  # every dead one found
+        assert 600 <= sum(asked) <= 600 + 64, sum(asked)  # and only those looked up
+
+
+@pytest.mark.parametrize("unnoted", ["before the open", "past the note's bound"])
+def test_aliases_that_died_unnoted_are_found_by_a_whole_round(tmp_path, monkeypatch, unnoted):
+    """Blocks that left the index before the writer's open, or more of them than a
+    packer keeps a note of: the sweep looks every alias up for a round, and finds them."""
+    from sarp.writeset import Deaths
+
+    rng = np.random.default_rng(6)
+    monkeypatch.setattr(Deaths, "KEEP", 100)  # the clear's 600 are past it
+    index = sarp.open(tmp_path / "ix", durability="nosync")
+    try:
+        _feed(index, "e0", [("stored", rng.integers(1, 1 << 62, 600).tolist(), None, "GPU")],
+              [rng.integers(0, 1 << 17, 16 * 600).tolist()])
+        parent = _two_engines(index, rng, 2)
+        _feed(index, "e0", [("cleared",)], [None])
+        assert _aliases(index) == 600 + 128
+        if unnoted == "before the open":
+            index.close()
+            monkeypatch.undo()
+            index = sarp.open(tmp_path / "ix", durability="nosync")
+        commits = 2
+        while _aliases(index) > 64 * commits and commits < 400:
+            parent = _two_engines(index, rng, 1, parent)
+            commits += 1
+        assert _aliases(index) == 64 * commits
+    finally:
+        index.close()
+
+
 def test_a_refused_store_leaves_its_hashes_aliases_to_the_stores_applied():
     """Which blocks' aliases a batch writes (``aliases._written``): those new to it;
     but when the packer refuses a store after its aliases were made, a hash it was

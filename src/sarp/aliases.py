@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 from . import native
+from .aliastable import new_table
 from .errors import ParentNotFoundError
 from .store import WriteTxn
 from .tokenkeys import lora_seed, token_keys
@@ -43,17 +44,46 @@ SWEEP_DEAD_SHARE = 0.25  # ... at that pace while this share of those checked is
 SWEEP_SLOWEST = 1 / 16  # ... slower in proportion when fewer are, down to this part
 SWEEP_MEMORY = 2048  # ... (a share that falls is followed over about this many checked)
 _EMPTY = np.zeros(0, np.uint64)
+_ZERO = np.zeros(1, np.uint64)  # the root the deaths' tables key every block under
 
 
 class _Pace:
-    """Where one packer's sweep goes on from, and how fast it goes (see :func:`_sweep`)."""
+    """Where one packer's sweep goes on from, how fast it goes, and which of the aliases
+    it meets it looks up (see :func:`_sweep`)."""
 
-    __slots__ = ("after", "credit", "dead_share")
+    __slots__ = ("after", "credit", "dead_share", "whole", "fresh", "older")
 
     def __init__(self) -> None:
         self.after: object = None  # the store's cursor the next sweep starts from
         self.credit = 0.0  # aliases the sweep may check now
         self.dead_share = SWEEP_DEAD_SHARE  # of those checked lately, the dead ones
+        # every alias met is looked up until a round from the table's start ends: the
+        # blocks that left the index before this packer's first write are not known
+        self.whole = True
+        # the blocks that left the index during this round, and during the last one
+        self.fresh, self.older = new_table(), new_table()
+
+    def died(self, hashes: np.ndarray, lost: bool) -> None:
+        """Note blocks that left the index; ``lost``: some were not noted, so the
+        sweep looks up every alias again, from the table's start, for a round."""
+        if lost:
+            self.whole, self.after = True, None
+        if hashes.size:
+            self.fresh.put(_ZERO, hashes, hashes)
+
+    def suspects(self, keys: np.ndarray) -> np.ndarray:
+        """Which of ``keys`` (the aliases met) to look up: those whose block left the
+        index in this round or the last, or all of them while a round is whole."""
+        if self.whole:
+            return np.ones(keys.size, bool)
+        return (np.frombuffer(self.fresh.get(_ZERO, keys)[1], bool)
+                | np.frombuffer(self.older.get(_ZERO, keys)[1], bool))
+
+    def round_ended(self) -> None:
+        """The scan reached the table's end: every alias met since its start was looked
+        up or had its block noted, so the older deaths are done with."""
+        self.whole = False
+        self.older, self.fresh = self.fresh, new_table()
 
 
 _paces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packer -> _Pace
@@ -74,6 +104,7 @@ def pack(w: WriteTxn, packer, ops: list[tuple]) -> tuple[Plan, list[tuple[int, E
     """
     if not any(op[0] in ENGINE_KINDS for op in ops):
         return packer.batch(w, ops)
+    _pace_of(w, packer)
     if native.C is not None:
         resolved, positions, failed, put = _in_c(w, ops)
     else:
@@ -254,6 +285,7 @@ def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Excep
     has_parent = is_store & (cols.has_parent != 0)
     kept_blocks = np.ones(cols.hashes.size, bool)
     if eng.any():
+        _pace_of(w, packer)
         if native.C is None:
             native.ran_python("resolve_aliases")
             return _columns_in_python(w, packer, cols)
@@ -496,9 +528,8 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
     ``c * s = d``: at most ``SWEEP_DEAD_SHARE`` dead while d <= 0.5, and the full pace
     beyond, as before.
     """
-    pace = _paces.get(packer)
-    if pace is None:
-        pace = _paces[packer] = _Pace()
+    pace = _pace_of(w, packer)
+    pace.died(*packer.deaths.take())
     part = min(1.0, max(SWEEP_SLOWEST, pace.dead_share / SWEEP_DEAD_SHARE))
     pace.credit = min(pace.credit + part * max(SWEEP_MIN, SWEEP_PER_BLOCK * blocks),
                       SWEEP_PER_BATCH)
@@ -508,9 +539,10 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
     pace.credit -= count
     roots, hashes, keys, pace.after = w.alias_scan(pace.after, count)
     if keys.size:
+        suspect = np.flatnonzero(pace.suspects(keys))
         # engines hashing with other seeds alias one key twice (locate wants it once)
-        unique, back = np.unique(keys, return_inverse=True)
-        dead = np.flatnonzero(w.locate(unique)[0][back] == 0)
+        unique, back = np.unique(keys[suspect], return_inverse=True)
+        dead = suspect[w.locate(unique)[0][back] == 0] if unique.size else suspect
         share = dead.size / keys.size
         if share >= pace.dead_share:  # more dead than lately: back to that pace at once
             pace.dead_share = share
@@ -518,6 +550,19 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
             pace.dead_share += min(1.0, keys.size / SWEEP_MEMORY) * (share - pace.dead_share)
         if dead.size:
             w.alias_delete(roots[dead], hashes[dead])
+    if pace.after is None:
+        pace.round_ended()
+
+
+def _pace_of(w: WriteTxn, packer) -> _Pace:
+    """The sweep's state for ``packer``, made before its first write that names aliases
+    (a whole round looks every alias up first, unless the table is empty then: the
+    deaths of every alias put since are noted)."""
+    pace = _paces.get(packer)
+    if pace is None:
+        pace = _paces[packer] = _Pace()
+        pace.whole = bool(w.alias_scan(None, 1)[2].size)
+    return pace
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 27  # native.c's ABI_VERSION
+ABI = 28  # native.c's ABI_VERSION
 # in the order of _native.calls(); "conn" counts requests a C connection answered, and
 # its Python runs the connections the reference serves (taken, or handed over)
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",

@@ -1525,10 +1525,27 @@ out:
     return result;
 }
 
+/* The hashes of the segments deleted (nobody holds them: they left `blocks`), as u64
+ * in native order, for Plan.dead (the aliases' sweep looks at theirs first). */
+static PyObject *dead_hashes(Batch *b) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t x = 0; x < b->nsegs; x++) n += b->segs[x]->nh ? 0 : b->segs[x]->n;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (out == NULL) return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t x = 0; x < b->nsegs; x++) {
+        Seg *s = b->segs[x];
+        if (s->nh) continue;
+        memcpy(p, s->hashes, (size_t)s->n * sizeof(uint64_t));
+        p += s->n * (Py_ssize_t)sizeof(uint64_t);
+    }
+    return out;
+}
+
 /* Touched.flush: each touched segment written once (or deleted with its `blocks`
- * entries when nobody holds it).  Returns (segments, dropped, log entries) for
- * Plan.segments, Plan.dropped and WriteTxn.log; NULL without an exception and
- * `*conflict` set when a deferred batch's claim is refused. */
+ * entries when nobody holds it).  Returns (segments, dropped, log entries, dead
+ * hashes) for Plan.segments, Plan.dropped, WriteTxn.log and Plan.dead; NULL without an
+ * exception and `*conflict` set when a deferred batch's claim is refused. */
 static PyObject *flush(Batch *b, int *conflict) {
     PyObject *segments = PyList_New(0), *dropped = PyDict_New(), *entries = PyList_New(0);
     if (segments == NULL || dropped == NULL || entries == NULL) goto fail;
@@ -1601,7 +1618,9 @@ static PyObject *flush(Batch *b, int *conflict) {
         }
         Py_DECREF(logged);
     }
-    return Py_BuildValue("(NNN)", segments, dropped, entries);
+    PyObject *dead = dead_hashes(b);
+    if (dead == NULL) goto fail;
+    return Py_BuildValue("(NNNN)", segments, dropped, entries, dead);
 fail:
     Py_XDECREF(segments);
     Py_XDECREF(dropped);
@@ -1644,8 +1663,9 @@ static int is_kind(PyObject *op, const char *kind) {
  * done: how many operations were applied here.  no_parent: [(op index, parent)]
  * refused for a parent nobody holds.  names: holder name -> id or None, as looked up;
  * created: [(id, name)] of the holders it named.
- * rest: when done == len(ops), (segments, dropped, log entries) of the flush done
- * here; otherwise the touched segments for Python, [(id, record, is_new, cleared)]. */
+ * rest: when done == len(ops), (segments, dropped, log entries, dead hashes) of the
+ * flush done here; otherwise the touched segments for Python,
+ * [(id, record, is_new, cleared)]. */
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_PACK_BATCH]++;
     if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB

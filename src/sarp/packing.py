@@ -34,7 +34,7 @@ from .general import GeneralPath, new_run_segment, placement
 from .holders import covers, split_name
 from .segment import Segment
 from .store import WriteTxn
-from .writeset import Plan, Touched
+from .writeset import Deaths, Plan, Touched
 
 if TYPE_CHECKING:
     from .recovery import Memory
@@ -61,6 +61,7 @@ class Packer(GeneralPath):
         # hash heads (the walking paths follow it), its filters the segments of each
         # holder (a clear visits only those), its holders the names
         self.memory = memory
+        self.deaths = Deaths()  # the blocks its writes deleted, for the aliases' sweep
 
     def insert(
         self,
@@ -77,7 +78,7 @@ class Packer(GeneralPath):
         if meta is None and self._runs_in_c(w):
             return self._one(w, ("insert", chain, parent, name, None))
         native.ran_python("pack_batch")
-        plan, touched = Plan(), Touched(w)
+        plan, touched = Plan(), Touched(w, self.deaths)
         self.add_insert(w, touched, plan, chain, parent, name, meta)
         touched.flush(plan)
         return plan
@@ -95,7 +96,7 @@ class Packer(GeneralPath):
 
         Cost: the operations' lookups, then one record write per touched segment.
         """
-        plan, touched = Plan(), Touched(w)
+        plan, touched = Plan(), Touched(w, self.deaths)
         failed: list[tuple[int, Exception]] = []
         start = 0
         if w.capabilities.prefetch:  # each lookup a round trip: all of them at once
@@ -120,7 +121,7 @@ class Packer(GeneralPath):
         Cost: as :meth:`batch`, without a Python tuple per row while C takes the rows.
         """
         n = int(kinds.size)
-        plan, touched = Plan(), Touched(w)
+        plan, touched = Plan(), Touched(w, self.deaths)
         failed: list[tuple[int, Exception]] = []
         if w.capabilities.prefetch:
             w.prefetch_blocks(np.concatenate([hashes, parents[(has_parent != 0) & (kinds == 0)]]))
@@ -220,9 +221,11 @@ class Packer(GeneralPath):
         plan.removed_per_op.extend(per_op)
         failed.extend((i, self._no_parent(parent)) for i, parent in no_parent)
         if done == count:
-            segments, dropped, entries = rest
+            segments, dropped, entries, dead = rest
             plan.segments.extend(segments)
             plan.dropped.update(dropped)
+            if dead:
+                self.deaths.add(np.frombuffer(dead, np.uint64))
             if entries:
                 w.log(entries)
         else:
@@ -446,7 +449,7 @@ class Packer(GeneralPath):
         if self._runs_in_c(w):
             return self._one(w, ("remove", chain, name))
         native.ran_python("pack_batch")
-        plan, touched = Plan(), Touched(w)
+        plan, touched = Plan(), Touched(w, self.deaths)
         self.add_remove(w, touched, plan, chain, name)
         touched.flush(plan)
         return plan
@@ -509,7 +512,7 @@ class Packer(GeneralPath):
 
     def clear(self, w: WriteTxn, holder_ids: list[int]) -> Plan:
         """Clear every block of ``holder_ids``, visiting only their segments (the filters)."""
-        plan, touched = Plan(), Touched(w)
+        plan, touched = Plan(), Touched(w, self.deaths)
         self._fetch_cleared(touched, holder_ids)
         self.add_clear(touched, plan, holder_ids)
         touched.flush(plan)

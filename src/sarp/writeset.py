@@ -1,7 +1,8 @@
 """A write's working set: the segments one write transaction touched, written once at
 its end (:class:`Touched`), and what it changed (:class:`Plan`), which the index
 applies to memory only after the commit, so a failed write changes nothing in memory;
-:func:`with_state`, the small named values a write carries.
+:func:`with_state`, the small named values a write carries; :class:`Deaths`, the
+blocks a packer's writes deleted.
 :mod:`sarp.packing` fills them; ``packing.c`` mirrors :meth:`Touched.flush`.
 """
 
@@ -41,13 +42,51 @@ def with_state(write, state):
     return run
 
 
+class Deaths:
+    """The hashes of the blocks that left the index (their segment deleted, nobody
+    holding any of it) in one packer's writes, committed or not, since the aliases'
+    sweep last took them (:func:`sarp.aliases._sweep` looks at their aliases first).
+    At most ``KEEP`` are kept: past it they are dropped, and ``take`` says so.
+
+    >>> d = Deaths()
+    >>> d.add(np.array([7, 8], np.uint64))
+    >>> d.take()[0].tolist(), d.take()[0].tolist()
+    ([7, 8], [])
+    """
+
+    KEEP = 1 << 18  # 2 MB: an index without aliases has no sweep to take them
+
+    __slots__ = ("_parts", "_count", "_lost")
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._count, self._lost = 0, False
+
+    def add(self, hashes: np.ndarray) -> None:
+        if self._count + hashes.size > self.KEEP:
+            self._parts, self._count, self._lost = [], 0, True
+        else:
+            self._parts.append(hashes)
+            self._count += hashes.size
+
+    def take(self) -> tuple[np.ndarray, bool]:
+        """``(hashes, lost)``: those kept since the last call, and whether some were
+        dropped meanwhile; then forgets them."""
+        out = np.concatenate(self._parts) if self._parts else np.zeros(0, np.uint64)
+        lost = self._lost
+        self._parts, self._count, self._lost = [], 0, False
+        return out, lost
+
+
 class Touched:
-    """Segments read or created inside one write transaction, written back by ``flush``."""
+    """Segments read or created inside one write transaction, written back by ``flush``
+    (the blocks of those it deletes noted in ``deaths``, when given)."""
 
-    __slots__ = ("_w", "_segs", "_new", "_heads", "_cleared", "_names")
+    __slots__ = ("_w", "_segs", "_new", "_heads", "_cleared", "_names", "_deaths")
 
-    def __init__(self, w: WriteTxn) -> None:
+    def __init__(self, w: WriteTxn, deaths: Deaths | None = None) -> None:
         self._w = w
+        self._deaths = deaths
         self._segs: dict[int, Segment] = {}
         self._new: set[int] = set()
         self._heads: dict[int, int] = {}  # first hash -> id, for segments created here
@@ -127,6 +166,8 @@ class Touched:
                 plan.dropped[seg_id] = dropped
             if not seg.holder_ids.size:
                 self._w.delete_segment(seg)
+                if self._deaths is not None:
+                    self._deaths.add(seg.hashes)
                 plan.segments.append((seg_id, first_hash, None, False))
             else:
                 self._w.put_segment(seg)
