@@ -30,7 +30,6 @@ import weakref
 import numpy as np
 
 from . import native
-from .aliastable import new_table
 from .errors import ParentNotFoundError
 from .store import WriteTxn
 from .tokenkeys import lora_seed, token_keys
@@ -44,12 +43,21 @@ SWEEP_DEAD_SHARE = 0.25  # ... at that pace while this share of those checked is
 SWEEP_SLOWEST = 1 / 16  # ... slower in proportion when fewer are, down to this part
 SWEEP_MEMORY = 2048  # ... (a share that falls is followed over about this many checked)
 _EMPTY = np.zeros(0, np.uint64)
-_ZERO = np.zeros(1, np.uint64)  # the root the deaths' tables key every block under
+DEATH_MAP = 1 << 20  # bytes of each map of deaths (see _Pace)
+_MASK = np.uint64(DEATH_MAP - 1)
 
 
 class _Pace:
     """Where one packer's sweep goes on from, how fast it goes, and which of the aliases
-    it meets it looks up (see :func:`_sweep`)."""
+    it meets it looks up (see :func:`_sweep`).
+
+    The blocks that left the index lately are marked in two byte maps indexed by the
+    low bits of their hash (keys are xxh3 hashes: evenly spread), this round's and the
+    last's: an alias whose key's mark is set is looked up, a lookup decides, and a mark
+    set by another block only costs a lookup.  Fixed memory (``DEATH_MAP`` bytes each)
+    whatever the churn: past about a million deaths a round most marks are set and the
+    sweep looks most aliases up, as it did before it had the maps.
+    """
 
     __slots__ = ("after", "credit", "dead_share", "whole", "fresh", "older")
 
@@ -60,30 +68,31 @@ class _Pace:
         # every alias met is looked up until a round from the table's start ends: the
         # blocks that left the index before this packer's first write are not known
         self.whole = True
-        # the blocks that left the index during this round, and during the last one
-        self.fresh, self.older = new_table(), new_table()
+        self.fresh = np.zeros(DEATH_MAP, np.uint8)  # marks of this round's deaths
+        self.older = np.zeros(DEATH_MAP, np.uint8)  # ... and of the last round's
 
     def died(self, hashes: np.ndarray, lost: bool) -> None:
-        """Note blocks that left the index; ``lost``: some were not noted, so the
+        """Mark blocks that left the index; ``lost``: some were not noted, so the
         sweep looks up every alias again, from the table's start, for a round."""
         if lost:
             self.whole, self.after = True, None
         if hashes.size:
-            self.fresh.put(_ZERO, hashes, hashes)
+            self.fresh[(hashes & _MASK).astype(np.intp)] = 1
 
     def suspects(self, keys: np.ndarray) -> np.ndarray:
-        """Which of ``keys`` (the aliases met) to look up: those whose block left the
-        index in this round or the last, or all of them while a round is whole."""
+        """Which of ``keys`` (the aliases met) to look up: those marked in this round
+        or the last, or all of them while a round is whole."""
         if self.whole:
             return np.ones(keys.size, bool)
-        return (np.frombuffer(self.fresh.get(_ZERO, keys)[1], bool)
-                | np.frombuffer(self.older.get(_ZERO, keys)[1], bool))
+        at = (keys & _MASK).astype(np.intp)
+        return (self.fresh[at] | self.older[at]).view(bool)
 
     def round_ended(self) -> None:
         """The scan reached the table's end: every alias met since its start was looked
-        up or had its block noted, so the older deaths are done with."""
+        up or had its block marked, so the last round's marks are done with."""
         self.whole = False
-        self.older, self.fresh = self.fresh, new_table()
+        self.older, self.fresh = self.fresh, self.older
+        self.fresh.fill(0)
 
 
 _paces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packer -> _Pace
