@@ -535,7 +535,9 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
     of a small commit's time.  Paced so, a sweep that checks c aliases per block named
     finds d dead ones per block in a table whose dead share s settles where
     ``c * s = d``: at most ``SWEEP_DEAD_SHARE`` dead while d <= 0.5, and the full pace
-    beyond, as before.
+    beyond, as before.  Of the aliases it meets, only those whose block the packer
+    deleted this round or the last are looked up (:class:`_Pace`): 1,346 lookups where
+    it made 57,856 on that stream, finding the same 1,327 dead.
     """
     pace = _pace_of(w, packer)
     pace.died(*packer.deaths.take())
@@ -561,6 +563,13 @@ def _sweep(w: WriteTxn, packer, blocks: int) -> None:
             w.alias_delete(roots[dead], hashes[dead])
     if pace.after is None:
         pace.round_ended()
+
+
+def sweep_bytes(packer) -> int:
+    """What the sweep keeps for ``packer``: its maps of deaths (none before the first
+    write that names aliases), and the deaths noted since it last ran."""
+    pace = _paces.get(packer)
+    return packer.deaths.nbytes + (0 if pace is None else pace.fresh.nbytes + pace.older.nbytes)
 
 
 def _pace_of(w: WriteTxn, packer) -> _Pace:

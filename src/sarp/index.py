@@ -536,8 +536,7 @@ class Index:
             self._writable_store("write_state").save_state(name, data, durable)
 
     def stats(self) -> dict[str, object]:
-        """Sizes and counters, for dashboards and the benchmark (``memory_bytes`` counts
-        the directory arrays, the holder bitmaps and a writer's aliases exactly)."""
+        """Sizes and counters (``memory_bytes``: directory, holders, a writer's aliases)."""
         with self._lock, self._read() as r:
             store, memory = self._live_store(), self._memory
             out: dict[str, object] = {
@@ -545,7 +544,8 @@ class Index:
                 "segments": r.stat("segments")["entries"], "blocks": r.stat("blocks")["entries"],
                 "directory_entries": len(memory.directory), "holders": len(memory.holders.names),
                 "segment_blocks": self.segment_blocks, "durability": store.durability,
-                "memory_bytes": memory.nbytes() + store.memory_bytes(),
+                "memory_bytes": memory.nbytes() + store.memory_bytes()
+                + aliases.sweep_bytes(self._packer),
                 "disk_bytes": store.disk_bytes(), "recovered_from": self.recovered_from,
                 "recovery_reason": self.recovery_reason,
                 "replayed_changes": self.replayed_changes, "recovery_s": self.recovery_s}

@@ -69,6 +69,10 @@ class Deaths:
             self._parts.append(hashes)
             self._count += hashes.size
 
+    @property
+    def nbytes(self) -> int:
+        return 8 * self._count
+
     def take(self) -> tuple[np.ndarray, bool]:
         """``(hashes, lost)``: those kept since the last call, and whether some were
         dropped meanwhile; then forgets them."""
