@@ -18,7 +18,8 @@ fresh service:
    The CPU the service's process tree used in the drain and under wrk is read too:
    the cores it kept busy, and CPU µs per event and per request (and wrk's own CPU
    per request: the machine is shared, so it bounds what any service's rate can be);
-3. **RSS, PSS and anonymous RSS**: of the service's process tree, after the drain;
+3. **RSS, PSS and anonymous RSS**: of the service's process tree, the moment the drain
+   ends and again ``SETTLE_S`` later (``*_settled_mib``: what it holds once idle);
 4. **kill -9 to correct answers**: the service SIGKILLed and started again (Dynamo
    keeps no registrations: they are sent again; sarp keeps them with its index), each
    engine then publishes one more batch, and the time is taken until 50 sampled
@@ -474,6 +475,7 @@ class _Probes:
 
 
 REACHED = 0.95  # of an offered rate the engines must publish for it to count
+SETTLE_S = 2.0  # after the drain, when the memory is read again
 
 
 def held(points: list[dict], bound_ms: float = 100.0) -> float:
@@ -515,6 +517,8 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
         drain_cpu_s = own + children
         events = sum(len(decode(p).events) for _, p in stream)
         rss, pss, anon = service.memory_mib()
+        time.sleep(SETTLE_S)  # and once the service has had its idle moment (a trim, a GC)
+        settled = service.memory_mib()
         http = asyncio.run(_load(service.url, bodies, args.http_s))
         if shutil.which("wrk"):
             cpu = service.cpu_s()
@@ -550,6 +554,8 @@ def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: l
                 "drain_cpu_us_per_event": 1e6 * drain_cpu_s / events,
                 "drain_children_cpu_share": children / drain_cpu_s if drain_cpu_s else 0.0,
                 "rss_mib": rss, "pss_mib": pss, "anon_rss_mib": anon,
+                "rss_settled_mib": settled[0], "pss_settled_mib": settled[1],
+                "anon_rss_settled_mib": settled[2],
                 **{f"http_{k}": v for k, v in http.items()},
                 "kill9_to_correct_s": restart_s}
 
@@ -661,7 +667,8 @@ TARGETS = {"drain_events_per_s": (">=", 1.5), "rate_held_events_per_s": (">=", 1
 
 def plot(result: dict, out: Path) -> None:
     """Left: every pass's rate sweep, probe lag p99 against the offered rate, per
-    service (the 100 ms line is what "held" means).  Right: sarp/Dynamo of the medians
+    service (the 100 ms line is what "held" means; hollow: a rate the engines fell
+    short of, never held).  Right: sarp/Dynamo of the medians
     against each target (green where it is met)."""
     import matplotlib
 
@@ -676,6 +683,11 @@ def plot(result: dict, out: Path) -> None:
             left.plot([p["offered_events_per_s"] for p in points],
                       [p["lag_p99_ms"] for p in points], "o-", c=color, alpha=0.8,
                       label=kind if k == 0 else None)
+            short = [p for p in points  # rates the engines fell short of: not held
+                     if p["achieved_events_per_s"] < REACHED * p["offered_events_per_s"]]
+            left.plot([p["offered_events_per_s"] for p in short],
+                      [p["lag_p99_ms"] for p in short], "o", mfc="white", c=color,
+                      label=f"{kind}: engines short of the rate" if short and k == 0 else None)
     rates = sorted({p["offered_events_per_s"] for runs in result["runs"].values()
                     for run in runs for p in run.get("sweep", [])
                     if p["lag_p99_ms"] is not None})
