@@ -497,11 +497,19 @@ def rescore(result: dict) -> dict:
         for r in rs:
             if "sweep" in r:
                 r[metric] = held(r["sweep"])
+    summarize(result, metric)
+    return result
+
+
+def summarize(result: dict, metric: str) -> float | None:
+    """``metric``'s median per service into ``result["median"]``, and sarp's over
+    Dynamo's into ``result["ratio"]`` (None unless both ran); returns the ratio."""
+    runs = result["runs"]
     med = {kind: statistics.median(r[metric] for r in rs) for kind, rs in runs.items()}
     result["median"][metric] = med
-    result["ratio"][metric] = (med["sarp"] / med["dynamo"]
-                               if len(med) == 2 and med["dynamo"] else None)
-    return result
+    ratio = med["sarp"] / med["dynamo"] if len(med) == 2 and med["dynamo"] else None
+    result["ratio"][metric] = ratio
+    return ratio
 
 
 def one_pass(kind: str, stream: list[tuple[int, bytes]], engines: int, bodies: list[bytes],
@@ -631,10 +639,8 @@ def run(args) -> int:
     for metric in next(iter(runs.values()))[0]:
         if metric == "sweep":
             continue
-        med = {kind: statistics.median(r[metric] for r in rs) for kind, rs in runs.items()}
-        out["median"][metric] = med
-        ratio = med["sarp"] / med["dynamo"] if len(med) == 2 and med["dynamo"] else None
-        out["ratio"][metric] = ratio
+        ratio = summarize(out, metric)
+        med = out["median"][metric]
         print(f"{metric}: " + ", ".join(
             f"{kind} {med[kind]:,.2f} ({min(r[metric] for r in rs):,.2f}-"
             f"{max(r[metric] for r in rs):,.2f})" for kind, rs in runs.items())
