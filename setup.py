@@ -12,7 +12,7 @@ setup(
             # each C file beside the Python it mirrors (src/sarp/native.h lists them)
             sources=["src/sarp/native.c", "src/sarp/verify.c", "src/sarp/packing.c",
                      "src/sarp/serving/events.c", "src/sarp/serving/http.c", "src/sarp/serving/rfc.c",
-                     "src/sarp/serving/wire.c",
+                     "src/sarp/serving/wire.c", "src/sarp/serving/lane.c",
                      "src/sarp/tokenkeys.c", "src/sarp/directory.c", "src/sarp/segment.c",
                      "src/sarp/valkey_read.c", "src/sarp/aliastable.c"],
             depends=["src/sarp/native.h", "src/sarp/vendor/xxhash.h"],

@@ -535,14 +535,20 @@ def test_sources_with_a_backlog_are_drained_in_turns(index):
                 e.serve([rng.getrandbits(63) for _ in range(4)])
         time.sleep(0.5)  # everything waits in the SUB sockets
         order: list[str] = []
-        handle = sub._on_message
+        handle, in_line = sub._on_message, sub._in_line
 
         def record(key, frames):
             order.append(key)
             return handle(key, frames)
 
-        sub._on_message = record
-        while len(order) < 400:
+        def record_in_line(sock, key, count):  # (the C lane takes several at a time)
+            got = in_line(sock, key, count)
+            order.extend([key] * got[1])
+            return got
+
+        sub._on_message, sub._in_line = record, record_in_line
+        deadline = time.monotonic() + 30
+        while len(order) < 400 and time.monotonic() < deadline:
             sub.poll(100)
         longest = max(len(run) for run in "".join(order).replace("ab", "a b").replace(
             "ba", "b a").split())
@@ -598,6 +604,24 @@ def subscriber_clock(monkeypatch, clock: _Clock) -> _Clock:
     return clock
 
 
+def one_ms_a_message(sub: Subscriber, clock: _Clock) -> None:
+    """Each message the subscriber reads takes 1 ms on ``clock``: those it takes one
+    by one, and those the C lane takes several at a time (each 1 ms, the flush checked
+    after them, as the lane's caller checks it)."""
+    handle, in_line = sub._on_message, sub._in_line
+
+    def one_ms_each(key, frames):
+        clock.now += 0.001
+        return handle(key, frames)
+
+    def one_ms_in_line(sock, key, count):
+        got = in_line(sock, key, 1)  # one at a time, so each message's 1 ms is its own
+        clock.now += 0.001 * got[1]
+        return got
+
+    sub._on_message, sub._in_line = one_ms_each, one_ms_in_line
+
+
 def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[int]]:
     """500 batches queued before the subscriber reads, each message taking 1 ms on
     its clock; then, caught up, 60 more. The batches per commit of each part."""
@@ -609,13 +633,7 @@ def drain_backlog(index, monkeypatch, skew_s: float) -> tuple[list[int], list[in
     commits: list[int] = []
     try:
         sub = subscribe(index, eng, on_commit=lambda fps: commits.append(len(fps)))
-        handle = sub._on_message
-
-        def one_ms_each(key, frames):
-            clock.now += 0.001
-            return handle(key, frames)
-
-        sub._on_message = one_ms_each
+        one_ms_a_message(sub, clock)
         rng = random.Random(11)
         for _ in range(500):
             eng.serve([rng.getrandbits(63) for _ in range(3)])
@@ -808,13 +826,7 @@ def test_a_poll_waits_for_a_commit_once_while_batches_keep_coming(index, fresh_c
     sleeps = []
     try:
         sub = subscribe(index, eng)
-        handle = sub._on_message
-
-        def one_ms_each(key, frames):
-            clock.now += 0.001
-            return handle(key, frames)
-
-        sub._on_message = one_ms_each
+        one_ms_a_message(sub, clock)
 
         def more() -> None:
             sleeps.append(clock.now)

@@ -10,16 +10,17 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 28
+#define ABI_VERSION 29
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table): calls so far
+ * plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line): calls
+ * so far
  * (conn: requests a Conn answered) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
@@ -28,7 +29,8 @@ static PyObject *calls(PyObject *self, PyObject *unused) {
                          sarp_calls[CALL_ROWS_RESULT], sarp_calls[CALL_PLAIN_RESULT],
                          sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
                          sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS],
-                         sarp_calls[CALL_XXH3_64], sarp_calls[CALL_ALIAS_TABLE]);
+                         sarp_calls[CALL_XXH3_64], sarp_calls[CALL_ALIAS_TABLE],
+                         sarp_calls[CALL_TAKE_LINE]);
 }
 
 /* xxh3_64(data[, seed]) -> int: xxhash's xxh3_64_intdigest (sarp.hashing.checksum), for
@@ -97,10 +99,16 @@ static PyMethodDef methods[] = {
      "heads(records): each record's check, first hash and holder ids (sarp.segment.heads)"},
     {"xxh3_64", (PyCFunction)(void (*)(void))xxh3_64, METH_FASTCALL,
      "xxh3_64(data, seed=0): xxh3-64 of a buffer (sarp.hashing.checksum)"},
+    {"lane_bind", (PyCFunction)(void (*)(void))sarp_lane_bind, METH_FASTCALL,
+     "lane_bind(addresses): libzmq's message calls, for take_line (sarp.serving.lane)"},
+    {"take_line", (PyCFunction)(void (*)(void))sarp_take_line, METH_FASTCALL,
+     "take_line(socket, count, expected, ...): the live messages next in line, decoded into "
+     "a commit's columns (sarp.serving.lane)"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table) calls so far"},
+     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line) "
+     "calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -109,7 +117,7 @@ static struct PyModuleDef module = {
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
     "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads, xxh3_64, "
-    "AliasTable); "
+    "AliasTable, take_line); "
     "each has a Python reference.", -1,
     methods,
 };

@@ -4,7 +4,7 @@
  * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields,
  * rfc_query), serving/wire.c (Conn, whose reference is wire.Connection),
  * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match),
- * segment.c (heads), aliastable.c (AliasTable);
+ * segment.c (heads), aliastable.c (AliasTable), serving/lane.c (take_line);
  * native.c is the module (native.py is its only loader).  The segment record's layout
  * is read in one place, here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
@@ -35,6 +35,25 @@ PyObject *sarp_plain_result(PyObject *self, PyObject *const *args, Py_ssize_t na
 PyObject *sarp_query_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_heads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* serving/events.c: decode_into's core, for serving/lane.c too.  The commit's
+ * columns (serving/columns.py) and what learns their names; a payload appended to
+ * them: 1 read (*out filled), 0 not read, -1 error; the columns as they were unless 1. */
+#define INTO_COLS 11
+typedef struct {
+    PyObject *cols[INTO_COLS], *names, *learn_name, *seeds, *learn_seed;
+} IntoCols;
+typedef struct {
+    double ts;
+    int has_rank;
+    uint64_t rank;
+    size_t events, skipped;
+} IntoBatch;
+int columns_of(PyObject *ctx, IntoCols *c);
+int columns_back(const IntoCols *c, const Py_ssize_t *marks);
+int payload_into(const uint8_t *p, Py_ssize_t len, int with_tokens, uint64_t root, long holder,
+                 const IntoCols *c, IntoBatch *out);
+PyObject *sarp_lane_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_take_line(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 extern PyTypeObject sarp_ConnType; /* serving/wire.c: a connection answered in C */
@@ -92,7 +111,7 @@ enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARR
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
        CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY, CALL_HEADS,
-       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_KINDS };
+       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_TAKE_LINE, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -32,13 +32,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 28  # native.c's ABI_VERSION
+ABI = 29  # native.c's ABI_VERSION
 # in the order of _native.calls(); "conn" counts requests a C connection answered, and
 # its Python runs the connections the reference serves (taken, or handed over)
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
          "resolve_aliases", "block_table", "decode_into", "find", "read_match", "rfc_answer",
          "rows_result", "plain_result", "query_fields", "conn", "rfc_query", "heads", "xxh3_64",
-         "alias_table")
+         "alias_table", "take_line")
 _TRUE = ("1", "true", "yes", "on")
 
 

@@ -142,8 +142,8 @@ class Applier:
         self._state: Mapping[str, bytes] | None = None  # flush's, for its last commit
         self._state_written = False
         self.columns = Columns()
-        self._col_batches: list[tuple[ApplyStats, int]] = []  # stats, first row
-        self._col_added: tuple[int, int] = (0, 0)  # the last payload's events, skipped
+        self._col_batches: list[tuple[ApplyStats, int, int]] = []  # stats, first row, batches
+        self._col_added: tuple = (None, None, 0, 0)  # the last payload's: for keep
         self.commits, self.commit_seconds = 0, 0.0  # index transactions, and their time
 
     @property
@@ -163,23 +163,35 @@ class Applier:
         None when the columns do not take it (decode it and :meth:`add` it instead).
         Cost: a C call, about a microsecond per event.
         """
-        if native.C is None or self._batches:
-            return None  # batches queued the other way go first
+        if not self.takes_columns:
+            return None
         mark = self.columns.mark()
         got = self.columns.add(payload, holder, root, tokens=tokens)
         if got is None:
             return None
-        if root is not None:
-            self._roots[holder] = root
-        self._col_added = got[2], got[3]
+        self._col_added = holder, root, got[2], got[3]
         return mark, got[0], got[1]
+
+    @property
+    def takes_columns(self) -> bool:
+        """Can batches go into the columns now (C, and none queued the other way, which
+        go first)?"""
+        return native.C is not None and not self._batches
 
     def keep(self, stats: ApplyStats, mark: tuple) -> None:
         """Count the batch :meth:`add_payload` just added under ``stats``."""
-        events, skipped = self._col_added
+        self.taken(stats, mark[0], 1, *self._col_added)
+
+    def taken(self, stats: ApplyStats, first: int, batches: int, holder: str,
+              root: int | None, events: int, skipped: int) -> None:
+        """Count under ``stats`` the ``batches`` of ``holder`` (keyed by tokens under
+        ``root``, when given) added to the columns from row ``first`` on: ``events``,
+        of which ``skipped`` of another KV cache group."""
+        if root is not None:
+            self._roots[holder] = root
         stats.events += events
         stats.skipped_groups += skipped
-        self._col_batches.append((stats, mark[0]))
+        self._col_batches.append((stats, first, batches))
 
     def drop(self, mark: tuple) -> None:
         """Take back the batch :meth:`add_payload` just added."""
@@ -337,12 +349,12 @@ class Applier:
             self._columns_failed(cols, batches, exc, last)
         else:
             self._settle_columns(cols, batches, result, last)
-        share = (time.perf_counter() - started) / max(1, len(batches))
-        for stats, _ in batches:
-            stats.seconds += share
-            stats.batches += 1
+        share = (time.perf_counter() - started) / max(1, sum(n for _, _, n in batches))
+        for stats, _, n in batches:
+            stats.seconds += share * n
+            stats.batches += n
 
-    def _settle_columns(self, cols, batches: list[tuple[ApplyStats, int]], result,
+    def _settle_columns(self, cols, batches: list[tuple[ApplyStats, int, int]], result,
                         last: bool) -> None:
         """:meth:`_settle` for the columns: the counts per batch from sums over its
         rows; the refused rows one by one, as there."""
@@ -352,8 +364,8 @@ class Applier:
         ok[list(failed)] = False
         stored = np.concatenate([[0], np.cumsum(np.where((cols.kind == 0) & ok, cols.size, 0))])
         removed = np.concatenate([[0], np.cumsum(result.removed_per_op)])
-        firsts = [first for _, first in batches] + [n]
-        for j, (stats, first) in enumerate(batches):
+        firsts = [first for _, first, _ in batches] + [n]
+        for j, (stats, first, _) in enumerate(batches):
             end = firsts[j + 1]
             stats.blocks_stored += int(stored[end] - stored[first])
             stats.blocks_removed += int(removed[end] - removed[first])
@@ -378,11 +390,12 @@ class Applier:
                                 for m in self._media_of(holder))
         self._commit(fallback, last)
 
-    def _columns_failed(self, cols, batches: list[tuple[ApplyStats, int]],
+    def _columns_failed(self, cols, batches: list[tuple[ApplyStats, int, int]],
                         exc: Exception, last: bool) -> None:
         """:meth:`_after_internal_error` for the columns: every holder clears."""
-        for stats, _ in batches:
-            _bad(stats, "batch", "internal_error", repr(exc))
+        for stats, _, n in batches:
+            for _ in range(n):
+                _bad(stats, "batch", "internal_error", repr(exc))
         # a removal may have been among them: only forgetting its holder is safe
         forget = {split_name(cols.names[int(i)])[0] for i in np.unique(cols.name[cols.kind == 1])}
         if forget:

@@ -115,6 +115,19 @@ class Columns:
             self._seeds[lora_name] = seed
         return seed
 
+    def holder_number(self, holder: str) -> int:
+        """The number the C decoder knows ``holder`` by (``ctx``'s: learnt on first use)."""
+        number = self._holders.get(holder)
+        if number is None:
+            number = self._holders[holder] = len(self._holder_list)
+            self._holder_list.append(holder)
+        return number
+
+    @property
+    def ctx(self) -> tuple:
+        """What the C decoder appends to: the columns and what learns their names."""
+        return self._ctx
+
     def mark(self) -> tuple[int, ...]:
         """Where the columns end now (for :meth:`rollback`)."""
         return tuple(map(len, self._cols))
@@ -131,10 +144,7 @@ class Columns:
         dp_rank, events, skipped)`` (``skipped``: events of another KV cache group,
         not added), or None with the columns as they were.
         """
-        number = self._holders.get(holder)
-        if number is None:
-            number = self._holders[holder] = len(self._holder_list)
-            self._holder_list.append(holder)
+        number = self.holder_number(holder)
         if native.C is not None:
             return native.C.decode_into(payload, tokens, root or 0, number, self._ctx)
         native.ran_python("decode_into")

@@ -624,7 +624,8 @@ fail:
 /* ---- decode_into: a batch's events appended to the columns of a commit ------------- */
 
 enum { COL_KIND, COL_NAME, COL_ROOT, COL_SIZE, COL_PARENT, COL_HAS_PARENT, COL_TOKEN_COUNT,
-       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_TOKENS, NUM_COLS };
+       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_TOKENS };
+#define NUM_COLS INTO_COLS
 static const Py_ssize_t COL_ITEM[NUM_COLS] = {1, 4, 8, 8, 8, 1, 8, 8, 8, 8, 4};
 
 /* Append `n` items of column `c` (uninitialised); NULL with an exception. */
@@ -775,6 +776,80 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
     return 1;
 }
 
+/* decode_into's ctx checked and taken apart (cols, names, learn_name, seeds,
+ * learn_seed); 0 with a TypeError when it is not that. */
+int columns_of(PyObject *ctx, IntoCols *c) {
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 5
+        || !PyList_Check(PyTuple_GET_ITEM(ctx, 0))
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(ctx, 0)) != NUM_COLS
+        || !PyDict_Check(PyTuple_GET_ITEM(ctx, 1)) || !PyDict_Check(PyTuple_GET_ITEM(ctx, 3))) {
+        PyErr_SetString(PyExc_TypeError, "decode_into(payload, with_tokens, root, holder, "
+                                         "(cols, names, learn_name, seeds, learn_seed))");
+        return 0;
+    }
+    PyObject *col_list = PyTuple_GET_ITEM(ctx, 0);
+    for (int i = 0; i < NUM_COLS; i++) {
+        c->cols[i] = PyList_GET_ITEM(col_list, i);
+        if (!PyByteArray_CheckExact(c->cols[i])) {
+            PyErr_SetString(PyExc_TypeError, "decode_into: the columns are bytearrays");
+            return 0;
+        }
+    }
+    c->names = PyTuple_GET_ITEM(ctx, 1);
+    c->learn_name = PyTuple_GET_ITEM(ctx, 2);
+    c->seeds = PyTuple_GET_ITEM(ctx, 3);
+    c->learn_seed = PyTuple_GET_ITEM(ctx, 4);
+    return 1;
+}
+
+/* Cut the columns back to `marks` (their sizes before a batch); -1 with an error
+ * (the error already set, if any, is kept). */
+int columns_back(const IntoCols *c, const Py_ssize_t *marks) {
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    PyErr_Fetch(&type, &value, &tb);
+    for (int i = 0; i < NUM_COLS; i++) {
+        if (PyByteArray_Resize(c->cols[i], marks[i]) < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return -1;
+        }
+    }
+    PyErr_Restore(type, value, tb);
+    return 0;
+}
+
+/* The core of decode_into: one payload appended to the columns.  1 with *out filled,
+ * 0 not read (the columns as they were), -1 with an error (the columns as they were). */
+int payload_into(const uint8_t *p, Py_ssize_t len, int with_tokens, uint64_t root, long holder,
+                 const IntoCols *c, IntoBatch *out) {
+    if (!fixed_size[0]) init_sizes();
+    Py_ssize_t marks[NUM_COLS];
+    PyObject *cols[NUM_COLS];
+    for (int i = 0; i < NUM_COLS; i++) {
+        cols[i] = c->cols[i];
+        marks[i] = PyByteArray_GET_SIZE(cols[i]);
+    }
+    Reader r = {p, p + len};
+    size_t size;
+    out->skipped = 0;
+    out->rank = 0;
+    if (!read_head(&r, &size, &out->ts, &out->events)) goto none;
+    for (size_t i = 0; i < out->events; i++) {
+        int e = event_into(&r, with_tokens, root, holder, cols, c->names, c->learn_name,
+                           c->seeds, c->learn_seed);
+        if (e < 0) {
+            columns_back(c, marks);
+            return -1;
+        }
+        if (e == 0) goto none;
+        out->skipped += e == 2;
+    }
+    if (read_tail(&r, size, &out->has_rank, &out->rank)) return 1;
+none:
+    return columns_back(c, marks) < 0 ? -1 : 0;
+}
+
 /* decode_into(payload, with_tokens, root, holder, ctx) -> (ts, dp_rank | None, events,
  * skipped) | None
  * ctx: (cols: list of NUM_COLS bytearrays, names: dict, learn_name, seeds: dict,
@@ -786,76 +861,26 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
  * would not read (Python decodes the payload itself). */
 PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_DECODE_INTO]++;
-    if (!fixed_size[0]) init_sizes();
-    if (nargs != 5 || !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 5
-        || !PyList_Check(PyTuple_GET_ITEM(args[4], 0))
-        || PyList_GET_SIZE(PyTuple_GET_ITEM(args[4], 0)) != NUM_COLS
-        || !PyDict_Check(PyTuple_GET_ITEM(args[4], 1))
-        || !PyDict_Check(PyTuple_GET_ITEM(args[4], 3))) {
+    IntoCols c;
+    if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "decode_into(payload, with_tokens, root, holder, "
                                          "(cols, names, learn_name, seeds, learn_seed))");
         return NULL;
     }
-    PyObject *cols[NUM_COLS];
-    Py_ssize_t before[NUM_COLS];
-    PyObject *col_list = PyTuple_GET_ITEM(args[4], 0);
-    for (int c = 0; c < NUM_COLS; c++) {
-        cols[c] = PyList_GET_ITEM(col_list, c);
-        if (!PyByteArray_CheckExact(cols[c])) {
-            PyErr_SetString(PyExc_TypeError, "decode_into: the columns are bytearrays");
-            return NULL;
-        }
-        before[c] = PyByteArray_GET_SIZE(cols[c]);
-    }
-    PyObject *names = PyTuple_GET_ITEM(args[4], 1), *learn_name = PyTuple_GET_ITEM(args[4], 2);
-    PyObject *seeds = PyTuple_GET_ITEM(args[4], 3), *learn_seed = PyTuple_GET_ITEM(args[4], 4);
+    if (!columns_of(args[4], &c)) return NULL;
     int with_tokens = PyObject_IsTrue(args[1]);
     uint64_t root = PyLong_AsUnsignedLongLong(args[2]);
     long holder = PyLong_AsLong(args[3]);
     if (with_tokens < 0 || PyErr_Occurred()) return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
-    Reader r = {buf.buf, (const uint8_t *)buf.buf + buf.len};
-    PyObject *out = NULL;
-    size_t size, count, skipped = 0;
-    double ts;
-    uint64_t v;
-    int has_rank, failed = 0;
-    if (!read_head(&r, &size, &ts, &count)) goto none;
-    for (size_t i = 0; i < count; i++) {
-        int e = event_into(&r, with_tokens, root, holder, cols, names, learn_name, seeds,
-                           learn_seed);
-        if (e < 0) {
-            failed = 1;
-            goto none;
-        }
-        if (e == 0) goto none;
-        skipped += e == 2;
-    }
-    if (!read_tail(&r, size, &has_rank, &v)) goto none;
-    out = has_rank ? Py_BuildValue("(dKnn)", ts, (unsigned long long)v, (Py_ssize_t)count,
-                                   (Py_ssize_t)skipped)
-                   : Py_BuildValue("(dOnn)", ts, Py_None, (Py_ssize_t)count,
-                                   (Py_ssize_t)skipped);
+    IntoBatch b;
+    int got = payload_into(buf.buf, buf.len, with_tokens, root, holder, &c, &b);
     PyBuffer_Release(&buf);
-    return out;
-none:
-    PyBuffer_Release(&buf);
-    {
-        PyObject *type = NULL, *value = NULL, *tb = NULL;
-        if (failed) PyErr_Fetch(&type, &value, &tb);
-        for (int c = 0; c < NUM_COLS; c++) {
-            if (PyByteArray_Resize(cols[c], before[c]) < 0) {
-                Py_XDECREF(type);
-                Py_XDECREF(value);
-                Py_XDECREF(tb);
-                return NULL;
-            }
-        }
-        if (failed) {
-            PyErr_Restore(type, value, tb);
-            return NULL;
-        }
-    }
-    return Py_NewRef(Py_None);
+    if (got < 0) return NULL;
+    if (got == 0) return Py_NewRef(Py_None);
+    return b.has_rank ? Py_BuildValue("(dKnn)", b.ts, (unsigned long long)b.rank,
+                                      (Py_ssize_t)b.events, (Py_ssize_t)b.skipped)
+                      : Py_BuildValue("(dOnn)", b.ts, Py_None, (Py_ssize_t)b.events,
+                                      (Py_ssize_t)b.skipped);
 }

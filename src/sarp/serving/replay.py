@@ -31,6 +31,7 @@ REPLAY_MESSAGES = 256  # replay messages a job takes per poll before the others'
 FIRST_RETRY_S, MAX_RETRY_S = 1.0, 60.0  # backoff after a failed replay, doubling
 PROBE_FROM = 1 << 62  # a liveness probe asks for sequences no engine has: only the end
 REPLAY_RCVHWM = 1_000  # messages queued on our side of a replay (vLLM's ROUTER sends 1,000)
+TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 
 
 class ReplayJobs:
@@ -38,6 +39,58 @@ class ReplayJobs:
     probes that ask a silent engine's endpoint whether it is still there, what the SUB
     sockets' monitors say of their connections, and clearing an engine whose
     continuity cannot be proven."""
+
+    def _on_message_job(self, key: str, seq: int, payload: bytes, live_last: int | None):
+        """The live message that needs a replay first (a generator run as a job)."""
+        self._live_last[key] = seq
+        self._rejected = False
+        applied = 0
+        if live_last is not None and seq <= live_last:
+            # One engine's PUB stream only goes forward: this is a new engine.
+            applied += (yield from self._resync(
+                key, f"live sequence went back from {live_last} to {seq}", known_restart=True))
+        else:
+            self._drop_ahead(key, seq)
+        applied += yield from self._on_live(key, seq, payload)
+        if self._rejected and live_last is not None:
+            self._live_last[key] = live_last  # a bad frame does not move the live stream
+        return applied
+
+    def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False):
+        """Place one live batch against the fingerprint; check continuity when in doubt
+        (a generator: the checks wait on the replay endpoint)."""
+        stats = self.stats[key]
+        fp = self.state.get(key)
+        expected = 0 if fp is None else fp.seq + 1
+        digest = frame_digest(payload)
+        if seq < expected:
+            if self._ahead[key].pop(seq, None) == digest:
+                stats.duplicates += 1  # applied already, through a replay
+                return 0
+            if checked:
+                stats.duplicates += 1  # older than what a proven replay applied
+                return 0
+            applied = yield from self._resync(key, f"sequence {seq} is not the batch applied "
+                                                   f"as {seq}")
+            return applied + (yield from self._on_live(key, seq, payload, checked=True))
+        if seq > expected:
+            if not checked:
+                stats.gaps += 1
+                applied, newest = yield from self._resync_newest(
+                    key, f"gap: {expected}..{seq - 1} missing")
+                if newest is not None and newest < seq:
+                    self._rejected = True
+                    self._bad_frame(key, [payload], seq)  # the engine's buffer never had it
+                    return applied
+                return applied + (yield from self._on_live(key, seq, payload, checked=True))
+            self._give_up_gap(key, expected, seq)
+        batch = self._decode(key, seq, payload)
+        if (batch is not None and fp is not None and not checked
+                and batch.ts < fp.ts - TS_SLACK_S):
+            applied = yield from self._resync(
+                key, f"batch {seq} is {fp.ts - batch.ts:.1f} s older than batch {fp.seq}")
+            return applied + (yield from self._on_live(key, seq, payload, checked=True))
+        return self._apply(key, seq, payload, digest, batch)
 
     def _check_liveness(self) -> None:
         """Ask silent engines whether they are there; clear the ones that do not answer."""
@@ -125,6 +178,20 @@ class ReplayJobs:
         self._monitors[monitor] = source.key
         self._poller.register(monitor, zmq.POLLIN)
         self._poller.register(sock, zmq.POLLIN)
+
+    def _disconnect(self, key: str) -> None:
+        """Close a source's SUB socket, its monitor and any probe of its engine."""
+        sock = self._sub_of.pop(key)
+        monitor = next(m for m, k in self._monitors.items() if k == key)
+        for s in (sock, monitor):
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(s)
+        sock.disable_monitor()
+        sock.close(linger=0)
+        monitor.close(linger=0)
+        del self._subs[sock], self._monitors[monitor]
+        for probe in [p for p, (k, _) in self._probes.items() if k == key]:
+            self._end_probe(probe)
 
     def _drain_monitor(self, monitor: zmq.Socket, key: str) -> None:
         while monitor.poll(0):

@@ -50,7 +50,6 @@ where it stopped.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -62,7 +61,8 @@ from .applier import Applier, holder_name
 from .early import close_engines, zmq_context
 from .events import BadEvent, Batch, decode
 from .hashcheck import HashCheck
-from .replay import Job, ReplayJobs, fault_log, frame_digest, parse_frames, recv_message
+from .lane import DRY, Lane
+from .replay import TS_SLACK_S, Job, ReplayJobs, fault_log, frame_digest, parse_frames, recv_message
 from .sources import (
     Fingerprint,
     FingerprintFile,
@@ -75,7 +75,6 @@ from .sources import (
 
 log = logging.getLogger("sarp.subscriber")
 
-TS_SLACK_S = 1.0  # batch timestamps may step back this much (clock adjustments) unchecked
 MAX_BATCH_OPS = 16384  # events applied in one index transaction, at most
 MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commit,
 MAX_CATCH_UP_MS = 80.0  # ... doubled up to this while the sockets never run dry,
@@ -162,6 +161,7 @@ class Subscriber(ReplayJobs):
         self._batch_ms = MAX_BATCH_MS  # the wait now allowed (longer while catching up)
         self._on_commit = on_commit  # called with the fingerprints of each commit's batches
         self._queued_fps: list[Fingerprint] = []
+        self._lane = Lane.open()  # live messages in line taken in C (None: one by one)
         self.stats = {key: SourceStats() for key in self.sources}
         # sources whose hashes have not yet been checked against their tokens
         self._hash_check = hash_check
@@ -245,17 +245,7 @@ class Subscriber(ReplayJobs):
         self.flush()  # what was queued of it goes first, then its clear
         for instance in self._instances(key):
             self.index.clear(instance)
-        sock = self._sub_of.pop(key)
-        monitor = next(m for m, k in self._monitors.items() if k == key)
-        for s in (sock, monitor):
-            with contextlib.suppress(KeyError):
-                self._poller.unregister(s)
-        sock.disable_monitor()
-        sock.close(linger=0)
-        monitor.close(linger=0)
-        del self._subs[sock], self._monitors[monitor]
-        for probe in [p for p, (k, _) in self._probes.items() if k == key]:
-            self._end_probe(probe)
+        self._disconnect(key)
         for table in (self.state, self._committed, self._dirty, self._ahead, self._heard,
                       self._live_last, self._retry_at, self._backoff, self.last_applied_at,
                       self._ranks, self.stats, self.sources):
@@ -350,24 +340,16 @@ class Subscriber(ReplayJobs):
         # so that one source's backlog neither delays the others nor reaches the index
         # long before theirs (a backlog applied in time order churns less: a block one
         # engine evicts while another still holds it keeps its segment).
-        waiting = [(sock.recv, key) for sock, key in self._subs.items()
+        waiting = [(sock, key) for sock, key in self._subs.items()
                    if sock in ready and key not in self._jobs]
         budget = POLL_MESSAGES
         while waiting and budget > 0:
             still = []
-            for recv, key in waiting:
-                for _ in range(ROUND_MESSAGES):
-                    try:
-                        frames = recv_message(recv)
-                    except zmq.Again:
-                        break
-                    budget -= 1
-                    applied += self._on_message(key, frames)
-                    self._maybe_flush()
-                    if key in self._jobs:
-                        break  # its live stream waits for the replay
-                else:
-                    still.append((recv, key))
+            for sock, key in waiting:
+                got, taken, more = self._round(sock, key)
+                applied, budget = applied + got, budget - taken
+                if more:
+                    still.append((sock, key))
             waiting = still
         self._dry = not waiting
         if self._dry:
@@ -378,6 +360,64 @@ class Subscriber(ReplayJobs):
             self._on_probe_answer(sock)
         self._check_liveness()
         return applied
+
+    def _round(self, sock: zmq.Socket, key: str) -> tuple[int, int, bool]:
+        """A source's turn: up to ``ROUND_MESSAGES`` of its live messages, those next in
+        line in one C call (:mod:`.lane`); (batches applied, messages taken, whether
+        more may be waiting)."""
+        applied = taken = 0
+        while taken < ROUND_MESSAGES:
+            status, got, frames = self._in_line(sock, key, ROUND_MESSAGES - taken)
+            applied, taken = applied + got, taken + got
+            if got:
+                self._maybe_flush()
+            if status == DRY:
+                return applied, taken, False
+            if frames is None:
+                if taken == ROUND_MESSAGES:
+                    break
+                try:
+                    frames = recv_message(sock.recv)
+                except zmq.Again:
+                    return applied, taken, False
+            taken += 1
+            applied += self._on_message(key, frames)
+            self._maybe_flush()
+            if key in self._jobs:
+                return applied, taken, False  # its live stream waits for the replay
+        return applied, taken, True
+
+    def _in_line(self, sock: zmq.Socket, key: str, count: int
+                 ) -> tuple[int | None, int, list[bytes] | None]:
+        """The source's live messages next in line, decoded into the commit's columns
+        by the lane: (its status, or None when it was not asked; batches queued; the
+        frames of the message after them, or None)."""
+        source, fp = self.sources[key], self.state.get(key)
+        expected = 0 if fp is None else fp.seq + 1
+        live_last = self._live_last.get(key)
+        if self._lane is None or not self.applier.takes_columns or (
+                live_last is not None and expected <= live_last) or (
+                key in self._hash_pending and source.model is None):
+            return None, 0, None
+        rank = source.dp_rank if source.dp_rank is not None else self._ranks.get(key, 0)
+        holder, first = holder_name(source.name, rank), len(self.applier.columns)
+        status, digests, stamps, events, skipped, frames = self._lane.take(
+            sock, count, expected, -float("inf") if fp is None else fp.ts - TS_SLACK_S,
+            TS_SLACK_S, source.model is not None, source.root, holder, rank,
+            source.dp_rank is not None, self.applier.columns)
+        if digests:
+            last = expected + len(digests) - 1
+            self._heard[key] = time.monotonic()
+            self._gone.discard(key)
+            self._live_last[key] = last
+            self._drop_ahead(key, last)
+            stats = self.stats[key]
+            self.applier.taken(stats.applied, first, len(digests), holder, source.root,
+                               events, skipped)
+            self._clean.discard(key)
+            stats.batches += len(digests)
+            self._advance(key, expected, digests, stamps)
+        return status, len(digests), frames
 
     def _commit_in_s(self) -> float:
         """How long the batches queued wait for more once the sockets ran dry (<= 0:
@@ -499,58 +539,6 @@ class Subscriber(ReplayJobs):
                 return self._apply(key, seq, payload, frame_digest(payload), batch)
         return self._start_job(key, self._on_message_job(key, seq, payload, live_last))
 
-    def _on_message_job(self, key: str, seq: int, payload: bytes, live_last: int | None):
-        """The live message that needs a replay first (a generator run as a job)."""
-        self._live_last[key] = seq
-        self._rejected = False
-        applied = 0
-        if live_last is not None and seq <= live_last:
-            # One engine's PUB stream only goes forward: this is a new engine.
-            applied += (yield from self._resync(
-                key, f"live sequence went back from {live_last} to {seq}", known_restart=True))
-        else:
-            self._drop_ahead(key, seq)
-        applied += yield from self._on_live(key, seq, payload)
-        if self._rejected and live_last is not None:
-            self._live_last[key] = live_last  # a bad frame does not move the live stream
-        return applied
-
-    def _on_live(self, key: str, seq: int, payload: bytes, checked: bool = False):
-        """Place one live batch against the fingerprint; check continuity when in doubt
-        (a generator: the checks wait on the replay endpoint)."""
-        stats = self.stats[key]
-        fp = self.state.get(key)
-        expected = 0 if fp is None else fp.seq + 1
-        digest = frame_digest(payload)
-        if seq < expected:
-            if self._ahead[key].pop(seq, None) == digest:
-                stats.duplicates += 1  # applied already, through a replay
-                return 0
-            if checked:
-                stats.duplicates += 1  # older than what a proven replay applied
-                return 0
-            applied = yield from self._resync(key, f"sequence {seq} is not the batch applied "
-                                                   f"as {seq}")
-            return applied + (yield from self._on_live(key, seq, payload, checked=True))
-        if seq > expected:
-            if not checked:
-                stats.gaps += 1
-                applied, newest = yield from self._resync_newest(
-                    key, f"gap: {expected}..{seq - 1} missing")
-                if newest is not None and newest < seq:
-                    self._rejected = True
-                    self._bad_frame(key, [payload], seq)  # the engine's buffer never had it
-                    return applied
-                return applied + (yield from self._on_live(key, seq, payload, checked=True))
-            self._give_up_gap(key, expected, seq)
-        batch = self._decode(key, seq, payload)
-        if (batch is not None and fp is not None and not checked
-                and batch.ts < fp.ts - TS_SLACK_S):
-            applied = yield from self._resync(
-                key, f"batch {seq} is {fp.ts - batch.ts:.1f} s older than batch {fp.seq}")
-            return applied + (yield from self._on_live(key, seq, payload, checked=True))
-        return self._apply(key, seq, payload, digest, batch)
-
     def _in_columns(self, key: str, seq: int, payload: bytes, fp: Fingerprint | None) -> bool:
         """The next batch in line, decoded in C into the commit's columns (a source
         without a rank of its own: under the rank the last batch named); False leaves it
@@ -571,7 +559,7 @@ class Subscriber(ReplayJobs):
         self._live_last[key] = seq
         self._drop_ahead(key, seq)
         self.applier.keep(self.stats[key].applied, got[0])
-        return self._queued(key, seq, frame_digest(payload), got[1], got[2]) == 1
+        return self._queued(key, seq, frame_digest(payload), got[1], got[2])
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
         try:  # token-keyed engines' stores need their tokens
@@ -589,7 +577,7 @@ class Subscriber(ReplayJobs):
         if batch is None:
             # A batch we cannot read may have removed blocks: it is a lost batch.
             self._forget(key, f"batch {seq} could not be decoded")
-            self._advance(key, seq, digest, 0.0)
+            self._advance(key, seq, [digest], [0.0])
             return 0
         # (a token-keyed engine's own hashes only link its blocks: not checked)
         if key in self._hash_pending and source.model is None \
@@ -599,25 +587,34 @@ class Subscriber(ReplayJobs):
                           root=source.root)
         return self._queued(key, seq, digest, batch.ts, batch.dp_rank)
 
-    def _queued(self, key: str, seq: int, digest: int, ts: float, dp_rank: int | None) -> int:
+    def _queued(self, key: str, seq: int, digest: int, ts: float, dp_rank: int | None
+                ) -> bool:
         """The counts and the fingerprint of a batch queued for the next commit."""
         source, stats = self.sources[key], self.stats[key]
         if source.dp_rank is not None and dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
         self._clean.discard(key)
         stats.batches += 1
-        self._advance(key, seq, digest, ts)
-        return 1
+        self._advance(key, seq, [digest], [ts])
+        return True
 
-    def _advance(self, key: str, seq: int, digest: int, ts: float) -> None:
+    def _advance(self, key: str, seq: int, digests: list[int], stamps: list[float]) -> None:
+        """The fingerprint after the batches ``seq``, ``seq + 1``, ... (their payloads'
+        digests and timestamps) queued for the next commit."""
         old = self.state.get(key)
-        fp = Fingerprint(seq, digest, ts,
-                         old.digest if old is not None and old.seq == seq - 1 else None)
+        prev = old.digest if old is not None and old.seq == seq - 1 else None
+        if self._on_commit is not None:  # (each batch's, for its lag)
+            fps = [Fingerprint(seq + i, d, t, digests[i - 1] if i else prev)
+                   for i, (d, t) in enumerate(zip(digests, stamps, strict=True))]
+            self._queued_fps += fps
+            fp = fps[-1]
+        else:
+            fp = Fingerprint(seq + len(digests) - 1, digests[-1], stamps[-1],
+                             digests[-2] if len(digests) > 1 else prev)
         self.state[key] = self._dirty[key] = fp
-        if self._on_commit is not None:
-            self._queued_fps.append(fp)
         if self._queued_since is None:
             self._queued_since = time.monotonic()
+        ts = min(stamps)
         if ts and time.time() - ts > BEHIND_S:
             # Published that long ago (by the engine's clock: a skewed one only moves
             # this choice): we are behind, so batch for throughput from now on.

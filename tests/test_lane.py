@@ -1,0 +1,187 @@
+"""The in-line lane (`sarp.serving.lane`): the C ``take_line`` against its Python
+reference on the same messages, call for call and column for column, and the
+subscriber with and without the lane, index for index.
+
+The reference comparison runs over inproc pairs: a message sent there is in the
+receiver's pipe when ``send`` returns, so both sides see the same messages at every
+call (over TCP, one side could run dry a message earlier than the other)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import msgpack
+import pytest
+import zmq
+from test_subscriber import chains, engine, held, wait_applied
+
+import sarp
+from sarp import native
+from sarp.serving import lane
+from sarp.serving.columns import FIELDS, Columns
+from sarp.serving.events import encode_batch
+from sarp.serving.subscriber import Source, Subscriber
+from sarp.tokenkeys import model_root
+
+pytestmark = pytest.mark.skipif(
+    not native.AVAILABLE, reason=f"sarp._native {native.WHY} (SARP_REQUIRE_NATIVE=1, as "
+    "in CI, makes that a failure); without it every message goes one by one")
+
+
+def _batch(rng: random.Random, ts: float, rank: int | None, tokens: bool) -> bytes:
+    events = []
+    for _ in range(rng.randint(1, 4)):
+        hashes = [rng.getrandbits(63) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.7:
+            events.append(("stored", hashes, None, rng.choice(["GPU", "cpu"])))
+        else:
+            events.append(("removed", hashes, "GPU"))
+    if rng.random() < 0.05:
+        events.append(("stored", [1, 1], None, "GPU"))  # a repeated hash: Python's
+    return encode_batch(events, ts=ts, dp_rank=rank,
+                        style="vllm-0.33" if tokens else rng.choice(["vllm-0.11", "sglang"]))
+
+
+def _stream(seed: int, count: int, tokens: bool) -> list[list[bytes]]:
+    """Messages mostly in line, with every way of leaving it now and then."""
+    rng = random.Random(seed)
+    seq, ts, out = 0, 100.0, []
+    for _ in range(count):
+        roll = rng.random()
+        ts += rng.random()
+        rank = 0
+        if roll < 0.04:
+            seq += rng.randint(2, 5)  # a gap
+        elif roll < 0.08:
+            ts -= rng.choice([0.5, 5.0])  # back within the slack, or beyond it
+        elif roll < 0.12:
+            rank = rng.choice([None, 1])
+        payload = _batch(rng, ts, rank, tokens)
+        if roll > 0.97:
+            payload = msgpack.packb([ts, [["AllBlocksCleared"]]])
+        elif roll > 0.94:
+            payload = b"\x93\xff not msgpack"
+        seq_bytes = seq.to_bytes(8, "big", signed=True)
+        shape = rng.random()
+        if shape < 0.03:
+            frames = [seq_bytes, payload]
+        elif shape < 0.06:
+            frames = [b"", b"kv", seq_bytes, payload]
+        elif shape < 0.09:
+            frames = [b"", seq_bytes, payload]
+        elif shape < 0.11:
+            frames = [b"kv", seq_bytes, payload, b"extra", b"more"]
+        elif shape < 0.13:
+            frames = [b"kv", (-1).to_bytes(8, "big", signed=True), payload]
+        elif shape < 0.15:
+            frames = [b"kv", seq_bytes[:7], payload]
+        else:
+            frames = [b"kv", seq_bytes, payload]
+        out.append(frames)
+        seq += 1
+    return out
+
+
+def _drive(take, sock: zmq.Socket, seed: int, tokens: bool) -> tuple[list, dict]:
+    """Call ``take`` until the socket runs dry, moving on as a subscriber would: past
+    what it took, and past a message handed back (to its sequence, if it has one)."""
+    rng = random.Random(seed)
+    columns, answers = Columns(), []
+    expected, floor = 0, float("-inf")
+    root = model_root("llama") if tokens else None
+    while True:
+        rank_fixed = rng.random() < 0.3
+        got = take(sock, rng.randint(1, 8), expected, floor, 1.0, tokens, root, "e#0",
+                   0, rank_fixed, columns)
+        answers.append((got, columns.mark()))
+        status, digests, stamps, _, _, frames = got
+        expected += len(digests)
+        if stamps:
+            floor = stamps[-1] - 1.0
+        if status == lane.DRY:
+            break
+        if frames is not None and len(frames) >= 2 and len(frames[-2]) == 8:
+            expected = max(expected, int.from_bytes(frames[-2], "big", signed=True) + 1)
+    taken = columns.take()
+    return answers, {f: getattr(taken, f).tolist() for f in FIELDS} | {"names": taken.names}
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["engine-hashes", "token-keyed"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_lane_takes_what_its_reference_takes(seed, tokens):
+    assert lane.Lane.open() is not None, "the lane failed its check on this machine"
+    messages = _stream(seed, 400, tokens)
+    context = zmq.Context()
+    results = []
+    before = native.calls()["take_line"]
+    try:
+        for n, take in enumerate((lane.Lane().take, lane.take_line_python)):
+            a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+            a.bind(f"inproc://lane-{n}")
+            b.connect(f"inproc://lane-{n}")
+            for frames in messages:
+                a.send_multipart(frames)
+            results.append(_drive(take, b, seed, tokens))
+            a.close(linger=0)
+            b.close(linger=0)
+    finally:
+        context.term()
+    (c_answers, c_columns), (py_answers, py_columns) = results
+    assert native.calls()["take_line"][0] - before[0] == len(c_answers)
+    for i, (c, py) in enumerate(zip(c_answers, py_answers, strict=True)):
+        assert c == py, f"call {i}"
+    assert c_columns == py_columns
+    statuses = {got[0] for got, _ in c_answers}
+    assert statuses == {lane.TAKEN_ALL, lane.DRY, lane.NOT_IN_LINE}  # the stream meets each
+    assert sum(len(got[1]) for got, _ in c_answers) > 200  # most went in line
+
+
+def test_a_lane_that_fails_its_check_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(lane.Lane, "_checked", None)
+    monkeypatch.setattr(lane, "_check", lambda _lane: False)
+    with caplog.at_level(logging.WARNING, logger="sarp.lane"):
+        assert lane.Lane.open() is None
+    assert "failed its check" in caplog.text
+    monkeypatch.setattr(lane.Lane, "_checked", None)
+    monkeypatch.setattr(lane, "libzmq_calls", lambda: None)
+    assert lane.Lane.open() is None
+
+
+def _follow(tmp_path, name: str, with_lane: bool, monkeypatch) -> tuple[dict, set, int]:
+    """One engine's flood, with gaps and a restart, followed to its end."""
+    if not with_lane:
+        monkeypatch.setattr(lane.Lane, "open", classmethod(lambda cls: None))
+    eng = engine(capacity=200)
+    before = native.calls()["take_line"][0]
+    try:
+        with sarp.open(tmp_path / name, durability="nosync") as index:
+            pub = eng.publisher
+            sub = Subscriber(index, [Source(eng.name, pub.endpoint, pub.replay_endpoint)])
+            assert (sub._lane is not None) == with_lane
+            time.sleep(0.2)
+            for i, chain in enumerate(chains(7, 600)):
+                eng.serve(chain, drop=300 <= i < 303)  # a gap: proven from the buffer
+            wait_applied(sub, "e", pub)
+            got = held(index, eng.holder)
+            assert got == set(eng.cache)
+            stats = sub.summary()["e"]
+            sub.close()
+    finally:
+        eng.publisher.close()
+        monkeypatch.undo()
+    return stats, got, native.calls()["take_line"][0] - before
+
+
+def test_the_subscriber_with_the_lane_keeps_what_it_keeps_without(tmp_path, monkeypatch):
+    with_lane, held_with, lane_calls = _follow(tmp_path, "a", True, monkeypatch)
+    without, held_without, no_calls = _follow(tmp_path, "b", False, monkeypatch)
+    assert lane_calls > 0 and no_calls == 0
+    assert held_with == held_without != set()
+    same = ("batches", "gaps", "restarts", "bad_frames", "last_seq")
+    assert {k: with_lane[k] for k in same} == {k: without[k] for k in same}
+    for stats in (with_lane, without):
+        del stats["applied"]["seconds"]  # (a timing)
+    assert with_lane["applied"] == without["applied"]
+    assert with_lane["gaps"] >= 1
