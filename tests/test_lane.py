@@ -145,6 +145,13 @@ def test_a_lane_that_fails_its_check_is_not_used(monkeypatch, caplog):
         assert lane.Lane.open() is None
     assert "failed its check" in caplog.text
     monkeypatch.setattr(lane.Lane, "_checked", None)
+
+    def broken(_lane):
+        raise OverflowError("a binding that is not libzmq's")
+
+    monkeypatch.setattr(lane, "_check", broken)  # an error is a failed check, not a stop
+    assert lane.Lane.open() is None
+    monkeypatch.setattr(lane.Lane, "_checked", None)
     monkeypatch.setattr(lane, "libzmq_calls", lambda: None)
     assert lane.Lane.open() is None
 

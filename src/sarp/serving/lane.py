@@ -58,8 +58,8 @@ def libzmq_calls() -> tuple[int, ...] | None:
     """
     if zmq.zmq_version_info() < (4, 1):
         return None
-    module = sys.modules.get(zmq.backend.Socket.__module__)
-    path = getattr(module, "__file__", None)
+    socket_class = getattr(zmq.backend, "Socket", None)
+    path = getattr(sys.modules.get(getattr(socket_class, "__module__", "")), "__file__", None)
     if path is None:
         return None
     try:
@@ -102,8 +102,8 @@ class Lane:
         native.C.lane_bind(calls)
         try:
             ok = _check(Lane())
-        except (zmq.ZMQError, ValueError, TypeError, RuntimeError) as exc:
-            ok, why = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a lane that fails its check is not used
+            ok, why = False, repr(exc)
         else:
             why = "its answers differ from the reference's"
         if not ok:

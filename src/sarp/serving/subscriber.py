@@ -559,7 +559,7 @@ class Subscriber(ReplayJobs):
         self._live_last[key] = seq
         self._drop_ahead(key, seq)
         self.applier.keep(self.stats[key].applied, got[0])
-        return self._queued(key, seq, frame_digest(payload), got[1], got[2])
+        return self._queued(key, seq, frame_digest(payload), got[1], got[2]) == 1
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
         try:  # token-keyed engines' stores need their tokens
@@ -587,8 +587,7 @@ class Subscriber(ReplayJobs):
                           root=source.root)
         return self._queued(key, seq, digest, batch.ts, batch.dp_rank)
 
-    def _queued(self, key: str, seq: int, digest: int, ts: float, dp_rank: int | None
-                ) -> bool:
+    def _queued(self, key: str, seq: int, digest: int, ts: float, dp_rank: int | None) -> int:
         """The counts and the fingerprint of a batch queued for the next commit."""
         source, stats = self.sources[key], self.stats[key]
         if source.dp_rank is not None and dp_rank not in (None, source.dp_rank):
@@ -596,7 +595,7 @@ class Subscriber(ReplayJobs):
         self._clean.discard(key)
         stats.batches += 1
         self._advance(key, seq, [digest], [ts])
-        return True
+        return 1
 
     def _advance(self, key: str, seq: int, digests: list[int], stamps: list[float]) -> None:
         """The fingerprint after the batches ``seq``, ``seq + 1``, ... (their payloads'
@@ -614,7 +613,7 @@ class Subscriber(ReplayJobs):
         self.state[key] = self._dirty[key] = fp
         if self._queued_since is None:
             self._queued_since = time.monotonic()
-        ts = min(stamps)
+        ts = min((t for t in stamps if t), default=0.0)  # (0: a batch without its time)
         if ts and time.time() - ts > BEHIND_S:
             # Published that long ago (by the engine's clock: a skewed one only moves
             # this choice): we are behind, so batch for throughput from now on.
