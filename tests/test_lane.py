@@ -154,6 +154,9 @@ def test_a_lane_that_fails_its_check_is_not_used(monkeypatch, caplog):
     monkeypatch.setattr(lane.Lane, "_checked", None)
     monkeypatch.setattr(lane, "libzmq_calls", lambda: None)
     assert lane.Lane.open() is None
+    monkeypatch.setattr(lane.Lane, "_checked", None)  # an address of 0: refused, not used
+    monkeypatch.setattr(lane, "libzmq_calls", lambda: (0,) * 7)
+    assert lane.Lane.open() is None
 
 
 def _follow(tmp_path, name: str, with_lane: bool, monkeypatch) -> tuple[dict, set, int]:

@@ -99,8 +99,8 @@ class Lane:
         if calls is None or None in calls:
             log.info("sarp: libzmq's C calls not found; live messages go one by one")
             return False
-        native.C.lane_bind(calls)
         try:
+            native.C.lane_bind(calls)
             ok = _check(Lane())
         except Exception as exc:  # noqa: BLE001 - a lane that fails its check is not used
             ok, why = False, repr(exc)
