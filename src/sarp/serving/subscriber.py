@@ -387,8 +387,7 @@ class Subscriber(ReplayJobs):
                 return applied, taken, False  # its live stream waits for the replay
         return applied, taken, True
 
-    def _in_line(self, sock: zmq.Socket, key: str, count: int
-                 ) -> tuple[int | None, int, list[bytes] | None]:
+    def _in_line(self, sock: zmq.Socket, key: str, count: int) -> tuple[int | None, int, list]:
         """The source's live messages next in line, decoded into the commit's columns
         by the lane: (its status, or None when it was not asked; batches queued; the
         frames of the message after them, or None)."""
@@ -396,10 +395,9 @@ class Subscriber(ReplayJobs):
         expected = 0 if fp is None else fp.seq + 1
         live_last = self._live_last.get(key)
         if self._lane is None or not self.applier.takes_columns or (
-                live_last is not None and expected <= live_last) or (
-                key in self._hash_pending and source.model is None):
+                live_last is not None and expected <= live_last) or self._hashes_unchecked(key):
             return None, 0, None
-        rank = source.dp_rank if source.dp_rank is not None else self._ranks.get(key, 0)
+        rank = self._rank(key)
         holder, first = holder_name(source.name, rank), len(self.applier.columns)
         status, digests, stamps, events, skipped, frames = self._lane.take(
             sock, count, expected, -float("inf") if fp is None else fp.ts - TS_SLACK_S,
@@ -411,13 +409,20 @@ class Subscriber(ReplayJobs):
             self._gone.discard(key)
             self._live_last[key] = last
             self._drop_ahead(key, last)
-            stats = self.stats[key]
-            self.applier.taken(stats.applied, first, len(digests), holder, source.root,
-                               events, skipped)
-            self._clean.discard(key)
-            stats.batches += len(digests)
-            self._advance(key, expected, digests, stamps)
+            self.applier.taken(self.stats[key].applied, first, len(digests), holder,
+                               source.root, events, skipped)
+            self._queued(key, expected, digests, stamps, None)
         return status, len(digests), frames
+
+    def _rank(self, key: str) -> int | None:
+        """The rank a source's batches go under: its own, or the one the last named."""
+        own = self.sources[key].dp_rank
+        return own if own is not None else self._ranks.get(key, 0)
+
+    def _hashes_unchecked(self, key: str) -> bool:
+        """Are its hashes still to be checked against its tokens (not a token-keyed
+        engine's: those only link its blocks)?"""
+        return key in self._hash_pending and self.sources[key].model is None
 
     def _commit_in_s(self) -> float:
         """How long the batches queued wait for more once the sockets ran dry (<= 0:
@@ -543,10 +548,9 @@ class Subscriber(ReplayJobs):
         """The next batch in line, decoded in C into the commit's columns (a source
         without a rank of its own: under the rank the last batch named); False leaves it
         to :meth:`_decode` and :meth:`_apply` (another shape, rank, or a time gone back)."""
-        source = self.sources[key]
-        if key in self._hash_pending and source.model is None:
+        source, rank = self.sources[key], self._rank(key)
+        if self._hashes_unchecked(key):
             return False  # its hashes are checked against its tokens first
-        rank = source.dp_rank if source.dp_rank is not None else self._ranks.get(key, 0)
         got = self.applier.add_payload(payload, holder_name(source.name, rank),
                                         root=source.root, tokens=source.model is not None)
         if got is None:
@@ -559,7 +563,7 @@ class Subscriber(ReplayJobs):
         self._live_last[key] = seq
         self._drop_ahead(key, seq)
         self.applier.keep(self.stats[key].applied, got[0])
-        return self._queued(key, seq, frame_digest(payload), got[1], got[2]) == 1
+        return self._queued(key, seq, [frame_digest(payload)], [got[1]], got[2]) == 1
 
     def _decode(self, key: str, seq: int, payload: bytes) -> Batch | None:
         try:  # token-keyed engines' stores need their tokens
@@ -579,23 +583,23 @@ class Subscriber(ReplayJobs):
             self._forget(key, f"batch {seq} could not be decoded")
             self._advance(key, seq, [digest], [0.0])
             return 0
-        # (a token-keyed engine's own hashes only link its blocks: not checked)
-        if key in self._hash_pending and source.model is None \
-                and self._hash_check.check_batch(key, payload, batch, stats):
+        if self._hashes_unchecked(key) and self._hash_check.check_batch(key, payload, batch,
+                                                                       stats):
             self._hash_pending.discard(key)  # again after a clear (a restarted engine)
         self.applier.add(source.name, batch, stats.applied, dp_rank=source.dp_rank,
                           root=source.root)
-        return self._queued(key, seq, digest, batch.ts, batch.dp_rank)
+        return self._queued(key, seq, [digest], [batch.ts], batch.dp_rank)
 
-    def _queued(self, key: str, seq: int, digest: int, ts: float, dp_rank: int | None) -> int:
-        """The counts and the fingerprint of a batch queued for the next commit."""
+    def _queued(self, key: str, seq: int, digests: list[int], stamps: list[float],
+                dp_rank: int | None) -> int:
+        """Count the batches ``seq``, ``seq + 1``, ... (naming ``dp_rank``) queued; how many."""
         source, stats = self.sources[key], self.stats[key]
         if source.dp_rank is not None and dp_rank not in (None, source.dp_rank):
             stats.rank_mismatches += 1
         self._clean.discard(key)
-        stats.batches += 1
-        self._advance(key, seq, [digest], [ts])
-        return 1
+        stats.batches += len(digests)
+        self._advance(key, seq, digests, stamps)
+        return len(digests)
 
     def _advance(self, key: str, seq: int, digests: list[int], stamps: list[float]) -> None:
         """The fingerprint after the batches ``seq``, ``seq + 1``, ... (their payloads'
