@@ -11,7 +11,7 @@ import pytest
 from test_batch import engine_like_ops, random_ops
 
 import sarp
-from sarp import native, packing
+from sarp import lmdb_env, native, packing
 from sarp.errors import CorruptRecordError
 
 pytestmark = pytest.mark.skipif(
@@ -48,17 +48,23 @@ def _state(index) -> dict:
     return tables
 
 
-def _run(path, chunks, in_c: bool, segment_blocks: int, before=None, deferred_min=None):
+def _run(path, chunks, in_c: bool, segment_blocks: int, before=None, deferred_min=None,
+         raw: bool = True):
     """Apply ``chunks`` in C (``in_c``; deferred from ``deferred_min`` operations on
-    when given) or in Python.  ``calls`` has (operations done in C or None for a
-    deferred run the table refused, operations, deferred) per C call."""
+    when given; on liblmdb's own calls unless not ``raw``: then on py-lmdb's methods)
+    or in Python.  ``calls`` has (operations done in C or None for a deferred run the
+    table refused, operations, deferred) per C call."""
     calls: list = []
+    raw = raw and _raw_available()  # (without them, the methods: as asserted below)
+    checked = lmdb_env._raw
     with sarp.open(path, durability="nosync", segment_blocks=segment_blocks) as index:
         if before is not None:
             before(index)
         default_min = packing.DEFERRED_MIN_OPS
         if deferred_min is not None:
             packing.DEFERRED_MIN_OPS = deferred_min
+        if not raw:
+            lmdb_env._raw = {}  # no engine checked: py-lmdb's methods
         try:
             answers = []
             with native.forced("c" if in_c else "python"), native.Tally() as tally:
@@ -71,12 +77,23 @@ def _run(path, chunks, in_c: bool, segment_blocks: int, before=None, deferred_mi
                                      for i, e in result.failed]))
         finally:
             packing.DEFERRED_MIN_OPS = default_min
+            lmdb_env._raw = checked
         if in_c:
             assert tally.c("pack_batch") == len(calls) > 0
+            # every C batch on liblmdb's calls, or every one on py-lmdb's methods
+            assert tally.c("lmdb_pack") == (len(calls) if raw else 0)
+            assert tally.python("lmdb_pack") == (0 if raw else len(calls))
         else:
             assert tally.c("pack_batch") == 0 and tally.python("pack_batch") > 0
         assert index.check() == []
         return answers, _state(index), calls
+
+
+def _raw_available() -> bool:
+    """Whether this process's lmdb build passed the check of liblmdb's calls."""
+    if lmdb_env._raw is None:
+        lmdb_env._check()
+    return bool(lmdb_env._raw)
 
 
 def _chunks(ops, seed):
@@ -89,18 +106,22 @@ def _chunks(ops, seed):
     return chunks
 
 
+@pytest.mark.parametrize("raw", [True, False], ids=["liblmdb", "py-lmdb"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
 @pytest.mark.parametrize("seed", range(8))
-def test_c_batches_write_what_python_batches_write(tmp_path, seed, deferred):
+def test_c_batches_write_what_python_batches_write(tmp_path, seed, deferred, raw):
     """Engine-like streams (re-stores, branches, evictions last block first, strays,
     clears, conflicts) at several segment sizes: every table equal, byte for byte;
     with each batch's ``blocks`` writes deferred to its end too, including batches the
-    table refuses there and that run again."""
+    table refuses there and that run again; C reading and writing through liblmdb's
+    own calls and through py-lmdb's methods alike."""
+    if raw and not _raw_available():
+        pytest.skip("liblmdb's calls are not used with this lmdb build (lmdb_env._check)")
     ops = engine_like_ops(seed, 600) if seed % 2 else random_ops(seed, 600)
     chunks = _chunks(ops, seed)
     blocks = [1, 3, 8, 64][seed % 4]
     c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, blocks,
-                                     deferred_min=1 if deferred else None)
+                                     deferred_min=1 if deferred else None, raw=raw)
     py_answers, py_state, _ = _run(tmp_path / "py", chunks, False, blocks)
     assert c_answers == py_answers
     assert c_state == py_state

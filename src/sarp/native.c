@@ -10,17 +10,17 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 29
+#define ABI_VERSION 30
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
- * plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line): calls
- * so far
- * (conn: requests a Conn answered) */
+ * plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line,
+ * lmdb_pack): calls so far
+ * (conn: requests a Conn answered; lmdb_pack: pack_batch calls on liblmdb's own calls) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
@@ -30,7 +30,7 @@ static PyObject *calls(PyObject *self, PyObject *unused) {
                          sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
                          sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS],
                          sarp_calls[CALL_XXH3_64], sarp_calls[CALL_ALIAS_TABLE],
-                         sarp_calls[CALL_TAKE_LINE]);
+                         sarp_calls[CALL_TAKE_LINE], sarp_calls[CALL_LMDB_PACK]);
 }
 
 /* xxh3_64(data[, seed]) -> int: xxhash's xxh3_64_intdigest (sarp.hashing.checksum), for
@@ -104,11 +104,22 @@ static PyMethodDef methods[] = {
     {"take_line", (PyCFunction)(void (*)(void))sarp_take_line, METH_FASTCALL,
      "take_line(socket, count, expected, ...): the live messages next in line, decoded into "
      "a commit's columns (sarp.serving.lane)"},
+    {"lmdb_bind", (PyCFunction)(void (*)(void))sarp_lmdb_bind, METH_FASTCALL,
+     "lmdb_bind(engine, addresses): liblmdb's calls of one engine py-lmdb bundles "
+     "(sarp.lmdb_env)"},
+    {"lmdb_txn", (PyCFunction)(void (*)(void))sarp_lmdb_txn, METH_FASTCALL,
+     "lmdb_txn(engine, txn): (mdb_txn_id, mdb_txn_env) of a transaction's address"},
+    {"lmdb_dbi", (PyCFunction)(void (*)(void))sarp_lmdb_dbi, METH_FASTCALL,
+     "lmdb_dbi(engine, txn, name): (rc, dbi) of mdb_dbi_open"},
+    {"lmdb_get", (PyCFunction)(void (*)(void))sarp_lmdb_get, METH_FASTCALL,
+     "lmdb_get(engine, txn, dbi, key): (rc, value or None) of mdb_get"},
+    {"lmdb_put", (PyCFunction)(void (*)(void))sarp_lmdb_put, METH_FASTCALL,
+     "lmdb_put(engine, txn, dbi, key, value, overwrite): rc of mdb_put"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
-     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line) "
-     "calls so far"},
+     "plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line, "
+     "lmdb_pack) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -117,7 +128,7 @@ static struct PyModuleDef module = {
     "sarp's hot loops in C (examine, walk, u64_array, pack_batch, decode_batch, "
     "decode_into, token_keys, resolve_aliases, BlockTable, find, predict, read_match, "
     "rfc_answer, rows_result, plain_result, query_fields, Conn, rfc_query, heads, xxh3_64, "
-    "AliasTable, take_line); "
+    "AliasTable, take_line, lmdb_*); "
     "each has a Python reference.", -1,
     methods,
 };

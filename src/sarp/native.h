@@ -4,7 +4,8 @@
  * (decode_batch), serving/http.c (u64_array), serving/rfc.c (rfc_answer, query_fields,
  * rfc_query), serving/wire.c (Conn, whose reference is wire.Connection),
  * tokenkeys.c (token_keys), directory.c (find, predict), valkey_read.c (read_match),
- * segment.c (heads), aliastable.c (AliasTable), serving/lane.c (take_line);
+ * segment.c (heads), aliastable.c (AliasTable), serving/lane.c (take_line), lmdb_env.c
+ * (liblmdb's calls on py-lmdb's transactions, for packing.c);
  * native.c is the module (native.py is its only loader).  The segment record's layout
  * is read in one place, here (segment.py is the reference). */
 #ifndef SARP_NATIVE_H
@@ -54,6 +55,48 @@ int payload_into(const uint8_t *p, Py_ssize_t len, int with_tokens, uint64_t roo
                  const IntoCols *c, IntoBatch *out);
 PyObject *sarp_lane_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_take_line(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* lmdb_env.c: liblmdb's calls of an engine py-lmdb bundles (sarp/lmdb_env.py binds
+ * them), on a write transaction of py-lmdb's; the GIL held. */
+#define RAW_ENGINES 2 /* LMDB 0.9 and 1.0 */
+#define RAW_CALLS 11
+#define RAW_NOOVERWRITE 0x10
+#define RAW_KEYEXIST (-30799)
+#define RAW_NOTFOUND (-30798)
+#define RAW_SET 15 /* MDB_SET */
+typedef struct {
+    size_t size;
+    void *data;
+} RawVal; /* MDB_val */
+typedef struct {
+    int (*get)(void *txn, unsigned dbi, RawVal *key, RawVal *data);
+    int (*put)(void *txn, unsigned dbi, RawVal *key, RawVal *data, unsigned flags);
+    int (*del)(void *txn, unsigned dbi, RawVal *key, RawVal *data);
+    int (*cursor_open)(void *txn, unsigned dbi, void **cursor);
+    void (*cursor_close)(void *cursor);
+    int (*cursor_get)(void *cursor, RawVal *key, RawVal *data, int op);
+    int (*cursor_put)(void *cursor, RawVal *key, RawVal *data, unsigned flags);
+    int (*cursor_del)(void *cursor, unsigned flags);
+    size_t (*txn_id)(void *txn);
+    void *(*txn_env)(void *txn);
+    int (*dbi_open)(void *txn, const char *name, unsigned flags, unsigned *dbi);
+} RawApi;
+typedef struct {
+    const RawApi *api;
+    void *txn, *cursor; /* cursor: on `blocks`, opened by raw_cursor */
+    unsigned blocks, segments;
+    PyObject *raise_for; /* raise_for(rc) raises py-lmdb's error for an LMDB code */
+} RawTxn;
+/* spec (LmdbWriteTxn.native_calls' last): (engine, txn address, blocks dbi, segments
+ * dbi, raise_for); 0, or -1 with an error */
+int raw_of(PyObject *spec, RawTxn *out);
+int raw_failed(const RawTxn *r, int rc); /* py-lmdb's error for rc set; -1 */
+int raw_cursor(RawTxn *r);               /* 0, or -1 with an error */
+void raw_close(RawTxn *r);               /* the cursor closed, if open */
+PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lmdb_txn(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lmdb_dbi(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lmdb_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lmdb_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 extern PyTypeObject sarp_BlockTableType; /* packing.c: a write's `blocks` table on Valkey */
 extern PyTypeObject sarp_ReadsType; /* valkey_read.c: the READs read_match sent */
 extern PyTypeObject sarp_ConnType; /* serving/wire.c: a connection answered in C */
@@ -111,7 +154,7 @@ enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARR
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
        CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY, CALL_HEADS,
-       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_TAKE_LINE, CALL_KINDS };
+       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_TAKE_LINE, CALL_LMDB_PACK, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

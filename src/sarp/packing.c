@@ -5,7 +5,8 @@
  * pack_batch applies a batch's operations in order, as Packer.add_insert (its walk,
  * _walk_insert and _place) and Packer.add_remove (_remove_runs) do, on segments held
  * here in C, and at the end writes each touched segment once (Touched.flush).  The
- * LMDB transaction is py-lmdb's, reached through the callables in `ctx`.  An operation
+ * LMDB transaction is py-lmdb's, reached through the callables in `ctx`, or through
+ * liblmdb's own calls on it (lmdb_env.c) for `blocks` and `segments`.  An operation
  * it does not take (a clear, an insert with meta, a walk that meets a conflict, a claim
  * that finds a stored block, a new holder when every id is taken) stops it before that operation
  * changes anything: it then hands back every touched segment as a record, and
@@ -733,6 +734,8 @@ typedef struct {
     int deferred;    /* `blocks` changes wait in `pend` for apply_pending */
     Map pend;
     BlockTable *table; /* the write's `blocks` on Valkey, or NULL: the callables' */
+    int has_raw;       /* `blocks` and `segments` through liblmdb's own calls (raw) */
+    RawTxn raw;
     Py_ssize_t new_blocks, removed_blocks;
     PyObject *empty; /* b"" */
 } Batch;
@@ -743,6 +746,59 @@ static PyObject *call1(PyObject *fn, PyObject *arg) {
     PyObject *out = PyObject_CallOneArg(fn, arg);
     Py_DECREF(arg);
     return out;
+}
+
+/* -- liblmdb's own calls (b->has_raw), each as its py-lmdb method does it ------------ */
+
+static void be8(uint64_t v, uint8_t *out) {
+    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
+/* txn.get of a big-endian u64 key: 1 found (*v, valid until the next write), 0 not,
+ * -1 error. */
+static int raw_get(Batch *b, unsigned dbi, uint64_t key, RawVal *v) {
+    uint8_t k[8];
+    be8(key, k);
+    RawVal kv = {8, k};
+    int rc = b->raw.api->get(b->raw.txn, dbi, &kv, v);
+    if (rc == 0) return 1;
+    return rc == RAW_NOTFOUND ? 0 : raw_failed(&b->raw, rc);
+}
+
+/* txn.put (through the `blocks` cursor with `cursor`): 1 written, 0 refused (there,
+ * and overwrite off), -1 error. */
+static int raw_put(Batch *b, unsigned dbi, uint64_t key, const void *data, size_t size,
+                   int overwrite, int cursor) {
+    uint8_t k[8];
+    be8(key, k);
+    RawVal kv = {8, k}, dv = {size, (void *)data};
+    unsigned flags = overwrite ? 0 : RAW_NOOVERWRITE;
+    if (cursor && raw_cursor(&b->raw) < 0) return -1;
+    int rc = cursor ? b->raw.api->cursor_put(b->raw.cursor, &kv, &dv, flags)
+                    : b->raw.api->put(b->raw.txn, dbi, &kv, &dv, flags);
+    if (rc == 0) return 1;
+    return rc == RAW_KEYEXIST && !overwrite ? 0 : raw_failed(&b->raw, rc);
+}
+
+/* txn.delete(key, b"", db): 0 (deleted or absent), -1 error. */
+static int raw_del(Batch *b, unsigned dbi, uint64_t key) {
+    uint8_t k[8];
+    be8(key, k);
+    RawVal kv = {8, k};
+    int rc = b->raw.api->del(b->raw.txn, dbi, &kv, NULL);
+    return rc == 0 || rc == RAW_NOTFOUND ? 0 : raw_failed(&b->raw, rc);
+}
+
+/* The `blocks` cursor's set_key, and with `pop` its delete: 1 found, 0 not, -1 error. */
+static int raw_find(Batch *b, uint64_t key, int pop) {
+    uint8_t k[8];
+    be8(key, k);
+    RawVal kv = {8, k}, dv = {0, NULL};
+    if (raw_cursor(&b->raw) < 0) return -1;
+    int rc = b->raw.api->cursor_get(b->raw.cursor, &kv, &dv, RAW_SET);
+    if (rc == RAW_NOTFOUND) return 0;
+    if (rc == 0 && pop) rc = b->raw.api->cursor_del(b->raw.cursor, 0);
+    return rc == 0 ? 1 : raw_failed(&b->raw, rc);
 }
 
 static int touched_add(Batch *b, Seg *s) {
@@ -770,22 +826,29 @@ static int touched_add_new(Batch *b, Seg *s) {
 static Seg *touched_get(Batch *b, uint64_t id) {
     uint64_t at;
     if (map_get(&b->index, id, &at)) return b->segs[at];
-    PyObject *key = be_key(id);
-    if (key == NULL) return NULL;
-    PyObject *rec = call1(b->cb[CB_SEG_GET], key);
-    if (rec == NULL) return NULL;
     Seg *s = NULL;
     int bad = 1;
-    if (rec != Py_None) {
-        Py_buffer buf;
-        if (PyObject_GetBuffer(rec, &buf, PyBUF_SIMPLE) < 0) {
-            Py_DECREF(rec);
-            return NULL;
+    if (b->has_raw) {
+        RawVal v;
+        int got = raw_get(b, b->raw.segments, id, &v);
+        if (got < 0) return NULL;
+        if (got) s = seg_parse(id, v.data, (Py_ssize_t)v.size, &bad);
+    } else {
+        PyObject *key = be_key(id);
+        if (key == NULL) return NULL;
+        PyObject *rec = call1(b->cb[CB_SEG_GET], key);
+        if (rec == NULL) return NULL;
+        if (rec != Py_None) {
+            Py_buffer buf;
+            if (PyObject_GetBuffer(rec, &buf, PyBUF_SIMPLE) < 0) {
+                Py_DECREF(rec);
+                return NULL;
+            }
+            s = seg_parse(id, buf.buf, buf.len, &bad);
+            PyBuffer_Release(&buf);
         }
-        s = seg_parse(id, buf.buf, buf.len, &bad);
-        PyBuffer_Release(&buf);
+        Py_DECREF(rec);
     }
-    Py_DECREF(rec);
     if (bad) { /* missing or damaged: WriteTxn.segment raises the error that says so */
         PyObject *idobj = PyLong_FromUnsignedLongLong(id);
         if (idobj == NULL) return NULL;
@@ -820,6 +883,19 @@ static int locate_one(Batch *b, uint64_t hash, uint64_t *seg_id, Py_ssize_t *off
         *seg_id = E_VALUE(v) >> 16;
         *off = (Py_ssize_t)(E_VALUE(v) & 0xffff);
         return (v & E_PRESENT) && *seg_id != 0;
+    }
+    if (b->has_raw) {
+        RawVal got;
+        int found = raw_get(b, b->raw.blocks, hash, &got);
+        if (found <= 0) return found;
+        if (got.size != 6) {
+            PyErr_Format(PyExc_ValueError, "blocks table entry of %zd bytes",
+                         (Py_ssize_t)got.size);
+            return -1;
+        }
+        *seg_id = u32_at((const uint8_t *)got.data);
+        *off = u16_at((const uint8_t *)got.data + 4);
+        return *seg_id != 0;
     }
     PyObject *key = be_key(hash);
     if (key == NULL) return -1;
@@ -945,13 +1021,28 @@ static int put_call(PyObject *put, PyObject *key, PyObject *value, int overwrite
     return result;
 }
 
-/* txn.put of a `blocks` entry (see put_call). */
-static int put_entry(Batch *b, PyObject *key, PyObject *value, int overwrite) {
-    return put_call(b->cb[CB_PUT], key, value, overwrite, b->cb[CB_BLOCKS_DB]);
+/* The `blocks` entry of `hash` at (seg_id, offset) put, by the transaction or (with
+ * `cursor`) by the blocks cursor: 1 written, 0 refused (see put_call), -1 error. */
+static int put_block(Batch *b, uint64_t hash, uint64_t seg_id, Py_ssize_t offset,
+                     int overwrite, int cursor) {
+    if (b->has_raw) {
+        uint8_t v[6];
+        uint32_t sid = (uint32_t)seg_id;
+        uint16_t off = (uint16_t)offset;
+        memcpy(v, &sid, 4);
+        memcpy(v + 4, &off, 2);
+        return raw_put(b, b->raw.blocks, hash, v, 6, overwrite, cursor);
+    }
+    return cursor ? put_call(b->cb[CB_CUR_PUT], be_key(hash), block_value(seg_id, offset),
+                             overwrite, NULL)
+                  : put_call(b->cb[CB_PUT], be_key(hash), block_value(seg_id, offset),
+                             overwrite, b->cb[CB_BLOCKS_DB]);
 }
 
-/* txn.delete(key, b"", db), consuming key: 0, or -1 on error. */
-static int delete_key(Batch *b, PyObject *key, int db) {
+/* txn.delete(key, b"", db) of a big-endian u64 key: 0, or -1 on error. */
+static int delete_key(Batch *b, uint64_t k, int db) {
+    if (b->has_raw) return raw_del(b, db == CB_BLOCKS_DB ? b->raw.blocks : b->raw.segments, k);
+    PyObject *key = be_key(k);
     if (key == NULL) return -1;
     if (PyTuple_Check(b->cb[CB_DELETE])) {
         int r = dict_put(b->cb[CB_DELETE], key, Py_None, 1, b->cb[db]);
@@ -970,12 +1061,12 @@ static int delete_key(Batch *b, PyObject *key, int db) {
  * callables: 0, or -1 on error. */
 static int blk_set(Batch *b, uint64_t hash, uint64_t seg_id, Py_ssize_t off) {
     if (b->table != NULL) return bt_change(b->table, hash, 1, seg_id, off);
-    return put_entry(b, be_key(hash), block_value(seg_id, off), 1) < 0 ? -1 : 0;
+    return put_block(b, hash, seg_id, off, 1, 0) < 0 ? -1 : 0;
 }
 
 static int blk_delete(Batch *b, uint64_t hash) {
     if (b->table != NULL) return bt_change(b->table, hash, 0, 0, 0);
-    return delete_key(b, be_key(hash), CB_BLOCKS_DB);
+    return delete_key(b, hash, CB_BLOCKS_DB);
 }
 
 /* WriteTxn.claim_blocks: 1 claimed, 0 refused (nothing of it left; *refused: the
@@ -1009,7 +1100,7 @@ static int claim(Batch *b, const uint64_t *hashes, Py_ssize_t k, uint64_t seg_id
                 return -1;
             }
         } else {
-            put = put_entry(b, be_key(hashes[i]), block_value(seg_id, first_offset + i), 0);
+            put = put_block(b, hashes[i], seg_id, first_offset + i, 0, 0);
             if (put < 0) return -1;
         }
         if (!put) {
@@ -1033,12 +1124,20 @@ static int tail_segment_id(Batch *b, uint64_t home, uint64_t *id) {
         for (uint64_t candidate = home + 1; candidate < home + SEG_ID_STRIDE; candidate++) {
             uint64_t at;
             if (map_get(&b->index, candidate, &at)) continue;
-            PyObject *key = be_key(candidate);
-            if (key == NULL) return -1;
-            PyObject *rec = call1(b->cb[CB_SEG_GET], key);
-            if (rec == NULL) return -1;
-            int free_id = rec == Py_None;
-            Py_DECREF(rec);
+            int free_id;
+            if (b->has_raw) {
+                RawVal v;
+                int got = raw_get(b, b->raw.segments, candidate, &v);
+                if (got < 0) return -1;
+                free_id = !got;
+            } else {
+                PyObject *key = be_key(candidate);
+                if (key == NULL) return -1;
+                PyObject *rec = call1(b->cb[CB_SEG_GET], key);
+                if (rec == NULL) return -1;
+                free_id = rec == Py_None;
+                Py_DECREF(rec);
+            }
             if (free_id) {
                 *id = candidate;
                 return 0;
@@ -1443,12 +1542,12 @@ static void sort_writes(Write *w, Write *tmp, size_t n) {
 
 /* The blocks cursor's put of a pending entry (see put_call). */
 static int cur_put(Batch *b, uint64_t hash, uint64_t v, int overwrite) {
-    return put_call(b->cb[CB_CUR_PUT], be_key(hash), block_value(PEND_SEG(v), PEND_OFF(v)),
-                    overwrite, NULL);
+    return put_block(b, hash, PEND_SEG(v), PEND_OFF(v), overwrite, 1);
 }
 
 /* The blocks cursor's set_key(key): 1 found (the cursor is on it), 0 not, -1 error. */
 static int cur_find(Batch *b, uint64_t hash) {
+    if (b->has_raw) return raw_find(b, hash, 0);
     PyObject *key = be_key(hash);
     if (key == NULL) return -1;
     PyObject *out = call1(b->cb[CB_CUR_SET_KEY], key);
@@ -1511,6 +1610,10 @@ static int apply_pending(Batch *b, int dead) {
             if (r == 1) result = 0;
             break;
         default: { /* W_DELETE: the cursor's pop finds and deletes in one call */
+            if (b->has_raw) {
+                r = raw_find(b, w[i].key, 1) < 0 ? -1 : 0;
+                break;
+            }
             PyObject *key = be_key(w[i].key);
             PyObject *out = key == NULL ? NULL : call1(b->cb[CB_CUR_POP], key);
             r = out == NULL ? -1 : 0;
@@ -1580,15 +1683,22 @@ static PyObject *flush(Batch *b, int *conflict) {
         Seg *s = b->segs[x];
         PyObject *entry;
         if (!s->nh) { /* the record, and its blocks' entries (WriteTxn.delete_segment) */
-            if (delete_key(b, be_key(s->id), CB_SEGMENTS_DB) < 0) goto fail;
+            if (delete_key(b, s->id, CB_SEGMENTS_DB) < 0) goto fail;
             for (Py_ssize_t i = 0; !b->deferred && i < s->n; i++) {
                 if (blk_delete(b, s->hashes[i]) < 0) goto fail;
             }
             entry = Py_BuildValue("(KKOO)", (unsigned long long)s->id,
                                   (unsigned long long)s->hashes[0], Py_None, Py_False);
         } else {
-            if (put_call(b->cb[CB_PUT], be_key(s->id), seg_encode(s), 1,
-                         b->cb[CB_SEGMENTS_DB]) < 0) {
+            if (b->has_raw) {
+                PyObject *rec = seg_encode(s);
+                int r = rec == NULL ? -1
+                                    : raw_put(b, b->raw.segments, s->id, PyBytes_AS_STRING(rec),
+                                              (size_t)PyBytes_GET_SIZE(rec), 1, 0);
+                Py_XDECREF(rec);
+                if (r < 0) goto fail;
+            } else if (put_call(b->cb[CB_PUT], be_key(s->id), seg_encode(s), 1,
+                                b->cb[CB_SEGMENTS_DB]) < 0) {
                 goto fail;
             }
             PyObject *ids = PyList_New(s->nh);
@@ -1659,7 +1769,9 @@ static int is_kind(PyObject *op, const char *kind) {
  *   -> (done, new_blocks, removed_blocks, removed_per_op, no_parent, names, created, rest)
  *   or None when `deferred` and the table refused a claim: the batch has to run again
  *   undeferred, in a transaction without what this one wrote.
- * ctx: the callables and dicts named by the CB_* order (see Packer._native_batch).
+ * ctx: the callables and dicts named by the CB_* order (see Packer._native_batch), and
+ * optionally one more: None, or liblmdb's calls on the transaction (RawTxn), which then
+ * read and write `blocks` and `segments` in place of the callables.
  * done: how many operations were applied here.  no_parent: [(op index, parent)]
  * refused for a parent nobody holds.  names: holder name -> id or None, as looked up;
  * created: [(id, name)] of the holders it named.
@@ -1668,7 +1780,8 @@ static int is_kind(PyObject *op, const char *kind) {
  * [(id, record, is_new, cleared)]. */
 PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_PACK_BATCH]++;
-    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != NUM_CB
+    if (nargs != 5 || !PyTuple_Check(args[0])
+        || (PyTuple_GET_SIZE(args[0]) != NUM_CB && PyTuple_GET_SIZE(args[0]) != NUM_CB + 1)
         || !(PyList_Check(args[1]) || PyTuple_Check(args[1]))) {
         PyErr_SetString(PyExc_TypeError, "pack_batch(ctx: tuple, ops: list, segment_blocks, "
                                          "split_tail, deferred)");
@@ -1679,6 +1792,12 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_buffer col[6]; /* the columns' buffers, when ops are columns */
     int ncol = 0;
     for (int c = 0; c < NUM_CB; c++) b.cb[c] = PyTuple_GET_ITEM(args[0], c);
+    /* a last item that is not None: liblmdb's own calls (lmdb_env.raw_tables) */
+    if (PyTuple_GET_SIZE(args[0]) > NUM_CB && PyTuple_GET_ITEM(args[0], NUM_CB) != Py_None) {
+        if (raw_of(PyTuple_GET_ITEM(args[0], NUM_CB), &b.raw) < 0) return NULL;
+        b.has_raw = 1;
+        sarp_calls[CALL_LMDB_PACK]++;
+    }
     if (!PyDict_CheckExact(b.cb[CB_RECENT]) || !PyDict_CheckExact(b.cb[CB_REMEMBERED])) {
         PyErr_SetString(PyExc_TypeError, "pack_batch: the directory's probe dicts are dicts");
         return NULL;
@@ -1851,6 +1970,7 @@ done:
     Py_XDECREF(b.empty);
     for (Py_ssize_t x = 0; x < b.nsegs; x++) seg_free(b.segs[x]);
     PyMem_Free(b.segs);
+    if (b.has_raw) raw_close(&b.raw);
     map_free(&b.index);
     map_free(&b.heads);
     map_free(&b.pend);

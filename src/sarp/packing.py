@@ -192,8 +192,9 @@ class Packer(GeneralPath):
         it has already), or anything go wrong, the nested transaction is dropped and
         the batch runs again as it always did, so the outcome is that run's.
 
-        Cost: one py-lmdb call per lookup, per ``blocks`` entry put or deleted and per
-        record read or written; no Python per operation.
+        Cost: one liblmdb call per lookup, per ``blocks`` entry put or deleted and per
+        record read or written (one py-lmdb call each where ``w.raw_tables()`` gives
+        none: :func:`sarp.lmdb_env.raw_tables`); no Python per operation.
         """
         directory = self.memory.directory
         probe = (directory.lookup, *directory.probe_dicts())
@@ -201,8 +202,8 @@ class Packer(GeneralPath):
         if count >= DEFERRED_MIN_OPS and w.capabilities.local_reads:
             nested = w.nested()
             try:
-                out = native.C.pack_batch((*nested.native_calls(), *probe), ops,
-                                        self.segment_blocks, general.SPLIT_TAIL_BLOCKS, True)
+                out = native.C.pack_batch(_ctx(nested, probe), ops, self.segment_blocks,
+                                          general.SPLIT_TAIL_BLOCKS, True)
             except Exception:
                 # e.g. a damaged record: the run below meets it again and raises what
                 # it always raised
@@ -212,8 +213,8 @@ class Packer(GeneralPath):
             else:
                 nested.commit()
         if out is None:
-            out = native.C.pack_batch((*w.native_calls(), *probe), ops, self.segment_blocks,
-                                    general.SPLIT_TAIL_BLOCKS, False)
+            out = native.C.pack_batch(_ctx(w, probe), ops, self.segment_blocks,
+                                      general.SPLIT_TAIL_BLOCKS, False)
         done, new_blocks, removed_blocks, per_op, no_parent, names, created, rest = out
         plan.holder_names.extend(created)
         plan.new_blocks += new_blocks
@@ -534,6 +535,16 @@ class Packer(GeneralPath):
                     plan.removed_blocks += int(seg.presence[rows[0]].sum())
                     seg.presence[rows[0]] = 0
                     touched.cleared(seg_id)
+
+
+def _ctx(w: WriteTxn, probe: tuple) -> tuple:
+    """``pack_batch``'s first argument for a write on ``w``: its callables, the
+    directory's probe, and liblmdb's calls when ``w`` has them (counted as a Python
+    run of ``lmdb_pack`` when it has not, on LMDB)."""
+    raw = w.raw_tables()
+    if raw is None and w.capabilities.local_reads:
+        native.ran_python("lmdb_pack")
+    return (*w.native_calls(), *probe, raw)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -342,6 +342,11 @@ class WriteLogic:
     def prefetch_segments(self, seg_ids: np.ndarray) -> None:
         """Nothing to do, as :meth:`prefetch_blocks`."""
 
+    def raw_tables(self) -> tuple | None:
+        """None: the packer's C calls ``native_calls``' methods (LMDB's override gives
+        it liblmdb's own calls)."""
+        return None
+
     def create_meta(self) -> None:
         """A new index's meta: format version, a new index id, zero counters, and the
         mark that every holder name has its checksum."""

@@ -426,13 +426,15 @@ class LmdbReadTxn:
 class LmdbWriteTxn(WriteLogic):
     """The operations a write needs, inside one LMDB write transaction."""
 
-    __slots__ = ("_store", "txn", "_aliased")
+    __slots__ = ("_store", "txn", "_aliased", "_parent")
     capabilities = LmdbStore.capabilities
 
-    def __init__(self, store: LmdbStore, txn: lmdb_env.Transaction) -> None:
+    def __init__(self, store: LmdbStore, txn: lmdb_env.Transaction,
+                 parent: lmdb_env.Transaction | None = None) -> None:
         self._store = store
         self.txn = txn
         self._aliased = False  # this transaction changed the aliases in memory
+        self._parent = parent  # the transaction this one is nested in
 
     def set_counter(self, name: str, value: int) -> None:
         self.txn.put(name.encode(), U64.pack(value), db=self._store.meta_db)
@@ -521,6 +523,11 @@ class LmdbWriteTxn(WriteLogic):
                 txn.put, txn.delete, segments_db, blocks_db, blocks.put, blocks.set_key,
                 blocks.pop)
 
+    def raw_tables(self) -> tuple | None:
+        """What C reads and writes ``blocks`` and ``segments`` with in place of the
+        methods :meth:`native_calls` names (``lmdb_env.raw_tables``), or None."""
+        return lmdb_env.raw_tables(self.txn, self._store.env, self._parent)
+
     def nested(self) -> LmdbWriteTxn:
         """A write transaction inside this one (LMDB's nested transaction): what it
         writes joins this one at :meth:`commit` and is gone after :meth:`abort`.  This
@@ -529,7 +536,8 @@ class LmdbWriteTxn(WriteLogic):
         Cost: its commit merges its dirty pages into this one's: 0.8 ms more for a
         batch of 12,000 puts (docs/performance.md, "Deferred `blocks` writes").
         """
-        return LmdbWriteTxn(self._store, self._store.env.begin(write=True, parent=self.txn))
+        return LmdbWriteTxn(self._store, self._store.env.begin(write=True, parent=self.txn),
+                            self.txn)
 
     def commit(self) -> None:
         """Commit a :meth:`nested` transaction into its parent."""
