@@ -101,3 +101,36 @@ def test_raise_for_names_py_lmdb_s_class_and_the_code():
         lmdb_env.raise_for(-30792)
     with pytest.raises(lmdb.Error, match="12345"):
         lmdb_env.raise_for(12345)
+
+
+@pytest.mark.parametrize("counter, value", [
+    ("next_seg_id", b"\x01\x02\x03"),  # damaged
+    ("next_seq", b"\x01"),  # damaged (the log's)
+    ("next_seg_id", (0xFFFFFFFF - 4).to_bytes(8, "big")),  # every segment id taken
+])
+def test_the_counters_c_takes_fail_a_batch_as_python_s_do(tmp_path, checked, counter, value):
+    """The segment ids and log sequence numbers C takes on the meta table: a damaged
+    counter or the last id taken fails the batch with the error Python's path raises,
+    and the index is as it was."""
+    if not checked:
+        pytest.skip("liblmdb's calls are not used with this lmdb build")
+    errors = []
+    for where in ("c", "python"):
+        with sarp.open(tmp_path / where, durability="nosync") as index:
+            index.apply_batch([("insert", np.arange(1, 9, dtype=np.uint64), None, "a", "GPU")])
+            store = index._store
+            with store.env.begin(write=True) as txn:
+                kept = txn.get(counter.encode(), db=store.meta_db)
+                txn.put(counter.encode(), value, db=store.meta_db)
+            with native.forced(where), native.Tally() as tally, \
+                    pytest.raises(sarp.SarpError) as caught:
+                index.apply_batch([("insert", np.arange(20, 30, dtype=np.uint64), None, "b",
+                                    "GPU")])
+            assert tally.c("lmdb_pack") == (where == "c")
+            assert index.match(np.arange(20, 30, dtype=np.uint64)).num_blocks == 0
+            errors.append((type(caught.value), str(caught.value).replace(str(tmp_path / where),
+                                                                         "IX")))
+            with store.env.begin(write=True) as txn:  # (the close's snapshot reads them)
+                txn.put(counter.encode(), kept, db=store.meta_db)
+    assert errors[0] == errors[1]
+    assert counter in errors[0][1] or "exhausted" in errors[0][1]

@@ -146,6 +146,8 @@ def test_the_python_write_path_takes_the_same_ids(tmp_path):
     blocks = [1, 2, 3, 4, 5, 9, 50, 51, 60]
     assert [segment_of(tmp_path / "c", b) for b in blocks] == \
         [segment_of(tmp_path / "py", b) for b in blocks]
-    from sarp import native  # the stride C was built with is the one Python uses
+    from sarp import native  # the stride and bound C was built with are Python's
+    from sarp.store import MAX_SEGMENT_ID
     with native.forced("c"):
         assert native.C.SEG_ID_STRIDE == ID_STRIDE
+        assert native.C.MAX_SEGMENT_ID == MAX_SEGMENT_ID

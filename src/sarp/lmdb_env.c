@@ -82,18 +82,18 @@ static int engine_txn(PyObject *engine_obj, PyObject *txn_obj, const RawApi **ap
 
 int raw_of(PyObject *spec, RawTxn *out) {
     memset(out, 0, sizeof(*out));
-    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5) {
-        PyErr_SetString(PyExc_TypeError, "lmdb: (engine, txn, blocks dbi, segments dbi, "
-                                         "raise_for)");
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 7) {
+        PyErr_SetString(PyExc_TypeError, "lmdb: (engine, txn, blocks, segments, meta and log "
+                                         "dbi, raise_for)");
         return -1;
     }
     if (engine_txn(PyTuple_GET_ITEM(spec, 0), PyTuple_GET_ITEM(spec, 1), &out->api, &out->txn)
         < 0) {
         return -1;
     }
-    out->blocks = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(spec, 2));
-    out->segments = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(spec, 3));
-    out->raise_for = PyTuple_GET_ITEM(spec, 4);
+    unsigned *dbi[4] = {&out->blocks, &out->segments, &out->meta, &out->log};
+    for (int i = 0; i < 4; i++) *dbi[i] = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(spec, 2 + i));
+    out->raise_for = PyTuple_GET_ITEM(spec, 6);
     return PyErr_Occurred() ? -1 : 0;
 }
 

@@ -72,7 +72,8 @@ _ERRORS = {-30799: lmdb.KeyExistsError, -30798: lmdb.NotFoundError,
            errno.EACCES: lmdb.ReadonlyError, errno.EINVAL: lmdb.InvalidParameterError,
            errno.ENOMEM: lmdb.MemoryError, errno.ENOSPC: lmdb.DiskError}
 _raw: dict[tuple[int, int], int] | None = None  # engines checked: (major, minor) -> number
-_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # env -> (blocks, segments)
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # env -> RAW_TABLES' dbi
+RAW_TABLES = (b"blocks", b"segments", b"meta", b"log")  # the tables C writes, in its order
 log = logging.getLogger("sarp")
 
 
@@ -106,8 +107,8 @@ def raw_handle(txn: lmdb.Transaction, env: lmdb.Environment,
 def raw_tables(txn: lmdb.Transaction, env: lmdb.Environment,
                parent: lmdb.Transaction | None = None) -> tuple | None:
     """What ``pack_batch`` takes to write ``txn`` through liblmdb's calls: its
-    :func:`raw_handle`, the ``blocks`` and ``segments`` tables' handles (opened by name
-    once per environment; the store opened them) and :func:`raise_for`; or None.
+    :func:`raw_handle`, the handles of :data:`RAW_TABLES` (opened by name once per
+    environment; the store opened them) and :func:`raise_for`; or None.
 
     Cost: :func:`raw_handle`'s.
     """
@@ -118,7 +119,7 @@ def raw_tables(txn: lmdb.Transaction, env: lmdb.Environment,
     if dbis is None:
         from . import native
 
-        opened = [native.C.lmdb_dbi(*at, name) for name in (b"blocks", b"segments")]
+        opened = [native.C.lmdb_dbi(*at, name) for name in RAW_TABLES]
         if any(rc for rc, _ in opened):
             return None
         dbis = _tables[env] = tuple(dbi for _, dbi in opened)

@@ -139,7 +139,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(mod);
         return NULL;
     }
-    if (mod != NULL && PyModule_AddIntConstant(mod, "ABI_VERSION", ABI_VERSION) < 0) {
+    if (mod != NULL && (PyModule_AddIntConstant(mod, "ABI_VERSION", ABI_VERSION) < 0
+                        || PyModule_AddObject(mod, "MAX_SEGMENT_ID",
+                                              PyLong_FromUnsignedLongLong(MAX_SEGMENT_ID)) < 0)) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -83,11 +83,11 @@ typedef struct {
 typedef struct {
     const RawApi *api;
     void *txn, *cursor; /* cursor: on `blocks`, opened by raw_cursor */
-    unsigned blocks, segments;
+    unsigned blocks, segments, meta, log;
     PyObject *raise_for; /* raise_for(rc) raises py-lmdb's error for an LMDB code */
 } RawTxn;
-/* spec (LmdbWriteTxn.native_calls' last): (engine, txn address, blocks dbi, segments
- * dbi, raise_for); 0, or -1 with an error */
+/* spec (lmdb_env.raw_tables): (engine, txn address, the blocks, segments, meta and log
+ * tables' dbi, raise_for); 0, or -1 with an error */
 int raw_of(PyObject *spec, RawTxn *out);
 int raw_failed(const RawTxn *r, int rc); /* py-lmdb's error for rc set; -1 */
 int raw_cursor(RawTxn *r);               /* 0, or -1 with an error */
@@ -168,6 +168,7 @@ extern unsigned long long sarp_calls[CALL_KINDS];
 /* store.ID_STRIDE: new segment ids are multiples of it, and the ids after one are
  * kept for the tails split off that segment */
 #define SEG_ID_STRIDE 8
+#define MAX_SEGMENT_ID 0xFFFFFFFFull /* store.MAX_SEGMENT_ID */
 
 enum { BAD_SHORT = -1, BAD_CHECKSUM = -2, BAD_MAGIC = -3, BAD_SIZE = -4, BAD_HOLDERS = -5 };
 

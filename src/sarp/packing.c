@@ -789,6 +789,47 @@ static int raw_del(Batch *b, unsigned dbi, uint64_t key) {
     return rc == 0 || rc == RAW_NOTFOUND ? 0 : raw_failed(&b->raw, rc);
 }
 
+/* A meta counter (store.counter_value: 8 bytes big-endian, 0 when absent): 1 read,
+ * 0 not 8 bytes (damaged: Python names it), -1 error. */
+static int raw_counter(Batch *b, const char *name, uint64_t *value) {
+    RawVal k = {strlen(name), (void *)name}, v = {0, NULL};
+    int rc = b->raw.api->get(b->raw.txn, b->raw.meta, &k, &v);
+    *value = 0;
+    if (rc == RAW_NOTFOUND) return 1;
+    if (rc) return raw_failed(&b->raw, rc);
+    if (v.size != 8) return 0;
+    for (int i = 0; i < 8; i++) *value = *value << 8 | ((const uint8_t *)v.data)[i];
+    return 1;
+}
+
+/* WriteTxn.set_counter: 0, or -1 on error. */
+static int raw_set_counter(Batch *b, const char *name, uint64_t value) {
+    uint8_t be[8];
+    be8(value, be);
+    RawVal k = {strlen(name), (void *)name}, v = {8, be};
+    int rc = b->raw.api->put(b->raw.txn, b->raw.meta, &k, &v, 0);
+    return rc ? raw_failed(&b->raw, rc) : 0;
+}
+
+/* WriteTxn.log of the flushed segments' (id, first hash), under the next sequence
+ * numbers (take_seqs): 1 written, 0 the counter is damaged (Python's log names it),
+ * -1 error. */
+static int raw_log(Batch *b) {
+    uint64_t last;
+    int got = raw_counter(b, "next_seq", &last);
+    if (got <= 0 || b->nsegs == 0) return got;
+    for (Py_ssize_t x = 0; x < b->nsegs; x++) {
+        const Seg *s = b->segs[x];
+        uint32_t id = (uint32_t)s->id;
+        uint64_t first = s->hashes[0];
+        uint8_t value[12]; /* LOG_VALUE: <IQ */
+        for (int i = 0; i < 4; i++) value[i] = (uint8_t)(id >> (8 * i));
+        for (int i = 0; i < 8; i++) value[4 + i] = (uint8_t)(first >> (8 * i));
+        if (raw_put(b, b->raw.log, last + 1 + (uint64_t)x, value, 12, 1, 0) < 0) return -1;
+    }
+    return raw_set_counter(b, "next_seq", last + (uint64_t)b->nsegs) < 0 ? -1 : 1;
+}
+
 /* The `blocks` cursor's set_key, and with `pop` its delete: 1 found, 0 not, -1 error. */
 static int raw_find(Batch *b, uint64_t key, int pop) {
     uint8_t k[8];
@@ -947,6 +988,16 @@ static int head_of(Batch *b, uint64_t hash, uint64_t *seg_id) {
 }
 
 static int new_segment_id(Batch *b, uint64_t *id) {
+    if (b->has_raw) { /* WriteLogic.new_segment_id on the meta table */
+        uint64_t last;
+        int got = raw_counter(b, "next_seg_id", &last);
+        if (got < 0) return -1;
+        uint64_t seg_id = (last / SEG_ID_STRIDE + 1) * SEG_ID_STRIDE;
+        if (got == 1 && seg_id + SEG_ID_STRIDE - 1 <= MAX_SEGMENT_ID) {
+            *id = seg_id;
+            return raw_set_counter(b, "next_seg_id", seg_id + SEG_ID_STRIDE - 1);
+        } /* damaged, or every id taken: Python's raises the error that says so */
+    }
     PyObject *out = PyObject_CallNoArgs(b->cb[CB_NEW_SEG_ID]);
     if (out == NULL) return -1;
     *id = PyLong_AsUnsignedLongLong(out);
@@ -1727,6 +1778,13 @@ static PyObject *flush(Batch *b, int *conflict) {
             goto fail;
         }
         Py_DECREF(logged);
+    }
+    if (b->has_raw) { /* the log written here: none left for Python (unless damaged) */
+        int logged = raw_log(b);
+        if (logged < 0) goto fail;
+        if (logged == 1 && PyList_SetSlice(entries, 0, PyList_GET_SIZE(entries), NULL) < 0) {
+            goto fail;
+        }
     }
     PyObject *dead = dead_hashes(b);
     if (dead == NULL) goto fail;
