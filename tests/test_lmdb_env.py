@@ -134,3 +134,41 @@ def test_the_counters_c_takes_fail_a_batch_as_python_s_do(tmp_path, checked, cou
                 txn.put(counter.encode(), kept, db=store.meta_db)
     assert errors[0] == errors[1]
     assert counter in errors[0][1] or "exhausted" in errors[0][1]
+
+
+def _grow(path: str) -> None:
+    """(another process) The map grown and filled past the size a reader opened."""
+    env = lmdb.open(path, map_size=8 << 20, max_dbs=2)
+    table = env.open_db(b"t")
+    with env.begin(write=True) as txn:
+        for i in range(3000):
+            txn.put(i.to_bytes(8, "big"), bytes(1000), db=table)
+    env.close()
+
+
+def test_c_s_read_transaction_leaves_a_grown_map_to_py_lmdb(tmp_path, checked):
+    """A writer elsewhere grew the map past a reader's: C's own read transaction says so
+    (no read past the map), and once py-lmdb's begin has adopted the size, C reads on."""
+    import multiprocessing as mp
+
+    if not checked:
+        pytest.skip("liblmdb's calls are not used with this lmdb build")
+    env = lmdb.open(str(tmp_path), map_size=1 << 20, max_dbs=2)
+    try:
+        table = env.open_db(b"t")
+        with env.begin(write=True) as txn:
+            txn.put(b"k" * 8, b"v", db=table)
+        engine, address, dbi = lmdb_env.raw_reads(env, (b"t",))
+        assert native.C.lmdb_read_get(engine, address, dbi, b"k" * 8) == (0, b"v")
+        grower = mp.get_context("spawn").Process(target=_grow, args=(str(tmp_path),))
+        grower.start()
+        grower.join(60)
+        assert grower.exitcode == 0
+        assert native.C.lmdb_read_get(engine, address, dbi, b"k" * 8)[0] == -30785  # resized
+        with pytest.raises(lmdb.MapResizedError):
+            env.begin()
+        env.set_mapsize(0)  # what LmdbStore._begin does
+        assert native.C.lmdb_read_get(engine, address, dbi, (2999).to_bytes(8, "big")) == (
+            0, bytes(1000))
+    finally:
+        env.close()

@@ -24,12 +24,14 @@ static int bound[RAW_ENGINES];
 
 /* lmdb_bind(engine, addresses) -> None: mdb_get, mdb_put, mdb_del, mdb_cursor_open,
  * mdb_cursor_close, mdb_cursor_get, mdb_cursor_put, mdb_cursor_del, mdb_txn_id,
- * mdb_txn_env and mdb_dbi_open of one engine, as integers. */
+ * mdb_txn_env, mdb_dbi_open, mdb_txn_begin and mdb_txn_abort of one engine, as
+ * integers. */
 PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != RAW_CALLS) {
         PyErr_SetString(PyExc_TypeError, "lmdb_bind(engine, (get, put, del, cursor_open, "
                                          "cursor_close, cursor_get, cursor_put, cursor_del, "
-                                         "txn_id, txn_env, dbi_open))");
+                                         "txn_id, txn_env, dbi_open, txn_begin, "
+                                         "txn_abort))");
         return NULL;
     }
     long engine = PyLong_AsLong(args[0]);
@@ -59,6 +61,8 @@ PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     memcpy(&a->txn_id, &at[8], sizeof(void *));
     memcpy(&a->txn_env, &at[9], sizeof(void *));
     memcpy(&a->dbi_open, &at[10], sizeof(void *));
+    memcpy(&a->txn_begin, &at[11], sizeof(void *));
+    memcpy(&a->txn_abort, &at[12], sizeof(void *));
     bound[engine] = 1;
     Py_RETURN_NONE;
 }
@@ -78,6 +82,16 @@ static int engine_txn(PyObject *engine_obj, PyObject *txn_obj, const RawApi **ap
     }
     *api = &engines[engine];
     return 0;
+}
+
+const RawApi *raw_api(PyObject *engine_obj) {
+    long engine = PyLong_AsLong(engine_obj);
+    if (engine == -1 && PyErr_Occurred()) return NULL;
+    if (engine < 0 || engine >= RAW_ENGINES || !bound[engine]) {
+        PyErr_Format(PyExc_ValueError, "lmdb: engine %ld is not bound (lmdb_bind)", engine);
+        return NULL;
+    }
+    return &engines[engine];
 }
 
 int raw_of(PyObject *spec, RawTxn *out) {
@@ -184,4 +198,57 @@ PyObject *sarp_lmdb_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     RawVal k = {(size_t)PyBytes_GET_SIZE(args[3]), PyBytes_AS_STRING(args[3])};
     RawVal v = {(size_t)PyBytes_GET_SIZE(args[4]), PyBytes_AS_STRING(args[4])};
     return PyLong_FromLong(api->put(txn, dbi, &k, &v, overwrite ? 0 : RAW_NOOVERWRITE));
+}
+
+/* A read-only transaction of liblmdb's own on an environment's address: 0, or an LMDB
+ * code (MDB_MAP_RESIZED: py-lmdb's begin adopts the new size first). */
+static int read_begin(PyObject *engine, PyObject *env_obj, const RawApi **api, void **txn) {
+    *api = raw_api(engine);
+    void *env = *api == NULL ? NULL : PyLong_AsVoidPtr(env_obj);
+    if (env == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lmdb: a null environment");
+        return -1;
+    }
+    return (*api)->txn_begin(env, NULL, RAW_RDONLY, txn);
+}
+
+/* lmdb_read_dbi(engine, env, name) -> (rc, dbi): mdb_dbi_open of a table the
+ * environment has open, in a read-only transaction of its own */
+PyObject *sarp_lmdb_read_dbi(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "lmdb_read_dbi(engine, env, name: bytes)");
+        return NULL;
+    }
+    const RawApi *api;
+    void *txn;
+    unsigned dbi = 0;
+    int rc = read_begin(args[0], args[1], &api, &txn);
+    if (rc == -1 && PyErr_Occurred()) return NULL;
+    if (rc == 0) {
+        rc = api->dbi_open(txn, PyBytes_AS_STRING(args[2]), 0, &dbi);
+        api->txn_abort(txn);
+    }
+    return Py_BuildValue("(iI)", rc, dbi);
+}
+
+/* lmdb_read_get(engine, env, dbi, key) -> (rc, value or None), in a read-only
+ * transaction of its own */
+PyObject *sarp_lmdb_read_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "lmdb_read_get(engine, env, dbi, key: bytes)");
+        return NULL;
+    }
+    unsigned dbi = (unsigned)PyLong_AsUnsignedLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    const RawApi *api;
+    void *txn;
+    int rc = read_begin(args[0], args[1], &api, &txn);
+    if (rc == -1 && PyErr_Occurred()) return NULL;
+    if (rc) return Py_BuildValue("(iO)", rc, Py_None);
+    RawVal k = {(size_t)PyBytes_GET_SIZE(args[3]), PyBytes_AS_STRING(args[3])}, v = {0, NULL};
+    rc = api->get(txn, dbi, &k, &v);
+    PyObject *out = rc ? Py_BuildValue("(iO)", rc, Py_None)
+                       : Py_BuildValue("(iy#)", rc, (const char *)v.data, (Py_ssize_t)v.size);
+    api->txn_abort(txn);
+    return out;
 }

@@ -62,7 +62,8 @@ _TXN_ENV, _TXN_PARENT, _TXN_ENGINE, _TXN_HANDLE = 64, 72, 80, 88
 _ENV_HANDLE, _ENV_ENGINE = 64, 72
 _ENGINES = {(0, 9): (0, "mdb09_"), (1, 0): (1, "mdb10_")}  # (major, minor): number, prefix
 _CALLS = ("get", "put", "del", "cursor_open", "cursor_close", "cursor_get", "cursor_put",
-          "cursor_del", "txn_id", "txn_env", "dbi_open")  # lmdb_bind's order
+          "cursor_del", "txn_id", "txn_env", "dbi_open", "txn_begin",
+          "txn_abort")  # lmdb_bind's order
 KEY_EXISTS = -30799  # MDB_KEYEXIST
 _ERRORS = {-30799: lmdb.KeyExistsError, -30798: lmdb.NotFoundError,
            -30797: lmdb.PageNotFoundError, -30796: lmdb.CorruptedError,
@@ -124,6 +125,34 @@ def raw_tables(txn: lmdb.Transaction, env: lmdb.Environment,
             return None
         dbis = _tables[env] = tuple(dbi for _, dbi in opened)
     return (*at, *dbis, raise_for)
+
+
+def raw_reads(env: lmdb.Environment, tables: tuple[bytes, ...]) -> tuple | None:
+    """``(engine, MDB_env address, *the tables' handles)`` for read-only transactions
+    of C's own on ``env`` (``rfc_query``'s), or None as :func:`raw_handle` says.  The
+    address is taken only where a py-lmdb transaction of ``env`` confirms it.
+
+    Cost: one read transaction and a C call per table, once (the caller keeps it).
+    """
+    if _raw is None:
+        _check()
+    return raw_reads_of(env, _raw, tables) if _raw else None
+
+
+def raw_reads_of(env: lmdb.Environment, engines: dict[tuple[int, int], int],
+                 tables: tuple[bytes, ...]) -> tuple | None:
+    """:func:`raw_reads` with ``engines`` (the check's, or those it kept)."""
+    from . import native
+
+    with env.begin() as txn:
+        at = _handle(txn, env, None, engines)
+    if at is None:
+        return None
+    where = (at[0], _word(env, _ENV_HANDLE))
+    opened = [native.C.lmdb_read_dbi(*where, name) for name in tables]
+    if any(rc for rc, _ in opened):
+        return None
+    return (*where, *(dbi for _, dbi in opened))
 
 
 def _word(obj: object, offset: int) -> int:
@@ -208,5 +237,7 @@ def _agrees(major: int, engines: dict[tuple[int, int], int]) -> bool:
                 child.commit()
                 ok = ok and txn.get(b"n" * 8, db=table) == b"n"
             with env.begin() as txn:
-                return ok and [txn.get(k * 8, db=table) for k in (b"k", b"c", b"n")] == [
+                ok = ok and [txn.get(k * 8, db=table) for k in (b"k", b"c", b"n")] == [
                     b"py", b"c", b"n"]
+            reads = ok and raw_reads_of(env, engines, (b"t",))
+            return bool(reads) and c.lmdb_read_get(*reads[:2], reads[2], b"c" * 8) == (0, b"c")

@@ -10,17 +10,18 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 30
+#define ABI_VERSION 31
 
 unsigned long long sarp_calls[CALL_KINDS];
 
 /* calls() -> (examine, walk, pack_batch, decode_batch, u64_array, token_keys,
  * resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result,
  * plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line,
- * lmdb_pack): calls so far
- * (conn: requests a Conn answered; lmdb_pack: pack_batch calls on liblmdb's own calls) */
+ * lmdb_pack, lmdb_read): calls so far
+ * (conn: requests a Conn answered; lmdb_pack: pack_batch calls on liblmdb's own calls;
+ * lmdb_read: rfc_query calls that read in a transaction of liblmdb's own) */
 static PyObject *calls(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
+    return Py_BuildValue("(KKKKKKKKKKKKKKKKKKKKKKK)", sarp_calls[CALL_EXAMINE], sarp_calls[CALL_WALK],
                          sarp_calls[CALL_PACK_BATCH], sarp_calls[CALL_DECODE_BATCH],
                          sarp_calls[CALL_U64_ARRAY], sarp_calls[CALL_TOKEN_KEYS],
                          sarp_calls[CALL_RESOLVE_ALIASES], sarp_calls[CALL_BLOCK_TABLE],
@@ -30,7 +31,8 @@ static PyObject *calls(PyObject *self, PyObject *unused) {
                          sarp_calls[CALL_QUERY_FIELDS], sarp_calls[CALL_CONN],
                          sarp_calls[CALL_RFC_QUERY], sarp_calls[CALL_HEADS],
                          sarp_calls[CALL_XXH3_64], sarp_calls[CALL_ALIAS_TABLE],
-                         sarp_calls[CALL_TAKE_LINE], sarp_calls[CALL_LMDB_PACK]);
+                         sarp_calls[CALL_TAKE_LINE], sarp_calls[CALL_LMDB_PACK],
+                         sarp_calls[CALL_LMDB_READ]);
 }
 
 /* xxh3_64(data[, seed]) -> int: xxhash's xxh3_64_intdigest (sarp.hashing.checksum), for
@@ -115,11 +117,15 @@ static PyMethodDef methods[] = {
      "lmdb_get(engine, txn, dbi, key): (rc, value or None) of mdb_get"},
     {"lmdb_put", (PyCFunction)(void (*)(void))sarp_lmdb_put, METH_FASTCALL,
      "lmdb_put(engine, txn, dbi, key, value, overwrite): rc of mdb_put"},
+    {"lmdb_read_dbi", (PyCFunction)(void (*)(void))sarp_lmdb_read_dbi, METH_FASTCALL,
+     "lmdb_read_dbi(engine, env, name): (rc, dbi) of mdb_dbi_open in a read transaction"},
+    {"lmdb_read_get", (PyCFunction)(void (*)(void))sarp_lmdb_read_get, METH_FASTCALL,
+     "lmdb_read_get(engine, env, dbi, key): (rc, value or None) in a read transaction"},
     {"calls", calls, METH_NOARGS,
      "calls(): (examine, walk, pack_batch, decode_batch, u64_array, token_keys, "
      "resolve_aliases, BlockTable, decode_into, find, read_match, rfc_answer, rows_result, "
      "plain_result, query_fields, conn, rfc_query, heads, xxh3_64, alias_table, take_line, "
-     "lmdb_pack) calls so far"},
+     "lmdb_pack, lmdb_read) calls so far"},
     {NULL, NULL, 0, NULL},
 };
 

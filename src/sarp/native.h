@@ -58,11 +58,12 @@ PyObject *sarp_take_line(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 /* lmdb_env.c: liblmdb's calls of an engine py-lmdb bundles (sarp/lmdb_env.py binds
  * them), on a write transaction of py-lmdb's; the GIL held. */
 #define RAW_ENGINES 2 /* LMDB 0.9 and 1.0 */
-#define RAW_CALLS 11
+#define RAW_CALLS 13
 #define RAW_NOOVERWRITE 0x10
 #define RAW_KEYEXIST (-30799)
 #define RAW_NOTFOUND (-30798)
 #define RAW_SET 15 /* MDB_SET */
+#define RAW_RDONLY 0x20000
 typedef struct {
     size_t size;
     void *data;
@@ -79,6 +80,8 @@ typedef struct {
     size_t (*txn_id)(void *txn);
     void *(*txn_env)(void *txn);
     int (*dbi_open)(void *txn, const char *name, unsigned flags, unsigned *dbi);
+    int (*txn_begin)(void *env, void *parent, unsigned flags, void **txn);
+    void (*txn_abort)(void *txn);
 } RawApi;
 typedef struct {
     const RawApi *api;
@@ -92,6 +95,13 @@ int raw_of(PyObject *spec, RawTxn *out);
 int raw_failed(const RawTxn *r, int rc); /* py-lmdb's error for rc set; -1 */
 int raw_cursor(RawTxn *r);               /* 0, or -1 with an error */
 void raw_close(RawTxn *r);               /* the cursor closed, if open */
+const RawApi *raw_api(PyObject *engine); /* an engine bound, or NULL with an error */
+/* verify.c: walk's result over liblmdb's read transaction `txn` (records in table
+ * `dbi`), the directory probed as walk probes it; NULL with an error */
+PyObject *walk_raw(const RawApi *api, void *txn, unsigned dbi, PyObject *lookup,
+                   PyObject *recent, PyObject *remembered, PyObject *query, int with_presence);
+PyObject *sarp_lmdb_read_dbi(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lmdb_read_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_lmdb_txn(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_lmdb_dbi(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -154,7 +164,7 @@ enum { CALL_EXAMINE, CALL_WALK, CALL_PACK_BATCH, CALL_DECODE_BATCH, CALL_U64_ARR
        CALL_RESOLVE_ALIASES, CALL_BLOCK_TABLE, CALL_DECODE_INTO, CALL_FIND, CALL_READ_MATCH,
        CALL_RFC_ANSWER, CALL_ROWS_RESULT,
        CALL_PLAIN_RESULT, CALL_QUERY_FIELDS, CALL_CONN, CALL_RFC_QUERY, CALL_HEADS,
-       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_TAKE_LINE, CALL_LMDB_PACK, CALL_KINDS };
+       CALL_XXH3_64, CALL_ALIAS_TABLE, CALL_TAKE_LINE, CALL_LMDB_PACK, CALL_LMDB_READ, CALL_KINDS };
 extern unsigned long long sarp_calls[CALL_KINDS];
 
 /* Record layout (segment.py): header 24 B (magic "SG", version u8, flags u8, n u16,

@@ -32,15 +32,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 30  # native.c's ABI_VERSION
+ABI = 31  # native.c's ABI_VERSION
 # in the order of _native.calls(); "conn" counts requests a C connection answered, and
 # its Python runs the connections the reference serves (taken, or handed over);
 # "lmdb_pack" counts pack_batch calls on liblmdb's own calls (and its Python the ones
-# through py-lmdb's methods: lmdb_env.raw_handle said no)
+# through py-lmdb's methods: lmdb_env.raw_handle said no); "lmdb_read" counts rfc_query
+# calls that read in a transaction of liblmdb's own (lmdb_env.raw_reads)
 PATHS = ("examine", "walk", "pack_batch", "decode_batch", "u64_array", "token_keys",
          "resolve_aliases", "block_table", "decode_into", "find", "read_match", "rfc_answer",
          "rows_result", "plain_result", "query_fields", "conn", "rfc_query", "heads", "xxh3_64",
-         "alias_table", "take_line", "lmdb_pack")
+         "alias_table", "take_line", "lmdb_pack", "lmdb_read")
 _TRUE = ("1", "true", "yes", "on")
 
 

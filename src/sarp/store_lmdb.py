@@ -188,6 +188,11 @@ class LmdbStore:
             self.format_version = check_version(version, self.path)
             self.index_id = bytes(txn.get(b"index_id", db=self.meta_db))
 
+    def raw_reads(self) -> tuple | None:
+        """What C reads ``segments`` and ``meta`` with in read transactions of its own
+        (``lmdb_env.raw_reads``), or None."""
+        return lmdb_env.raw_reads(self.env, (b"segments", b"meta"))
+
     def _begin(self, **kwargs) -> lmdb_env.Transaction:
         """A read transaction; adopts a map the writer grew, names a full reader table."""
         for _ in range(3):

@@ -434,6 +434,57 @@ PyObject *sarp_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
+/* walk's record source on liblmdb's read transaction (lmdb_env.c): the directory probed
+ * as py_probe does, each record read in place (valid while the transaction is open). */
+typedef struct {
+    PySource py;
+    const RawApi *api;
+    void *txn;
+    unsigned dbi;
+} RawSource;
+
+static int64_t raw_probe(void *ctx, uint64_t first_hash) {
+    return py_probe(&((RawSource *)ctx)->py, first_hash);
+}
+
+static const uint8_t *raw_record(void *ctx, int64_t seg_id, Py_ssize_t *len,
+                                 PyObject **owner) {
+    RawSource *s = ctx;
+    uint8_t be[8];
+    for (int i = 0; i < 8; i++) be[i] = (uint8_t)((uint64_t)seg_id >> (56 - 8 * i));
+    RawVal k = {8, be}, v = {0, NULL};
+    int rc = s->api->get(s->txn, s->dbi, &k, &v);
+    *len = 0;
+    if (rc == RAW_NOTFOUND) return NULL;
+    if (rc) {
+        PyErr_Format(PyExc_RuntimeError, "lmdb: mdb_get returned %d", rc);
+        *len = -2;
+        return NULL;
+    }
+    *len = (Py_ssize_t)v.size;
+    return v.data;
+}
+
+PyObject *walk_raw(const RawApi *api, void *txn, unsigned dbi, PyObject *lookup,
+                   PyObject *recent, PyObject *remembered, PyObject *query, int with_presence) {
+    if (!PyDict_CheckExact(recent) || !PyDict_CheckExact(remembered)) {
+        PyErr_SetString(PyExc_TypeError, "walk_raw: the directory's probe dicts are dicts");
+        return NULL;
+    }
+    Py_buffer q;
+    if (PyObject_GetBuffer(query, &q, PyBUF_SIMPLE) < 0) return NULL;
+    sarp_calls[CALL_WALK]++;
+    RawSource source = {{NULL, lookup, recent, remembered, NULL}, api, txn, dbi};
+    RecordSource src = {raw_probe, raw_record, &source};
+    Walk w = {.with_rows = with_presence};
+    int done = walk_records(&src, q.buf, q.len / 8, &w);
+    PyObject *out = done == 0 ? walk_answer(&w) : NULL;
+    if (done == 1) PyErr_SetString(PyExc_RuntimeError, "walk_raw: a record not at hand");
+    walk_release(&w);
+    PyBuffer_Release(&q);
+    return out;
+}
+
 /* The leading run of a row of 0 and 1 bytes: the blocks held from the first on. */
 static Py_ssize_t leading_run(const char *row, Py_ssize_t len) {
     const char *gap = memchr(row, 0, len);

@@ -150,7 +150,7 @@ class Loaded:
         self.models = models_of(folder)
         self.current = True
         self.reading = (threading.Lock(), self.begin, {"db": self.tables[b"segments"]},
-                        {"db": self.meta}, self, self, [])
+                        {"db": self.meta}, self, self, [], None)  # (None: through begin)
 
     def _names_of(self, txn) -> None:
         meta = self.meta

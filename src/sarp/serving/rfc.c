@@ -476,11 +476,42 @@ static int counter_of(PyObject *raw, unsigned long long *value) {
     return 0;
 }
 
+/* The index's id and next_seq read in a read-only transaction of liblmdb's own
+ * (`raw`: lmdb_env.raw_reads' (engine, env, segments dbi, meta dbi)), left open in
+ * *txn for the walk: 0, or -1 (no transaction, or an error set: the general path). */
+static int read_raw(PyObject *raw, const RawApi **api, void **txn, unsigned *seg_dbi,
+                    unsigned *meta_dbi, PyObject **id, PyObject **seq) {
+    if (!PyTuple_Check(raw) || PyTuple_GET_SIZE(raw) != 4) {
+        PyErr_SetString(PyExc_TypeError, "rfc_query: raw reads are (engine, env, dbi, dbi)");
+        return -1;
+    }
+    *api = raw_api(PyTuple_GET_ITEM(raw, 0));
+    void *env = *api ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(raw, 1)) : NULL;
+    *seg_dbi = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(raw, 2));
+    *meta_dbi = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(raw, 3));
+    if (env == NULL || PyErr_Occurred()) return -1;
+    if ((*api)->txn_begin(env, NULL, RAW_RDONLY, txn) != 0) { /* a map grown: Python's */
+        *txn = NULL;
+        return -1;
+    }
+    static const char *names[2] = {"index_id", "next_seq"};
+    PyObject **out[2] = {id, seq};
+    for (int i = 0; i < 2; i++) {
+        RawVal k = {strlen(names[i]), (void *)names[i]}, v = {0, NULL};
+        int rc = (*api)->get(*txn, *meta_dbi, &k, &v);
+        if (rc != 0 && rc != RAW_NOTFOUND) return -1;
+        *out[i] = rc ? Py_NewRef(Py_None)
+                     : PyBytes_FromStringAndSize((const char *)v.data, (Py_ssize_t)v.size);
+        if (*out[i] == NULL) return -1;
+    }
+    return 0;
+}
+
 PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyBytes_Check(args[0]) || !PyDict_Check(args[1])
-        || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 7) {
+        || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 8) {
         PyErr_SetString(PyExc_TypeError, "rfc_query(body: bytes, models: dict, tenant, seed, "
-                                         "max_blocks, reading: tuple of 7)");
+                                         "max_blocks, reading: tuple of 8)");
         return NULL;
     }
     sarp_calls[CALL_RFC_QUERY]++;
@@ -489,12 +520,16 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *lock = PyTuple_GET_ITEM(args[5], 0), *begin = PyTuple_GET_ITEM(args[5], 1),
              *at_segments = PyTuple_GET_ITEM(args[5], 2),
              *at_meta = PyTuple_GET_ITEM(args[5], 3), *store = PyTuple_GET_ITEM(args[5], 4),
-             *memory = PyTuple_GET_ITEM(args[5], 5), *observers = PyTuple_GET_ITEM(args[5], 6);
+             *memory = PyTuple_GET_ITEM(args[5], 5), *observers = PyTuple_GET_ITEM(args[5], 6),
+             *raw = PyTuple_GET_ITEM(args[5], 7);
     PyObject *fields = NULL, *key = NULL, *bs = NULL, *root = NULL, *ranks = NULL,
              *keyed = NULL, *txn = NULL, *get = NULL, *id = NULL, *seq = NULL,
              *store_id = NULL, *mark = NULL, *dir = NULL, *lookup = NULL, *dicts = NULL,
              *walked = NULL, *holders = NULL, *names = NULL, *out = NULL, *got;
     int locked = 0;
+    const RawApi *api = NULL; /* liblmdb's own read transaction (lmdb_env.raw_reads) */
+    void *rtxn = NULL;
+    unsigned seg_dbi = 0, meta_dbi = 0;
     fields = sarp_query_fields(NULL, args, 1);
     if (fields == NULL || fields == Py_None || PyTuple_GET_ITEM(fields, 3) != Py_None)
         goto done;  /* another shape, or a LoRA adapter's keys */
@@ -522,14 +557,19 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     locked = got == Py_True;
     Py_XDECREF(got);
     if (!locked) goto done;
-    txn = call_kw(begin, NULL, at_segments);
-    get = txn ? PyObject_GetAttrString(txn, "get") : NULL;
-    PyObject *name = get ? PyBytes_FromString("index_id") : NULL;
-    id = name ? call_kw(get, name, at_meta) : NULL;
-    Py_XDECREF(name);
-    name = id ? PyBytes_FromString("next_seq") : NULL;
-    seq = name ? call_kw(get, name, at_meta) : NULL;
-    Py_XDECREF(name);
+    if (raw != Py_None) {
+        if (read_raw(raw, &api, &rtxn, &seg_dbi, &meta_dbi, &id, &seq) < 0) goto done;
+        sarp_calls[CALL_LMDB_READ]++;
+    } else {
+        txn = call_kw(begin, NULL, at_segments);
+        get = txn ? PyObject_GetAttrString(txn, "get") : NULL;
+        PyObject *name = get ? PyBytes_FromString("index_id") : NULL;
+        id = name ? call_kw(get, name, at_meta) : NULL;
+        Py_XDECREF(name);
+        name = id ? PyBytes_FromString("next_seq") : NULL;
+        seq = name ? call_kw(get, name, at_meta) : NULL;
+        Py_XDECREF(name);
+    }
     store_id = seq ? PyObject_GetAttrString(store, "index_id") : NULL;
     mark = store_id ? PyObject_GetAttrString(memory, "watermark") : NULL;
     unsigned long long next_seq, watermark = mark ? PyLong_AsUnsignedLongLong(mark) : 0;
@@ -542,7 +582,8 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (dicts == NULL || !PyTuple_Check(dicts) || PyTuple_GET_SIZE(dicts) != 2) goto done;
     PyObject *wargs[6] = {get, lookup, PyTuple_GET_ITEM(dicts, 0), PyTuple_GET_ITEM(dicts, 1),
                           PyTuple_GET_ITEM(keyed, 0), Py_True};
-    walked = sarp_walk(NULL, wargs, 6);
+    walked = api != NULL ? walk_raw(api, rtxn, seg_dbi, lookup, wargs[2], wargs[3], wargs[4], 1)
+                         : sarp_walk(NULL, wargs, 6);
     if (walked == NULL || PyLong_AsLong(PyTuple_GET_ITEM(walked, 3)) != -1)
         goto done;  /* handed back (-2), or a damaged record: the Python walk says so */
     holders = PyObject_GetAttrString(memory, "holders");
@@ -551,6 +592,7 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *rargs[4] = {PyTuple_GET_ITEM(walked, 2), names, ranks, bs};
     out = sarp_rfc_answer(NULL, rargs, 4);  /* None past MAX_ANSWER_HOLDERS */
 done:
+    if (rtxn != NULL) api->txn_abort(rtxn);
     if (txn != NULL) call_aside(txn, "abort");
     if (locked) call_aside(lock, "release");
     Py_XDECREF(fields);

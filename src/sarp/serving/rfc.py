@@ -255,14 +255,16 @@ def reading_of(reading) -> tuple | None:
     """What :func:`answer_now` reads of an index (``Index.reading()``): a readonly
     one on LMDB (its lock; its environment's ``begin`` and the keyword arguments naming
     the segments' and the meta tables, as ``LmdbReadTxn`` reads them; the store, memory
-    and match observers); None for any other (Valkey, a writer): the general path's.
+    and match observers; and what C reads those tables with in read transactions of
+    its own, ``LmdbStore.raw_reads``, or None: then through ``begin``); None for any
+    other (Valkey, a writer): the general path's.
     """
     store = reading.store
     env = getattr(store, "env", None)  # (an LmdbStore's)
     if not reading.readonly or store.capabilities.prefetch or env is None:
         return None
     return (reading.lock, env.begin, {"db": store.segments_db}, {"db": store.meta_db}, store,
-            reading.memory, reading.observers)
+            reading.memory, reading.observers, store.raw_reads())
 
 
 def answer_now(body: bytes, models: dict[tuple[str, str], Model],
