@@ -452,11 +452,28 @@ static PyObject *call_kw(PyObject *fn, PyObject *arg, PyObject *kwargs) {
     return out;
 }
 
+/* The attribute and method names rfc_query asks for, interned once (a name made and
+ * hashed per request cost a few per cent of a /query under load). */
+enum { N_BLOCK_SIZE, N_ROOT, N_RANKS, N_ACQUIRE, N_RELEASE, N_ABORT, N_GET, N_INDEX_ID,
+       N_WATERMARK, N_DIRECTORY, N_LOOKUP, N_PROBE_DICTS, N_HOLDERS, N_NAMES, N_COUNT };
+static PyObject *names_[N_COUNT];
+
+static int names_ready(void) {
+    static const char *text[N_COUNT] = {"block_size", "root", "ranks", "acquire", "release",
+                                        "abort", "get", "index_id", "watermark", "directory",
+                                        "lookup", "probe_dicts", "holders", "names"};
+    for (int i = 0; i < N_COUNT; i++) {
+        if (names_[i] == NULL && (names_[i] = PyUnicode_InternFromString(text[i])) == NULL)
+            return -1;
+    }
+    return 0;
+}
+
 /* obj.name(), the error set before it (if any) kept, its own dropped */
-static void call_aside(PyObject *obj, const char *name) {
+static void call_aside(PyObject *obj, PyObject *name) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *got = PyObject_CallMethod(obj, name, NULL);
+    PyObject *got = PyObject_CallMethodNoArgs(obj, name);
     Py_XDECREF(got);
     PyErr_Clear();
     PyErr_Restore(type, value, tb);
@@ -537,9 +554,10 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     key = PyTuple_Pack(2, PyTuple_GET_ITEM(fields, 1), tenant == Py_None ? args[2] : tenant);
     PyObject *model = key ? PyDict_GetItemWithError(args[1], key) : NULL;  /* borrowed */
     if (model == NULL) goto done;
-    bs = PyObject_GetAttrString(model, "block_size");
-    root = bs ? PyObject_GetAttrString(model, "root") : NULL;
-    ranks = root ? PyObject_GetAttrString(model, "ranks") : NULL;
+    if (names_ready() < 0) goto done;
+    bs = PyObject_GetAttr(model, names_[N_BLOCK_SIZE]);
+    root = bs ? PyObject_GetAttr(model, names_[N_ROOT]) : NULL;
+    ranks = root ? PyObject_GetAttr(model, names_[N_RANKS]) : NULL;
     long size = ranks && PyDict_Check(ranks) ? PyLong_AsLong(bs) : -1;
     if (size <= 0) goto done;
     Py_ssize_t blocks = PyBytes_GET_SIZE(PyTuple_GET_ITEM(fields, 0)) / 4 / size;
@@ -553,7 +571,7 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (keyed == NULL) goto done;
     /* Index.match on a reader: under its lock, a transaction its memory is current
      * with (recovery.catch_up's first test: the same index, no commit since) */
-    got = PyObject_CallMethod(lock, "acquire", "O", Py_False);
+    got = PyObject_CallMethodOneArg(lock, names_[N_ACQUIRE], Py_False);
     locked = got == Py_True;
     Py_XDECREF(got);
     if (!locked) goto done;
@@ -562,7 +580,7 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         sarp_calls[CALL_LMDB_READ]++;
     } else {
         txn = call_kw(begin, NULL, at_segments);
-        get = txn ? PyObject_GetAttrString(txn, "get") : NULL;
+        get = txn ? PyObject_GetAttr(txn, names_[N_GET]) : NULL;
         PyObject *name = get ? PyBytes_FromString("index_id") : NULL;
         id = name ? call_kw(get, name, at_meta) : NULL;
         Py_XDECREF(name);
@@ -570,15 +588,15 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         seq = name ? call_kw(get, name, at_meta) : NULL;
         Py_XDECREF(name);
     }
-    store_id = seq ? PyObject_GetAttrString(store, "index_id") : NULL;
-    mark = store_id ? PyObject_GetAttrString(memory, "watermark") : NULL;
+    store_id = seq ? PyObject_GetAttr(store, names_[N_INDEX_ID]) : NULL;
+    mark = store_id ? PyObject_GetAttr(memory, names_[N_WATERMARK]) : NULL;
     unsigned long long next_seq, watermark = mark ? PyLong_AsUnsignedLongLong(mark) : 0;
     if (mark == NULL || PyErr_Occurred() || counter_of(seq, &next_seq) < 0
         || next_seq != watermark || PyObject_RichCompareBool(id, store_id, Py_EQ) != 1)
         goto done;
-    dir = PyObject_GetAttrString(memory, "directory");
-    lookup = dir ? PyObject_GetAttrString(dir, "lookup") : NULL;
-    dicts = lookup ? PyObject_CallMethod(dir, "probe_dicts", NULL) : NULL;
+    dir = PyObject_GetAttr(memory, names_[N_DIRECTORY]);
+    lookup = dir ? PyObject_GetAttr(dir, names_[N_LOOKUP]) : NULL;
+    dicts = lookup ? PyObject_CallMethodNoArgs(dir, names_[N_PROBE_DICTS]) : NULL;
     if (dicts == NULL || !PyTuple_Check(dicts) || PyTuple_GET_SIZE(dicts) != 2) goto done;
     PyObject *wargs[6] = {get, lookup, PyTuple_GET_ITEM(dicts, 0), PyTuple_GET_ITEM(dicts, 1),
                           PyTuple_GET_ITEM(keyed, 0), Py_True};
@@ -586,15 +604,15 @@ PyObject *sarp_rfc_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                          : sarp_walk(NULL, wargs, 6);
     if (walked == NULL || PyLong_AsLong(PyTuple_GET_ITEM(walked, 3)) != -1)
         goto done;  /* handed back (-2), or a damaged record: the Python walk says so */
-    holders = PyObject_GetAttrString(memory, "holders");
-    names = holders ? PyObject_GetAttrString(holders, "names") : NULL;
+    holders = PyObject_GetAttr(memory, names_[N_HOLDERS]);
+    names = holders ? PyObject_GetAttr(holders, names_[N_NAMES]) : NULL;
     if (names == NULL) goto done;
     PyObject *rargs[4] = {PyTuple_GET_ITEM(walked, 2), names, ranks, bs};
     out = sarp_rfc_answer(NULL, rargs, 4);  /* None past MAX_ANSWER_HOLDERS */
 done:
     if (rtxn != NULL) api->txn_abort(rtxn);
-    if (txn != NULL) call_aside(txn, "abort");
-    if (locked) call_aside(lock, "release");
+    if (txn != NULL) call_aside(txn, names_[N_ABORT]);
+    if (locked) call_aside(lock, names_[N_RELEASE]);
     Py_XDECREF(fields);
     Py_XDECREF(key);
     Py_XDECREF(bs);
