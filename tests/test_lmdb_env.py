@@ -44,6 +44,8 @@ def test_a_handle_is_given_only_where_everything_around_it_agrees(tmp_path, chec
         assert engine == checked[(major, 9 if major == 0 else 0)] and handle
         assert native.C.lmdb_txn(engine, handle)[0] == txn.id()
         assert lmdb_env.raw_handle(txn, other) is None  # not its environment
+        with native.forced("python"):
+            assert lmdb_env.raw_handle(txn, env) is None  # sarp's Python path
         child = env.begin(write=True, parent=txn)
         assert lmdb_env.raw_handle(child, env) is None  # its parent not named
         assert lmdb_env.raw_handle(child, env, parent=child) is None  # nor this one

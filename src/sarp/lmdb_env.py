@@ -162,7 +162,9 @@ def _word(obj: object, offset: int) -> int:
 def _handle(txn, env, parent, engines: dict[tuple[int, int], int]) -> tuple[int, int] | None:
     from . import native
 
-    if (type(txn).__basicsize__ < _TXN_HANDLE + 8 or type(env).__basicsize__ < _ENV_ENGINE + 8
+    if (native.C is None  # (forced off: sarp.native.forced("python"))
+            or type(txn).__basicsize__ < _TXN_HANDLE + 8
+            or type(env).__basicsize__ < _ENV_ENGINE + 8
             or _word(txn, _TXN_ENV) != id(env)
             or _word(txn, _TXN_PARENT) != (0 if parent is None else id(parent))):
         return None
@@ -189,8 +191,9 @@ def _check() -> None:
     try:
         from . import native
 
-        if native.C is not None:
-            lib = ctypes.CDLL(lmdb.cpython.__file__)  # the extension loaded: its symbols
+        extension = getattr(lmdb, "cpython", None)  # (None: py-lmdb's cffi build)
+        if native.C is not None and extension is not None:
+            lib = ctypes.CDLL(extension.__file__)  # the extension loaded: its symbols
             for version, (number, prefix) in _ENGINES.items():
                 try:
                     at = tuple(ctypes.cast(getattr(lib, prefix + c), ctypes.c_void_p).value
