@@ -99,6 +99,13 @@ def raw_handle(txn: lmdb.Transaction, env: lmdb.Environment,
 
     Cost: the first call checks the calls (a temporary environment, about a
     millisecond); then a few reads of the objects and one C call.
+
+    >>> import tempfile
+    >>> env, other = open_env(tempfile.mkdtemp()), open_env(tempfile.mkdtemp())
+    >>> with env.begin(write=True) as txn:
+    ...     at, elsewhere = raw_handle(txn, env), raw_handle(txn, other)
+    >>> elsewhere, at is None or at[1] > 0, env.close(), other.close()
+    (None, True, None, None)
     """
     if _raw is None:
         _check()
@@ -133,6 +140,13 @@ def raw_reads(env: lmdb.Environment, tables: tuple[bytes, ...]) -> tuple | None:
     address is taken only where a py-lmdb transaction of ``env`` confirms it.
 
     Cost: one read transaction and a C call per table, once (the caller keeps it).
+
+    >>> import tempfile
+    >>> env = open_env(tempfile.mkdtemp())
+    >>> table = env.open_db(b"t")
+    >>> reads = raw_reads(env, (b"t",))
+    >>> reads is None or len(reads) == 3, env.close()
+    (True, None)
     """
     if _raw is None:
         _check()
