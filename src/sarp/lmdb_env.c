@@ -67,23 +67,6 @@ PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
-/* An engine bound and a transaction's address: 0, or -1 with an error. */
-static int engine_txn(PyObject *engine_obj, PyObject *txn_obj, const RawApi **api, void **txn) {
-    long engine = PyLong_AsLong(engine_obj);
-    if (engine == -1 && PyErr_Occurred()) return -1;
-    if (engine < 0 || engine >= RAW_ENGINES || !bound[engine]) {
-        PyErr_Format(PyExc_ValueError, "lmdb: engine %ld is not bound (lmdb_bind)", engine);
-        return -1;
-    }
-    *txn = PyLong_AsVoidPtr(txn_obj);
-    if (*txn == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lmdb: a null transaction");
-        return -1;
-    }
-    *api = &engines[engine];
-    return 0;
-}
-
 const RawApi *raw_api(PyObject *engine_obj) {
     long engine = PyLong_AsLong(engine_obj);
     if (engine == -1 && PyErr_Occurred()) return NULL;
@@ -92,6 +75,32 @@ const RawApi *raw_api(PyObject *engine_obj) {
         return NULL;
     }
     return &engines[engine];
+}
+
+/* An engine bound and a transaction's address: 0, or -1 with an error. */
+static int engine_txn(PyObject *engine_obj, PyObject *txn_obj, const RawApi **api, void **txn) {
+    if ((*api = raw_api(engine_obj)) == NULL) return -1;
+    *txn = PyLong_AsVoidPtr(txn_obj);
+    if (*txn == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lmdb: a null transaction");
+        return -1;
+    }
+    return 0;
+}
+
+/* (rc, dbi) of mdb_dbi_open(name), and (rc, value or None) of mdb_get(key): the
+ * answers of the calls below, in a write transaction or a read one of their own. */
+static PyObject *dbi_answer(const RawApi *api, void *txn, PyObject *name) {
+    unsigned dbi = 0;
+    int rc = api->dbi_open(txn, PyBytes_AS_STRING(name), 0, &dbi);
+    return Py_BuildValue("(iI)", rc, dbi);
+}
+
+static PyObject *get_answer(const RawApi *api, void *txn, unsigned dbi, PyObject *key) {
+    RawVal k = {(size_t)PyBytes_GET_SIZE(key), PyBytes_AS_STRING(key)}, v = {0, NULL};
+    int rc = api->get(txn, dbi, &k, &v);
+    if (rc) return Py_BuildValue("(iO)", rc, Py_None);
+    return Py_BuildValue("(iy#)", rc, (const char *)v.data, (Py_ssize_t)v.size);
 }
 
 int raw_of(PyObject *spec, RawTxn *out) {
@@ -160,9 +169,7 @@ PyObject *sarp_lmdb_dbi(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (engine_txn(args[0], args[1], &api, &txn) < 0) return NULL;
-    unsigned dbi = 0;
-    int rc = api->dbi_open(txn, PyBytes_AS_STRING(args[2]), 0, &dbi);
-    return Py_BuildValue("(iI)", rc, dbi);
+    return dbi_answer(api, txn, args[2]);
 }
 
 /* lmdb_get(engine, txn, dbi, key) -> (rc, value or None) */
@@ -176,10 +183,7 @@ PyObject *sarp_lmdb_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (engine_txn(args[0], args[1], &api, &txn) < 0) return NULL;
     unsigned dbi = (unsigned)PyLong_AsUnsignedLong(args[2]);
     if (PyErr_Occurred()) return NULL;
-    RawVal k = {(size_t)PyBytes_GET_SIZE(args[3]), PyBytes_AS_STRING(args[3])}, v = {0, NULL};
-    int rc = api->get(txn, dbi, &k, &v);
-    if (rc) return Py_BuildValue("(iO)", rc, Py_None);
-    return Py_BuildValue("(iy#)", rc, (const char *)v.data, (Py_ssize_t)v.size);
+    return get_answer(api, txn, dbi, args[3]);
 }
 
 /* lmdb_put(engine, txn, dbi, key, value, overwrite) -> rc (MDB_KEYEXIST: refused) */
@@ -221,14 +225,12 @@ PyObject *sarp_lmdb_read_dbi(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     const RawApi *api;
     void *txn;
-    unsigned dbi = 0;
     int rc = read_begin(args[0], args[1], &api, &txn);
     if (rc == -1 && PyErr_Occurred()) return NULL;
-    if (rc == 0) {
-        rc = api->dbi_open(txn, PyBytes_AS_STRING(args[2]), 0, &dbi);
-        api->txn_abort(txn);
-    }
-    return Py_BuildValue("(iI)", rc, dbi);
+    if (rc) return Py_BuildValue("(iI)", rc, 0u);
+    PyObject *out = dbi_answer(api, txn, args[2]);
+    api->txn_abort(txn);
+    return out;
 }
 
 /* lmdb_read_get(engine, env, dbi, key) -> (rc, value or None), in a read-only
@@ -245,10 +247,7 @@ PyObject *sarp_lmdb_read_get(PyObject *self, PyObject *const *args, Py_ssize_t n
     int rc = read_begin(args[0], args[1], &api, &txn);
     if (rc == -1 && PyErr_Occurred()) return NULL;
     if (rc) return Py_BuildValue("(iO)", rc, Py_None);
-    RawVal k = {(size_t)PyBytes_GET_SIZE(args[3]), PyBytes_AS_STRING(args[3])}, v = {0, NULL};
-    rc = api->get(txn, dbi, &k, &v);
-    PyObject *out = rc ? Py_BuildValue("(iO)", rc, Py_None)
-                       : Py_BuildValue("(iy#)", rc, (const char *)v.data, (Py_ssize_t)v.size);
+    PyObject *out = get_answer(api, txn, dbi, args[3]);
     api->txn_abort(txn);
     return out;
 }

@@ -236,9 +236,13 @@ static inline int record_layout(const uint8_t *r, Py_ssize_t size, Layout *L) {
 }
 
 /* A big-endian 8-byte key (store.py's `_U64`: byte order is numeric order). */
+static inline void be8(uint64_t v, uint8_t *out) {
+    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
 static inline PyObject *be_key(uint64_t v) {
     uint8_t be[8];
-    for (int i = 0; i < 8; i++) be[i] = (uint8_t)(v >> (56 - 8 * i));
+    be8(v, be);
     return PyBytes_FromStringAndSize((const char *)be, 8);
 }
 

@@ -750,10 +750,6 @@ static PyObject *call1(PyObject *fn, PyObject *arg) {
 
 /* -- liblmdb's own calls (b->has_raw), each as its py-lmdb method does it ------------ */
 
-static void be8(uint64_t v, uint8_t *out) {
-    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(v >> (56 - 8 * i));
-}
-
 /* txn.get of a big-endian u64 key: 1 found (*v, valid until the next write), 0 not,
  * -1 error. */
 static int raw_get(Batch *b, unsigned dbi, uint64_t key, RawVal *v) {

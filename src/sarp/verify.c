@@ -451,7 +451,7 @@ static const uint8_t *raw_record(void *ctx, int64_t seg_id, Py_ssize_t *len,
                                  PyObject **owner) {
     RawSource *s = ctx;
     uint8_t be[8];
-    for (int i = 0; i < 8; i++) be[i] = (uint8_t)((uint64_t)seg_id >> (56 - 8 * i));
+    be8((uint64_t)seg_id, be);
     RawVal k = {8, be}, v = {0, NULL};
     int rc = s->api->get(s->txn, s->dbi, &k, &v);
     *len = 0;
