@@ -23,8 +23,8 @@ class _Spy:
     """The extension with its ``pack_batch`` watched: (operations done in C or None for
     a deferred run the table refused, operations, deferred) per call."""
 
-    def __init__(self, real, calls: list) -> None:
-        self._real, self._calls = real, calls
+    def __init__(self, real, calls: list, probes: list | None) -> None:
+        self._real, self._calls, self._probes = real, calls, probes
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)
@@ -32,6 +32,8 @@ class _Spy:
     def pack_batch(self, ctx, ops, *args):
         out = self._real.pack_batch(ctx, ops, *args)
         self._calls.append((None if out is None else out[0], len(ops), args[-1]))
+        if self._probes is not None:  # ctx ends (..., the directory's sorted probe, raw)
+            self._probes.append(ctx[-2] is not None)
         return out
 
 TABLES = ("segments_db", "blocks_db", "log_db", "holders_db")
@@ -49,11 +51,13 @@ def _state(index) -> dict:
 
 
 def _run(path, chunks, in_c: bool, segment_blocks: int, before=None, deferred_min=None,
-         raw: bool = True):
+         raw: bool = True, compact: bool = False, probes: list | None = None):
     """Apply ``chunks`` in C (``in_c``; deferred from ``deferred_min`` operations on
     when given; on liblmdb's own calls unless not ``raw``: then on py-lmdb's methods)
-    or in Python.  ``calls`` has (operations done in C or None for a deferred run the
-    table refused, operations, deferred) per C call."""
+    or in Python; with ``compact``, the directory's changes merged into its sorted
+    arrays after every third chunk.  ``calls`` has (operations done in C or None for a
+    deferred run the table refused, operations, deferred) per C call; ``probes``, if
+    given, whether C was given the directory's sorted probe, per C call."""
     calls: list = []
     raw = raw and _raw_available()  # (without them, the methods: as asserted below)
     checked = lmdb_env._raw
@@ -69,9 +73,11 @@ def _run(path, chunks, in_c: bool, segment_blocks: int, before=None, deferred_mi
             answers = []
             with native.forced("c" if in_c else "python"), native.Tally() as tally:
                 if in_c:
-                    native.C = _Spy(native.C, calls)  # put back as forced() ends
-                for chunk in chunks:
+                    native.C = _Spy(native.C, calls, probes)  # put back as forced() ends
+                for k, chunk in enumerate(chunks):
                     result = index.apply_batch(chunk)
+                    if compact and k % 3 == 2:  # (between merges, what was removed since)
+                        index.directory.compact()
                     answers.append((result.new_blocks, result.removed_per_op,
                                     [(i, type(e).__name__, str(e).replace(str(path), "IX"))
                                      for i, e in result.failed]))
@@ -131,6 +137,26 @@ def test_c_batches_write_what_python_batches_write(tmp_path, seed, deferred, raw
     assert any(0 < done < size for done, size in ran)  # and handed some over midway
     assert any(refused for _, _, refused in c_answers)
     assert any(d and done is not None for done, _, d in calls) == deferred
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
+@pytest.mark.parametrize("seed", range(4))
+def test_c_batches_over_a_merged_directory_write_what_python_batches_write(tmp_path, seed,
+                                                                           deferred):
+    """The directory merged into its sorted arrays after every third batch, so that C's
+    lookups end in the arrays and the set of hashes removed since instead of the
+    Python lookup's: every table equal to Python's, byte for byte, directory included."""
+    ops = engine_like_ops(seed, 600) if seed % 2 else random_ops(seed, 600)
+    chunks = _chunks(ops, seed)
+    blocks = [1, 3, 8, 64][seed % 4]
+    probes: list[bool] = []
+    c_answers, c_state, calls = _run(tmp_path / "c", chunks, True, blocks, compact=True,
+                                     deferred_min=1 if deferred else None, probes=probes)
+    py_answers, py_state, _ = _run(tmp_path / "py", chunks, False, blocks, compact=True)
+    assert probes and all(probes)
+    assert c_answers == py_answers
+    assert c_state == py_state
+    assert c_state["directory"] and sum(done or 0 for done, _, _ in calls) > len(ops) // 5
 
 
 @pytest.mark.parametrize("where", ["kept", "dead"])

@@ -20,6 +20,52 @@ static Py_ssize_t find_sorted(const uint8_t *keys, Py_ssize_t n, uint64_t key) {
     return i < n && u64_at(keys + 8 * i) == key ? i : -1;
 }
 
+/* Directory.sorted_probe's (removed, keys, segs): the set of first hashes removed
+ * since the arrays were merged, and the sorted arrays (uint64, uint32).  0, or -1
+ * with an exception set (nothing taken). */
+int take_sorted(SortedDir *d, PyObject *triple) {
+    memset(d, 0, sizeof(*d));
+    if (!PyTuple_Check(triple) || PyTuple_GET_SIZE(triple) != 3
+        || !PyAnySet_Check(PyTuple_GET_ITEM(triple, 0))) {
+        PyErr_SetString(PyExc_TypeError, "the directory's sorted probe is (removed set, keys, "
+                                         "segs)");
+        return -1;
+    }
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(triple, 1), &d->keys, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(triple, 2), &d->segs, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&d->keys);
+        return -1;
+    }
+    d->n = d->keys.len / 8;
+    if (d->keys.len % 8 || d->segs.len != 4 * d->n) {
+        PyErr_Format(PyExc_ValueError, "the directory's arrays: %zd key bytes, %zd segment "
+                     "bytes (uint64 and uint32, as many)", d->keys.len, d->segs.len);
+        PyBuffer_Release(&d->keys);
+        PyBuffer_Release(&d->segs);
+        return -1;
+    }
+    d->removed = PyTuple_GET_ITEM(triple, 0);
+    d->taken = 1;
+    return 0;
+}
+
+void release_sorted(SortedDir *d) {
+    if (!d->taken) return;
+    PyBuffer_Release(&d->keys);
+    PyBuffer_Release(&d->segs);
+    d->taken = 0;
+}
+
+int sorted_lookup(const SortedDir *d, PyObject *key, uint64_t hash, uint64_t *seg) {
+    int gone = PySet_Contains(d->removed, key);
+    if (gone != 0) return gone < 0 ? -1 : 0;
+    Py_ssize_t i = find_sorted(d->keys.buf, d->n, hash);
+    if (i < 0) return 0;
+    *seg = u32_at((const uint8_t *)d->segs.buf + 4 * i);
+    return 1;
+}
+
 /* The buffers of find's and predict's arguments after their leading ones (find's
  * out): query, keys, segs[, added, added_segs, gone].  0, or -1 with an exception set
  * (none left taken). */

@@ -81,6 +81,23 @@ class Directory:
         last merge, then array entries looked up before (never a removed one)."""
         return self._added, self._hot
 
+    def sorted_probe(self) -> tuple[set[int], np.ndarray, np.ndarray] | None:
+        """What C probes after :meth:`probe_dicts` missed, in place of calling
+        :meth:`lookup`: the first hashes removed since the last merge, and the sorted
+        arrays (None when they are not contiguous uint64 and uint32).  C remembers
+        nothing in the second dict.
+
+        >>> d = Directory.from_entries(np.array([5, 9], np.uint64), np.array([1, 2], np.uint32))
+        >>> d.remove(9, 2)
+        >>> removed, keys, segs = d.sorted_probe()
+        >>> sorted(removed), keys.tolist(), segs.tolist()
+        ([9], [5, 9], [1, 2])
+        """
+        if (self.keys.dtype != np.uint64 or self.segs.dtype != np.uint32
+                or not (self.keys.flags.c_contiguous and self.segs.flags.c_contiguous)):
+            return None
+        return self._removed, self.keys, self.segs
+
     def lookup_many(self, first_hashes: np.ndarray) -> np.ndarray:
         """:meth:`lookup` for many hashes at once: segment ids as int64, -1 where none.
 

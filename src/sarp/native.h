@@ -119,6 +119,19 @@ typedef struct {
     Py_buffer b[6];
     Py_ssize_t taken, n, nkeys, nadded, ngone;
 } Probe;
+/* A directory's lookup after its two dicts missed (Directory.lookup's end): the set
+ * of first hashes removed since its arrays were merged, then a binary search of them. */
+typedef struct {
+    PyObject *removed; /* borrowed from the tuple taken */
+    Py_buffer keys, segs;
+    Py_ssize_t n;
+    int taken;
+} SortedDir;
+int take_sorted(SortedDir *d, PyObject *triple);
+void release_sorted(SortedDir *d);
+/* 1 with the segment id of first hash `hash` (`key`: it as a Python int), 0 none, -1
+ * with an exception set */
+int sorted_lookup(const SortedDir *d, PyObject *key, uint64_t hash, uint64_t *seg);
 int take_probe(Probe *p, PyObject *const *args, Py_ssize_t nargs, const char *name);
 void release_probe(Probe *p);
 int64_t probe_hash(const Probe *p, uint64_t key);  /* Directory.lookup: a segment or -1 */

@@ -702,11 +702,12 @@ PyTypeObject sarp_BlockTableType = {
 /* -- the batch -------------------------------------------------------------------- */
 
 /* ctx's callables, in order: the write transaction's (WriteTxn.native_calls), then the
- * directory's lookup and its two dicts (as walk in _native.c probes them). */
+ * directory's lookup, its two dicts (as walk in _native.c probes them) and its sorted
+ * probe (Directory.sorted_probe: C's own end of the lookup), or None (the lookup's). */
 enum {
     CB_BLOCK_GET, CB_SEG_GET, CB_SEGMENT_PY, CB_NEW_SEG_ID, CB_UNTAKE_SEG_IDS, CB_HOLDER_ID,
     CB_NEW_HOLDER, CB_PUT, CB_DELETE, CB_SEGMENTS_DB, CB_BLOCKS_DB, CB_CUR_PUT, CB_CUR_SET_KEY,
-    CB_CUR_POP, CB_LOOKUP, CB_RECENT, CB_REMEMBERED, NUM_CB
+    CB_CUR_POP, CB_LOOKUP, CB_RECENT, CB_REMEMBERED, CB_SORTED, NUM_CB
 };
 
 /* A deferred batch keeps its `blocks` changes in `pend` (hash -> kind, segment id,
@@ -724,6 +725,7 @@ enum { PEND_NONE = 0, PEND_NEW = 1, PEND_SET = 2, PEND_DONE = 3 };
 
 typedef struct {
     PyObject *cb[NUM_CB];
+    SortedDir sorted;  /* the directory's arrays (CB_SORTED), when given */
     PyObject *names;   /* holder name -> id or None, as looked up in this batch */
     PyObject *created; /* [(id, name)] of holders named by this batch */
     Py_ssize_t cap_blocks, split_tail;
@@ -969,6 +971,10 @@ static int head_of(Batch *b, uint64_t hash, uint64_t *seg_id) {
     if (seg == NULL && !PyErr_Occurred()) seg = PyDict_GetItemWithError(b->cb[CB_REMEMBERED], key);
     if (seg != NULL) {
         Py_INCREF(seg);
+    } else if (!PyErr_Occurred() && b->sorted.taken) {
+        int got = sorted_lookup(&b->sorted, key, hash, seg_id);
+        Py_DECREF(key);
+        return got;
     } else if (!PyErr_Occurred()) {
         seg = PyObject_CallOneArg(b->cb[CB_LOOKUP], key);
     }
@@ -1871,6 +1877,7 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "segment_blocks must be >= 1");
         return NULL;
     }
+    if (b.cb[CB_SORTED] != Py_None && take_sorted(&b.sorted, b.cb[CB_SORTED]) < 0) return NULL;
     PyObject *ops = args[1], *out = NULL;
     PyObject *per_op = PyList_New(0), *no_parent = PyList_New(0);
     b.names = PyDict_New();
@@ -2016,6 +2023,7 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
     out = Py_BuildValue("(nnnOOOON)", i, b.new_blocks, b.removed_blocks, per_op, no_parent,
                         b.names, b.created, rest);
 done:
+    release_sorted(&b.sorted);
     for (int c = 0; c < ncol; c++) PyBuffer_Release(&col[c]);
     Py_XDECREF(per_op);
     Py_XDECREF(no_parent);

@@ -197,7 +197,7 @@ class Packer(GeneralPath):
         none: :func:`sarp.lmdb_env.raw_tables`); no Python per operation.
         """
         directory = self.memory.directory
-        probe = (directory.lookup, *directory.probe_dicts())
+        probe = (directory.lookup, *directory.probe_dicts(), directory.sorted_probe())
         out = None
         if count >= DEFERRED_MIN_OPS and w.capabilities.local_reads:
             nested = w.nested()
