@@ -946,3 +946,21 @@ def test_a_message_a_poll_began_when_its_engine_went_away_stops_nothing(tmp_path
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["disconnects"] >= 1
     assert {7, 8} <= set(got["held"]), got  # the new engine is followed
+
+
+def test_the_state_a_commit_carries_names_every_fingerprint_field(tmp_path):
+    """``subscriber.json`` as a commit writes it holds each source's fingerprint field
+    for field (a field added to ``Fingerprint`` and not written fails here) and reads
+    back as what was written."""
+    import dataclasses
+    import json
+
+    from sarp.serving.sources import STATE_FILE, Fingerprint, fingerprints_state, load_fingerprints
+
+    committed = {"e#0": Fingerprint(7, 2**64 - 1, 1.5, 3), "e#1": Fingerprint(0, None, 0.0)}
+    data = fingerprints_state(committed)[STATE_FILE]
+    assert json.loads(data)["sources"] == {k: dataclasses.asdict(fp)
+                                           for k, fp in committed.items()}
+    with sarp.open(tmp_path / "ix") as index:
+        index.write_state(STATE_FILE, data)
+        assert load_fingerprints(index) == committed

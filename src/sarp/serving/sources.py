@@ -208,9 +208,18 @@ def load_fingerprints(index) -> dict[str, Fingerprint]:
 
 def fingerprints_state(committed: dict[str, Fingerprint]) -> dict[str, bytes]:
     """``subscriber.json``'s named value for ``committed``, as :meth:`sarp.Index.apply_decoded`
-    and :meth:`sarp.Index.write_state` take it."""
+    and :meth:`sarp.Index.write_state` take it.
+
+    Cost: one JSON dump (a commit carries it: not ``dataclasses.asdict``, whose copy of
+    each field was 130 µs a commit for 8 engines).
+
+    >>> fingerprints_state({"e#0": Fingerprint(7, 9, 1.5)})[STATE_FILE]
+    b'{"version": 2, "sources": {"e#0": {"seq": 7, "digest": 9, "ts": 1.5, "prev_digest": null}}}'
+    """
     data = json.dumps({"version": STATE_VERSION,
-                       "sources": {k: asdict(fp) for k, fp in committed.items()}})
+                       "sources": {k: {"seq": fp.seq, "digest": fp.digest, "ts": fp.ts,
+                                       "prev_digest": fp.prev_digest}
+                                   for k, fp in committed.items()}})
     return {STATE_FILE: data.encode()}
 
 
