@@ -181,6 +181,18 @@ class Service:
                 split[k > 0] += t.user + t.system
         return split[0], split[1]
 
+    def thread_cpu_s(self) -> dict[tuple[int, int], float]:
+        """CPU seconds per thread of the service's process tree so far, by (process,
+        thread): read before and after a phase, the busiest thread's share of the wall
+        time says whether one thread (sarp's writer) is what holds the rate."""
+        root = psutil.Process(self.proc.pid)
+        out = {}
+        for p in (root, *root.children(recursive=True)):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for t in p.threads():
+                    out[p.pid, t.id] = t.user_time + t.system_time
+        return out
+
     def kill(self) -> None:
         """SIGKILL (sarp's HTTP workers see their socket pair close and leave too)."""
         if self.proc is not None and self.proc.poll() is None:
@@ -381,7 +393,8 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
     ``step_s``, going on from where the last rate left off (round again at its end), and
     every 50 ms a probe (one new block, on the next engine, in order with its stream)
     timed until the service answers it: lag p50 and p99 per rate, and the cores the
-    service's processes kept busy meanwhile (``cores``; ``cpu_us_per_event``).  A rate
+    service's processes kept busy meanwhile (``cores``; ``cpu_us_per_event``) and the
+    busiest thread of them (``busiest_thread_cores``: sarp's writer).  A rate
     whose lag passes 2 s ends the sweep (every higher one would too)."""
     import threading
 
@@ -394,7 +407,7 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
             probing = _Probes(service.url)
             watcher = threading.Thread(target=probing.watch, daemon=True)
             watcher.start()
-            cpu, began = service.cpu_s(), time.perf_counter()
+            cpu, threads, began = service.cpu_s(), service.thread_cpu_s(), time.perf_counter()
             sent_events, next_probe, k = 0, began, 0
             while (now := time.perf_counter()) - began < step_s and watcher.is_alive():
                 if now >= next_probe:
@@ -412,12 +425,15 @@ def sweep(kind: str, stream: list[tuple[int, bytes]], engines: int, rates: list[
                     at += 1
                 time.sleep(0.0005)
             elapsed, cpu_s = time.perf_counter() - began, service.cpu_s() - cpu
+            busiest = max((t - threads.get(k, 0.0) for k, t in service.thread_cpu_s().items()),
+                          default=0.0)
             probing.done.set()
             watcher.join(30)
             ms = np.array(probing.lags) * 1e3
             point = {"offered_events_per_s": rate,
                      "achieved_events_per_s": sent_events / elapsed,
                      "cores": cpu_s / elapsed,
+                     "busiest_thread_cores": busiest / elapsed,
                      "cpu_us_per_event": 1e6 * cpu_s / max(sent_events, 1),
                      "lag_p50_ms": float(np.percentile(ms, 50)) if ms.size else None,
                      "lag_p99_ms": float(np.percentile(ms, 99)) if ms.size else None,
@@ -651,11 +667,13 @@ def run(args) -> int:
         at = {kind: [p for r in rs for p in r.get("sweep", []) if p["offered_events_per_s"]
                      == rate and p["lag_p99_ms"] is not None] for kind, rs in runs.items()}
         out["sweep"][rate] = {kind: {m: statistics.median(p[m] for p in points) for m in
-                                     ("lag_p50_ms", "lag_p99_ms", "cores")}
+                                     ("lag_p50_ms", "lag_p99_ms", "cores",
+                                      "busiest_thread_cores") if all(m in p for p in points)}
                               for kind, points in at.items() if points}
         print(f"at {rate:,.0f} events/s: " + ", ".join(
             f"{kind} lag p50/p99 {v['lag_p50_ms']:.1f}/{v['lag_p99_ms']:.1f} ms, "
-            f"{v['cores']:.2f} cores" for kind, v in out["sweep"][rate].items()), flush=True)
+            f"{v['cores']:.2f} cores, busiest thread {v.get('busiest_thread_cores', 0):.2f}"
+            for kind, v in out["sweep"][rate].items()), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
