@@ -207,7 +207,7 @@ def take(status_dir: Path) -> list[tuple[Path, dict]]:
     """The writer's side: the requests waiting, oldest first, each taken (renamed) so
     that a worker that gave up cannot withdraw it half-applied."""
     folder = status_dir / REGISTRY
-    try:  # (scandir: serve asks after every poll, and a glob cost 8x as much)
+    try:  # (scandir: serve asks after every poll, and a glob cost 3x as much)
         with os.scandir(folder) as entries:
             waiting = [(e.stat().st_mtime_ns, e.path) for e in entries if e.name.endswith(".json")]
     except OSError:
