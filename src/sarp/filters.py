@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pyroaring import BitMap
 
 _ENTRY = struct.Struct("<HI")
+FEW = 8  # segments discard_many_everywhere takes out one by one, below this many
 
 
 class HolderSegments:
@@ -46,13 +47,42 @@ class HolderSegments:
         if bm is not None:
             bm.discard(seg_id)
 
-    def discard_everywhere(self, seg_id: int) -> None:
-        for bm in self._maps.values():
-            bm.discard(seg_id)
+    def add_rows(self, rows: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """:meth:`add` for each ``(segment id, holder ids)`` row, in one loop (a
+        commit's new rows, with no method call per row).
+
+        >>> f = HolderSegments()
+        >>> f.add_rows([(7, [1, 2]), (8, [2])])
+        >>> f.segments(1), f.segments(2)
+        ([7], [7, 8])
+        """
+        maps = self._maps
+        for seg_id, holder_ids in rows:
+            for holder_id in holder_ids:
+                bm = maps.get(holder_id)
+                if bm is None:
+                    bm = maps[holder_id] = BitMap()
+                bm.add(seg_id)
+
+    def discard_rows(self, rows: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """:meth:`discard` for each ``(segment id, holder ids)`` row, in one loop."""
+        maps = self._maps
+        for seg_id, holder_ids in rows:
+            for holder_id in holder_ids:
+                bm = maps.get(holder_id)
+                if bm is not None:
+                    bm.discard(seg_id)
 
     def discard_many_everywhere(self, seg_ids: Iterable[int]) -> None:
-        """:meth:`discard_everywhere` for many segments: one difference per holder."""
-        gone = BitMap(seg_ids)
+        """Each of ``seg_ids`` out of every holder's bitmap: one difference per holder
+        (for a few, a discard each: cheaper than a bitmap made for them)."""
+        ids = list(seg_ids)
+        if len(ids) < FEW:
+            for bm in self._maps.values():
+                for seg_id in ids:
+                    bm.discard(seg_id)
+            return
+        gone = BitMap(ids)
         for bm in self._maps.values():
             bm.difference_update(gone)
 
