@@ -28,10 +28,10 @@ DOORS = {
     "xxhash": {"hashing.py"},
     "cbor2": {"hashing.py"},
     "msgpack": {"serving/events.py"},
-    # the event code: live, in line (libzmq's own calls from C), replays, and the
-    # engines' sockets made before serve's imports
-    "zmq": {"serving/subscriber.py", "serving/lane.py", "serving/replay.py",
-            "serving/early.py"},
+    # the event code: live, in line (libzmq's own calls from C, the subscriber's
+    # in-line half), replays, and the engines' sockets made before serve's imports
+    "zmq": {"serving/subscriber.py", "serving/lane.py", "serving/inline.py",
+            "serving/replay.py", "serving/early.py"},
     "httptools": {"serving/wire.py"},
     "orjson": {"serving/http.py"},
     "prometheus_client": {"serving/http.py"},

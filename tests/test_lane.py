@@ -19,7 +19,8 @@ from test_subscriber import chains, engine, held, wait_applied
 
 import sarp
 from sarp import native
-from sarp.serving import lane
+from sarp.errors import StoreError
+from sarp.serving import lane, subscriber
 from sarp.serving.columns import FIELDS, Columns
 from sarp.serving.events import encode_batch
 from sarp.serving.subscriber import Source, Subscriber
@@ -159,21 +160,26 @@ def test_a_lane_that_fails_its_check_is_not_used(monkeypatch, caplog):
     assert lane.Lane.open() is None
 
 
-def _follow(tmp_path, name: str, with_lane: bool, monkeypatch) -> tuple[dict, set, int]:
+def _follow(tmp_path, name: str, with_lane: bool, monkeypatch,
+            prefetching: bool = True) -> tuple[dict, set, int]:
     """One engine's flood, with gaps and a restart, followed to its end."""
     if not with_lane:
         monkeypatch.setattr(lane.Lane, "open", classmethod(lambda cls: None))
+    monkeypatch.setattr(subscriber, "MAX_BATCH_OPS", 64)  # commits within the backlog
     eng = engine(capacity=200)
     before = native.calls()["take_line"][0]
     try:
         with sarp.open(tmp_path / name, durability="nosync") as index:
             pub = eng.publisher
             sub = Subscriber(index, [Source(eng.name, pub.endpoint, pub.replay_endpoint)])
+            sub.prefetching = prefetching
             assert (sub._lane is not None) == with_lane
             time.sleep(0.2)
             for i, chain in enumerate(chains(7, 600)):
                 eng.serve(chain, drop=300 <= i < 303)  # a gap: proven from the buffer
+            time.sleep(0.3)  # queued: a backlog, whose commits a prefetch overlaps
             wait_applied(sub, "e", pub)
+            assert (sub.prefetched > 0) == (with_lane and prefetching)
             got = held(index, eng.holder)
             assert got == set(eng.cache)
             stats = sub.summary()["e"]
@@ -186,12 +192,165 @@ def _follow(tmp_path, name: str, with_lane: bool, monkeypatch) -> tuple[dict, se
 
 def test_the_subscriber_with_the_lane_keeps_what_it_keeps_without(tmp_path, monkeypatch):
     with_lane, held_with, lane_calls = _follow(tmp_path, "a", True, monkeypatch)
+    no_prefetch, held_no_prefetch, _ = _follow(tmp_path, "c", True, monkeypatch,
+                                               prefetching=False)
     without, held_without, no_calls = _follow(tmp_path, "b", False, monkeypatch)
     assert lane_calls > 0 and no_calls == 0
-    assert held_with == held_without != set()
+    assert held_with == held_no_prefetch == held_without != set()
     same = ("batches", "gaps", "restarts", "bad_frames", "last_seq")
-    assert {k: with_lane[k] for k in same} == {k: without[k] for k in same}
-    for stats in (with_lane, without):
+    for stats in (with_lane, no_prefetch):
+        assert {k: stats[k] for k in same} == {k: without[k] for k in same}
+    for stats in (with_lane, no_prefetch, without):
         del stats["applied"]["seconds"]  # (a timing)
-    assert with_lane["applied"] == without["applied"]
+    assert with_lane["applied"] == no_prefetch["applied"] == without["applied"]
     assert with_lane["gaps"] >= 1
+
+
+def test_a_write_that_fails_while_the_prefetch_takes_drops_what_it_took_and_proves_again(
+        tmp_path, monkeypatch):
+    """A commit fails (the store's error) with a prefetch taking the next messages:
+    they are dropped with what was not committed, every source is proven again from
+    its buffer, and the index ends as the engines hold their blocks."""
+    monkeypatch.setattr(subscriber, "MAX_BATCH_OPS", 64)  # commits within the backlog
+    engines = [engine(f"e{k}", capacity=300) for k in range(3)]
+    failed = []
+    try:
+        with sarp.open(tmp_path / "ix", durability="nosync") as index:
+            sub = Subscriber(index, [Source(e.name, e.publisher.endpoint,
+                                            e.publisher.replay_endpoint) for e in engines])
+            real_start, real_flush = lane.Prefetch.start, sub.applier.flush
+            running = []
+
+            def start(*args):
+                got = real_start(*args)
+                running.append(got)
+                return got
+
+            def flush(state):
+                if running and not failed:  # the first commit under a prefetch fails
+                    failed.append(len(sub.applier.columns))
+                    raise StoreError("the disk is full (injected)")
+                return real_flush(state)
+
+            sub.applier.flush = flush
+            lane.Prefetch.start = staticmethod(start)
+            time.sleep(0.3)
+            for i, chain in enumerate(chains(11, 900)):
+                engines[i % 3].serve(chain)
+            time.sleep(0.5)  # queued
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(
+                    sub.last_seq.get(e.name, -1) >= e.publisher.next_seq - 1
+                    and held(index, e.holder) == set(e.cache) for e in engines):
+                sub.poll(20)
+            assert failed and failed[0] > 0 and sub.store_errors == 1
+            for e in engines:
+                assert held(index, e.holder) == set(e.cache), e.name
+            assert index.check() == []
+            sub.close()
+    finally:
+        lane.Prefetch.start = real_start
+        for e in engines:
+            e.publisher.close()
+
+
+def _prefetch_all(run, socks: list[zmq.Socket], seed: int, tokens: bool,
+                  learnt: Columns) -> tuple[list, dict]:
+    """Prefetch over ``socks`` again and again until each runs dry, moving each line
+    on as the subscriber would (past a message handed back), on columns that know
+    what ``learnt`` knows."""
+    rng = random.Random(seed)
+    columns, answers = learnt.copy(), []
+    lines = [[sock, 0, float("-inf"), 1.0, tokens, model_root("llama") if tokens else None,
+              f"e{k}#0", 0, rng.random() < 0.3] for k, sock in enumerate(socks)]
+    live = list(range(len(socks)))
+    while live:
+        got = run([tuple(lines[j]) for j in live], rng.randint(1, 8),
+                  rng.choice([5, 40, 10_000]), columns)
+        answers.append(got)
+        gave = set()
+        for j, expected, first, (_, digests, stamps, _, _, frames) in got:
+            line = lines[live[j]]
+            assert expected == line[1] and first <= len(columns)
+            line[1] += len(digests)
+            line[2] = stamps[-1] - 1.0 if stamps else line[2]
+            if frames is not None and len(frames) >= 2 and len(frames[-2]) == 8:
+                line[1] = max(line[1], int.from_bytes(frames[-2], "big", signed=True) + 1)
+            if digests or frames is not None:
+                gave.add(live[j])
+        live = [j for j in live if j in gave]  # one that gave nothing ran dry
+    taken = columns.take()
+    return answers, {f: getattr(taken, f).tolist() for f in FIELDS} | {"names": taken.names}
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["engine-hashes", "token-keyed"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_prefetch_takes_what_its_reference_takes(seed, tokens):
+    """Four sources at once; the columns know some names (not the medium "cpu" of
+    e1, nor any LoRA seed for half the seeds): what they do not know goes out of line."""
+    assert lane.Lane.open() is not None
+    learnt = Columns()
+    for k in range(4):
+        for medium in ("GPU", "cpu") if k != 1 else ("GPU",):
+            learnt.add(msgpack.packb([1.0, [["BlockStored", [k + 1], None, [], 16, None,
+                                            medium]]]), f"e{k}#0", None, tokens=False)
+    if seed != 2:
+        learnt._learn_seed(None)
+    learnt.take()
+
+    def c_run(lines, count, most, columns):
+        return lane.Prefetch.start(lines, count, most, columns).end(columns, wait=True)
+
+    context = zmq.Context()
+    results = []
+    try:
+        for n, run in enumerate((c_run, lane.prefetch_python)):
+            pairs = []
+            for k in range(4):
+                a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+                a.bind(f"inproc://prefetch-{n}-{k}")
+                b.connect(f"inproc://prefetch-{n}-{k}")
+                for frames in _stream(seed * 10 + k, 150, tokens):
+                    a.send_multipart(frames)
+                pairs.append((a, b))
+            results.append(_prefetch_all(run, [b for _, b in pairs], seed, tokens, learnt))
+            for a, b in pairs:
+                a.close(linger=0)
+                b.close(linger=0)
+    finally:
+        context.term()
+    (c_answers, c_columns), (py_answers, py_columns) = results
+    for i, (c, py) in enumerate(zip(c_answers, py_answers, strict=True)):
+        assert c == py, f"prefetch {i}"
+    assert len(c_answers) == len(py_answers)
+    assert c_columns == py_columns
+    takes = [t for got in c_answers for t in got]
+    in_line = sum(len(t[3][1]) for t in takes)
+    if tokens and seed == 2:  # no seed learnt: a store with its tokens is Python's
+        assert 0 < in_line < 100
+    else:
+        assert in_line > 200  # most went in line
+    assert {t[3][0] for t in takes} >= {lane.TAKEN_ALL, lane.NOT_IN_LINE}
+    assert any(t[3][5] is not None and b"cpu" in t[3][5][-1] for t in takes)  # not learnt
+
+
+def test_a_prefetch_dropped_or_stopped_leaves_the_columns_as_they_were():
+    context = zmq.Context()
+    try:
+        a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+        a.bind("inproc://prefetch-drop")
+        b.connect("inproc://prefetch-drop")
+        for frames in _stream(5, 50, False):
+            a.send_multipart(frames)
+        columns = Columns()
+        line = (b, 0, float("-inf"), 1.0, False, None, "e0#0", 0, True)
+        lane.Prefetch.start([line], 8, 10_000, columns).drop()
+        assert len(columns) == 0
+        ended = lane.Prefetch.start([line], 8, 10_000, columns)
+        ended.end(columns)
+        with pytest.raises(ValueError, match="has ended"):
+            ended.end(columns)
+        a.close(linger=0)
+        b.close(linger=0)
+    finally:
+        context.term()

@@ -19,6 +19,7 @@ import zmq
 
 import sarp
 from sarp.bench.cluster import EnginePublisher, SimEngine
+from sarp.serving import inline
 from sarp.serving.applier import Applier, ApplyStats
 from sarp.serving.events import decode, encode_batch
 from sarp.serving.subscriber import Source, Subscriber
@@ -403,6 +404,7 @@ _ENGINE_PROCESS = """
 import json, random, sys, time
 import zmq
 from sarp.bench.cluster import EnginePublisher, SimEngine
+from sarp.serving import inline
 pub, replay, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 eng = SimEngine("e", 200, EnginePublisher(zmq.Context.instance(), bind=(pub, replay)))
 print("ready", flush=True)
@@ -535,18 +537,17 @@ def test_sources_with_a_backlog_are_drained_in_turns(index):
                 e.serve([rng.getrandbits(63) for _ in range(4)])
         time.sleep(0.5)  # everything waits in the SUB sockets
         order: list[str] = []
-        handle, in_line = sub._on_message, sub._in_line
+        handle, took = sub._on_message, sub._took
 
         def record(key, frames):
             order.append(key)
             return handle(key, frames)
 
-        def record_in_line(sock, key, count):  # (the C lane takes several at a time)
-            got = in_line(sock, key, count)
-            order.extend([key] * got[1])
-            return got
+        def record_took(key, expected, holder, first, got):  # (the C lane, the prefetch)
+            order.extend([key] * len(got[1]))
+            return took(key, expected, holder, first, got)
 
-        sub._on_message, sub._in_line = record, record_in_line
+        sub._on_message, sub._took = record, record_took
         deadline = time.monotonic() + 30
         while len(order) < 400 and time.monotonic() < deadline:
             sub.poll(100)
@@ -599,7 +600,7 @@ def subscriber_clock(monkeypatch, clock: _Clock) -> _Clock:
     liveness probes' times (``replay``) are compared with its own."""
     from sarp.serving import replay, subscriber
 
-    for module in (subscriber, replay):
+    for module in (subscriber, replay, inline):
         monkeypatch.setattr(module, "time", clock)
     return clock
 
@@ -607,7 +608,9 @@ def subscriber_clock(monkeypatch, clock: _Clock) -> _Clock:
 def one_ms_a_message(sub: Subscriber, clock: _Clock) -> None:
     """Each message the subscriber reads takes 1 ms on ``clock``: those it takes one
     by one, and those the C lane takes several at a time (each 1 ms, the flush checked
-    after them, as the lane's caller checks it)."""
+    after them, as the lane's caller checks it).  No prefetch: its messages would take
+    no time on ``clock``."""
+    sub.prefetching = False
     handle, in_line = sub._on_message, sub._in_line
 
     def one_ms_each(key, frames):
@@ -850,7 +853,7 @@ def test_a_poll_that_stops_at_its_message_budget_commits_without_waiting(
     from sarp.serving import subscriber as module
 
     clock = fresh_clock
-    monkeypatch.setattr(module, "POLL_MESSAGES", module.ROUND_MESSAGES)
+    monkeypatch.setattr(module, "POLL_MESSAGES", inline.ROUND_MESSAGES)
     eng = engine("e", capacity=5000)
     rng = random.Random(6)
     sleeps, commits = [], []
@@ -900,6 +903,7 @@ import json, sys, time
 import zmq
 import sarp
 from sarp.bench.cluster import EnginePublisher, SimEngine
+from sarp.serving import inline
 from sarp.serving.subscriber import Source, Subscriber
 
 index = sarp.open(sys.argv[1], durability="nosync")

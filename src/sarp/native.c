@@ -10,7 +10,7 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 32
+#define ABI_VERSION 33
 
 unsigned long long sarp_calls[CALL_KINDS];
 
@@ -106,6 +106,11 @@ static PyMethodDef methods[] = {
     {"take_line", (PyCFunction)(void (*)(void))sarp_take_line, METH_FASTCALL,
      "take_line(socket, count, expected, ...): the live messages next in line, decoded into "
      "a commit's columns (sarp.serving.lane)"},
+    {"lane_prefetch", (PyCFunction)(void (*)(void))sarp_lane_prefetch, METH_FASTCALL,
+     "lane_prefetch(lines, count, max_events, pairs, seeds): take_line's takes on a thread "
+     "of their own, without the GIL (sarp.serving.lane.Prefetch)"},
+    {"lane_prefetch_end", (PyCFunction)(void (*)(void))sarp_lane_prefetch_end, METH_FASTCALL,
+     "lane_prefetch_end(handle, ctx): the prefetch's takes, its columns appended to ctx's"},
     {"lmdb_bind", (PyCFunction)(void (*)(void))sarp_lmdb_bind, METH_FASTCALL,
      "lmdb_bind(engine, addresses): liblmdb's calls of one engine py-lmdb bundles "
      "(sarp.lmdb_env)"},

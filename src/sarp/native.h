@@ -40,8 +40,35 @@ PyObject *sarp_heads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
  * columns (serving/columns.py) and what learns their names; a payload appended to
  * them: 1 read (*out filled), 0 not read, -1 error; the columns as they were unless 1. */
 #define INTO_COLS 11
+/* Without the GIL (serving/lane.c's prefetch) the columns are C's own, and the names
+ * and LoRA seeds are those learnt before it began: a pair or a name not among them
+ * leaves the payload unread (0), for Python to learn. */
 typedef struct {
-    PyObject *cols[INTO_COLS], *names, *learn_name, *seeds, *learn_seed;
+    uint8_t *p;
+    Py_ssize_t len, cap;
+} ColBuf;
+typedef struct {
+    long holder;
+    const char *medium; /* UTF-8, or NULL for none sent */
+    size_t medium_len;
+    int32_t index;      /* in the names, or -1: a medium sarp refuses */
+} KnownPair;
+typedef struct {
+    const char *name;   /* UTF-8, or NULL for none */
+    size_t name_len;
+    uint64_t seed;
+} KnownSeed;
+typedef struct {
+    KnownPair *pairs;
+    Py_ssize_t npairs;
+    KnownSeed *seeds;
+    Py_ssize_t nseeds;
+} Known;
+typedef struct {
+    PyObject *cols[INTO_COLS], *names, *learn_name, *seeds, *learn_seed; /* with the GIL */
+    ColBuf *bufs;       /* or, when not NULL, C's own columns ... */
+    const Known *known; /* ... and what was learnt */
+    int nomem;          /* (without the GIL: an allocation failed) */
 } IntoCols;
 typedef struct {
     double ts;
@@ -50,11 +77,15 @@ typedef struct {
     size_t events, skipped;
 } IntoBatch;
 int columns_of(PyObject *ctx, IntoCols *c);
-int columns_back(const IntoCols *c, const Py_ssize_t *marks);
+int columns_back(IntoCols *c, const Py_ssize_t *marks);
+Py_ssize_t col_len(const IntoCols *c, int col);
+void decode_ready(void);
 int payload_into(const uint8_t *p, Py_ssize_t len, int with_tokens, uint64_t root, long holder,
-                 const IntoCols *c, IntoBatch *out);
+                 IntoCols *c, IntoBatch *out);
 PyObject *sarp_lane_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_take_line(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lane_prefetch(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_lane_prefetch_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* lmdb_env.c: liblmdb's calls of an engine py-lmdb bundles (sarp/lmdb_env.py binds
  * them), on a write transaction of py-lmdb's; the GIL held. */
 #define RAW_ENGINES 2 /* LMDB 0.9 and 1.0 */

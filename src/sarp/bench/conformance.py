@@ -291,10 +291,11 @@ def compare(sarp_url: str, dynamo_url: str, asked: Sequence[tuple[str, dict]]
 
 
 def wait_for_markers(urls: Sequence[str], engine_list: Sequence[Engine],
-                     timeout_s: float = 120.0) -> None:
-    """Publish each engine's marker and wait until both services answer it: every
-    batch before it has been applied by then (an engine's batches are in order)."""
-    for e in engine_list:
+                     timeout_s: float = 120.0, publish: bool = True) -> None:
+    """Publish each engine's marker (unless ``publish`` is False: done already) and
+    wait until both services answer it: every batch before it has been applied by then
+    (an engine's batches are in order)."""
+    for e in engine_list if publish else ():
         e.serve(marker_ids(e))
     deadline = time.monotonic() + timeout_s
     for e in engine_list:

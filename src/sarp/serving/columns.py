@@ -34,6 +34,10 @@ DTYPES = (np.uint8, np.int32, np.uint64, np.int64, np.uint64, np.uint8, np.int64
 LEARNED = 4096  # (holder, medium) pairs and LoRA names remembered, at most
 
 
+class NotLearnt(LookupError):
+    """A LoRA name that columns made by ``copy(learning=False)`` have not met."""
+
+
 @dataclass(slots=True)
 class Taken:
     """What :meth:`Columns.take` hands over: one array per field, and the names."""
@@ -181,6 +185,44 @@ class Columns:
                 col += np.array([value], dtype).tobytes()
             self._cols[9] += np.ascontiguousarray(event.block_hashes, np.uint64).tobytes()
         return batch.ts, batch.dp_rank, len(batch.events), skipped
+
+    def learnt(self) -> tuple[list[tuple], list[tuple]] | None:
+        """What the C decoder reads without asking Python (``lane_prefetch``): the
+        (holder number, medium sent, name index or None) of each pair met, and the
+        (LoRA name, seed) of each name; None when the next :meth:`take` forgets them,
+        as then the rows decoded with them now would name others.
+
+        >>> Columns().learnt()
+        ([], [])
+        """
+        if len(self.names) + len(self._holder_list) > LEARNED:
+            return None
+        return [(h, m, i) for (h, m), i in self._pairs.items()], list(self._seeds.items())
+
+    def copy(self, learning: bool = True) -> Columns:
+        """Empty columns that know the names these know; with ``learning=False``, those
+        alone (a pair not met reads as a medium refused, a LoRA name as
+        :class:`NotLearnt`), as ``lane_prefetch`` decodes.  :meth:`extend` gives
+        their rows back."""
+        other = Columns()
+        other._holders, other._holder_list = dict(self._holders), list(self._holder_list)
+        other._pairs, other._names = dict(self._pairs), dict(self._names)
+        other.names, other._seeds = list(self.names), dict(self._seeds)
+        if not learning:
+            def seed_of(lora_name: str | None) -> int:
+                if lora_name in other._seeds:
+                    return other._seeds[lora_name]
+                raise NotLearnt(lora_name)
+
+            other._learn_name, other._learn_seed = other._pairs.get, seed_of
+            other._ctx = (other._cols, other._pairs, other._learn_name, other._seeds,
+                          other._learn_seed)
+        return other
+
+    def extend(self, other: Columns) -> None:
+        """Append the rows of ``other``, made by :meth:`copy` of these (the same names)."""
+        for mine, theirs in zip(self._cols, other._cols, strict=True):
+            mine += theirs
 
     def take(self) -> Taken:
         """Everything added, as arrays (copied out), and empty columns again.

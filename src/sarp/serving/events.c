@@ -377,15 +377,49 @@ static int opt_int(const uint8_t *at, const uint8_t *end, uint64_t *v, int *nega
     return read_int(&f, v, negative) == 1 ? 1 : -1;
 }
 
-/* A store's token ids, read as find_fields passes them: into `col` (a bytearray of
- * u32s) from `start` on; `ok` when the field held ids alone (`count` of them), else
- * nothing is left in `col` past `start`. */
+/* A store's token ids, read as find_fields passes them: into the tokens column (u32s)
+ * of `c` from `start` on; `ok` when the field held ids alone (`count` of them), else
+ * nothing is left in the column past `start`. */
 typedef struct {
-    PyObject *col;
+    IntoCols *c;
     Py_ssize_t start;
     int ok;
     size_t count;
 } TokenSink;
+
+enum { COL_KIND, COL_NAME, COL_ROOT, COL_SIZE, COL_PARENT, COL_HAS_PARENT, COL_TOKEN_COUNT,
+       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_TOKENS };
+#define NUM_COLS INTO_COLS
+static const Py_ssize_t COL_ITEM[NUM_COLS] = {1, 4, 8, 8, 8, 1, 8, 8, 8, 8, 4};
+
+/* Column `col`'s size in bytes, its bytes, and its size set to `n` bytes (0, or -1:
+ * out of memory; with the GIL, the exception set): a bytearray's, or C's own (when
+ * the GIL is not held: IntoCols.bufs). */
+Py_ssize_t col_len(const IntoCols *c, int col) {
+    return c->bufs != NULL ? c->bufs[col].len : PyByteArray_GET_SIZE(c->cols[col]);
+}
+
+static uint8_t *col_bytes(const IntoCols *c, int col) {
+    return c->bufs != NULL ? c->bufs[col].p : (uint8_t *)PyByteArray_AS_STRING(c->cols[col]);
+}
+
+static int col_resize(IntoCols *c, int col, Py_ssize_t n) {
+    if (c->bufs == NULL) return PyByteArray_Resize(c->cols[col], n);
+    ColBuf *b = &c->bufs[col];
+    if (n > b->cap) {
+        Py_ssize_t cap = b->cap < 4096 ? 4096 : b->cap;
+        while (cap < n) cap *= 2;
+        uint8_t *p = realloc(b->p, (size_t)cap);
+        if (p == NULL) {
+            c->nomem = 1;
+            return -1;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    b->len = n;
+    return 0;
+}
 
 /* Past the value at `r` (the field `f` of the event): as skip, or, with a sink and at
  * the token ids, read into the sink on the way (so that the ids are read once, not
@@ -393,19 +427,19 @@ typedef struct {
 static int pass_field(Reader *r, int f, TokenSink *sink) {
     if (sink != NULL && f == F_TOKENS) {
         sink->ok = 0;  /* the last of a field twice counts, as in a dict */
-        if (PyByteArray_Resize(sink->col, sink->start) < 0) return -1;
+        if (col_resize(sink->c, COL_TOKENS, sink->start) < 0) return -1;
         Reader t = *r;
         size_t nt;
         if (read_container(&t, 0, &nt) == 1 && need(&t, nt)) {
-            if (PyByteArray_Resize(sink->col, sink->start + (Py_ssize_t)nt * 4) < 0) return -1;
-            uint32_t *out = (uint32_t *)(PyByteArray_AS_STRING(sink->col) + sink->start);
+            if (col_resize(sink->c, COL_TOKENS, sink->start + (Py_ssize_t)nt * 4) < 0) return -1;
+            uint32_t *out = (uint32_t *)(col_bytes(sink->c, COL_TOKENS) + sink->start);
             if (read_token_ids(&t, nt, out, nt) == nt) {
                 sink->ok = 1;
                 sink->count = nt;
                 r->p = t.p;
                 return 1;
             }
-            if (PyByteArray_Resize(sink->col, sink->start) < 0) return -1;
+            if (col_resize(sink->c, COL_TOKENS, sink->start) < 0) return -1;
         }
     }
     return skip(r, !unchecked(f), 0);
@@ -623,17 +657,52 @@ fail:
 
 /* ---- decode_into: a batch's events appended to the columns of a commit ------------- */
 
-enum { COL_KIND, COL_NAME, COL_ROOT, COL_SIZE, COL_PARENT, COL_HAS_PARENT, COL_TOKEN_COUNT,
-       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_TOKENS };
-#define NUM_COLS INTO_COLS
-static const Py_ssize_t COL_ITEM[NUM_COLS] = {1, 4, 8, 8, 8, 1, 8, 8, 8, 8, 4};
+/* Append `n` items of column `col` (uninitialised); NULL out of memory. */
+static void *col_grow(IntoCols *c, int col, Py_ssize_t n) {
+    Py_ssize_t at = col_len(c, col);
+    if (col_resize(c, col, at + n * COL_ITEM[col]) < 0) return NULL;
+    return col_bytes(c, col) + at;
+}
 
-/* Append `n` items of column `c` (uninitialised); NULL with an exception. */
-static void *col_grow(PyObject **cols, int c, Py_ssize_t n) {
-    PyObject *a = cols[c];
-    Py_ssize_t at = PyByteArray_GET_SIZE(a);
-    if (PyByteArray_Resize(a, at + n * COL_ITEM[c]) < 0) return NULL;
-    return PyByteArray_AS_STRING(a) + at;
+/* Without the GIL: the name index of (holder, medium) learnt before (1; 0 unknown,
+ * or a medium sarp refuses, or not a str). */
+static int known_name(const Known *k, long holder, const uint8_t *at, const uint8_t *end,
+                      int32_t *out) {
+    const uint8_t *s = NULL;
+    size_t n = 0;
+    if (at != NULL && *at != 0xC0) {
+        Reader f = {at, end};
+        if (read_str(&f, &s, &n) != 1) return 0;
+    }
+    for (Py_ssize_t i = 0; i < k->npairs; i++) {
+        const KnownPair *p = &k->pairs[i];
+        if (p->holder == holder && (s == NULL ? p->medium == NULL
+                                              : p->medium != NULL && p->medium_len == n
+                                                    && memcmp(p->medium, s, n) == 0)) {
+            *out = p->index;
+            return p->index >= 0;
+        }
+    }
+    return 0;
+}
+
+/* Without the GIL: a LoRA name's seed learnt before (1; 0 unknown or not a str). */
+static int known_seed(const Known *k, const uint8_t *at, const uint8_t *end, uint64_t *out) {
+    const uint8_t *s = NULL;
+    size_t n = 0;
+    if (at != NULL && *at != 0xC0) {
+        Reader f = {at, end};
+        if (read_str(&f, &s, &n) != 1) return 0;
+    }
+    for (Py_ssize_t i = 0; i < k->nseeds; i++) {
+        const KnownSeed *e = &k->seeds[i];
+        if (s == NULL ? e->name == NULL
+                      : e->name != NULL && e->name_len == n && memcmp(e->name, s, n) == 0) {
+            *out = e->seed;
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* `table[key]`, or `learn(key)` for a key it does not hold (Python adds what it
@@ -692,15 +761,13 @@ static int lora_seed_of(PyObject *seeds, PyObject *learn, const uint8_t *at,
 /* One event appended to the columns: 1 appended, 2 read but not appended (a group
  * other than the first), 0 not this shape (Python decides; columns as they were
  * for the caller to cut back), -1 error. */
-static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
-                      PyObject **cols, PyObject *names, PyObject *learn_name,
-                      PyObject *seeds, PyObject *learn_seed) {
+static int event_into(Reader *r, int with_tokens, uint64_t root, long holder, IntoCols *c) {
     const uint8_t *where[F_SKIP] = {NULL};
     int kind;
     const uint8_t *s;
     size_t n;
     /* a token-keyed engine's token ids are read as the fields are found */
-    TokenSink sink = {cols[COL_TOKENS], PyByteArray_GET_SIZE(cols[COL_TOKENS]), 0, 0};
+    TokenSink sink = {c, col_len(c, COL_TOKENS), 0, 0};
     TokenSink *reading = root != 0 && with_tokens ? &sink : NULL;
     int found = find_fields(r, where, &kind, reading);
     if (found <= 0) return found;
@@ -715,7 +782,9 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
     if (got_group < 0) return 0;
     int other_group = got_group && (negative || v != 0);
     int32_t name;
-    int named = name_index(names, learn_name, holder, where[F_MEDIUM], r->end, &name);
+    int named = c->bufs != NULL ? known_name(c->known, holder, where[F_MEDIUM], r->end, &name)
+                                : name_index(c->names, c->learn_name, holder, where[F_MEDIUM],
+                                             r->end, &name);
     if (named <= 0) return named;
     if (kind == 0) {
         has_parent = opt_int(where[F_PARENT], r->end, &parent, &negative);
@@ -725,7 +794,7 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
             if (read_str(&l, &s, &n) != 1 || !utf8_ok(s, n)) return 0;
         }
     }
-    uint64_t *hashes = col_grow(cols, COL_HASHES, (Py_ssize_t)nh);
+    uint64_t *hashes = col_grow(c, COL_HASHES, (Py_ssize_t)nh);
     if (hashes == NULL) return -1;
     for (size_t i = 0; i < nh; i++) {
         if (read_int(&h, &hashes[i], &negative) != 1) return 0;
@@ -733,9 +802,9 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
     if (kind == 0 && chain_fault(hashes, nh, has_parent, parent)) return 0;
     if (other_group) {
         /* another KV cache group: read (the batch stays this shape) but not applied */
-        if (PyByteArray_Resize(cols[COL_TOKENS], sink.start) < 0) return -1;
-        return PyByteArray_Resize(cols[COL_HASHES], PyByteArray_GET_SIZE(cols[COL_HASHES])
-                                                        - (Py_ssize_t)nh * 8) < 0 ? -1 : 2;
+        if (col_resize(c, COL_TOKENS, sink.start) < 0) return -1;
+        return col_resize(c, COL_HASHES, col_len(c, COL_HASHES) - (Py_ssize_t)nh * 8) < 0 ? -1
+                                                                                         : 2;
     }
     uint64_t tokens_taken = 0, block_size = 0, seed = 0;
     if (kind == 0 && reading != NULL && sink.ok) {
@@ -745,24 +814,26 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder,
             && !has_extras(where[F_EXTRA], r->end, where[F_LORA]) && sink.count >= nh * size) {
             tokens_taken = nh * size;
             block_size = size;
-            int seeded = lora_seed_of(seeds, learn_seed, where[F_LORA], r->end, &seed);
+            int seeded = c->bufs != NULL ? known_seed(c->known, where[F_LORA], r->end, &seed)
+                                         : lora_seed_of(c->seeds, c->learn_seed, where[F_LORA],
+                                                        r->end, &seed);
             if (seeded <= 0) return seeded;
         }
     }
     /* the ids of the blocks taken stay; the rest (a partial block, or all) go */
     if (reading != NULL
-        && PyByteArray_Resize(cols[COL_TOKENS], sink.start + (Py_ssize_t)tokens_taken * 4) < 0) {
+        && col_resize(c, COL_TOKENS, sink.start + (Py_ssize_t)tokens_taken * 4) < 0) {
         return -1;
     }
-    uint8_t *k = col_grow(cols, COL_KIND, 1);
-    int32_t *nm = col_grow(cols, COL_NAME, 1);
-    uint64_t *rt = col_grow(cols, COL_ROOT, 1);
-    int64_t *sz = col_grow(cols, COL_SIZE, 1);
-    uint64_t *pa = col_grow(cols, COL_PARENT, 1);
-    uint8_t *hp = col_grow(cols, COL_HAS_PARENT, 1);
-    int64_t *tc = col_grow(cols, COL_TOKEN_COUNT, 1);
-    int64_t *bs = col_grow(cols, COL_BLOCK_SIZE, 1);
-    uint64_t *sd = col_grow(cols, COL_SEED, 1);
+    uint8_t *k = col_grow(c, COL_KIND, 1);
+    int32_t *nm = col_grow(c, COL_NAME, 1);
+    uint64_t *rt = col_grow(c, COL_ROOT, 1);
+    int64_t *sz = col_grow(c, COL_SIZE, 1);
+    uint64_t *pa = col_grow(c, COL_PARENT, 1);
+    uint8_t *hp = col_grow(c, COL_HAS_PARENT, 1);
+    int64_t *tc = col_grow(c, COL_TOKEN_COUNT, 1);
+    int64_t *bs = col_grow(c, COL_BLOCK_SIZE, 1);
+    uint64_t *sd = col_grow(c, COL_SEED, 1);
     if (!k || !nm || !rt || !sz || !pa || !hp || !tc || !bs || !sd) return -1;
     *k = (uint8_t)kind;
     *nm = name;
@@ -795,6 +866,9 @@ int columns_of(PyObject *ctx, IntoCols *c) {
             return 0;
         }
     }
+    c->bufs = NULL;
+    c->known = NULL;
+    c->nomem = 0;
     c->names = PyTuple_GET_ITEM(ctx, 1);
     c->learn_name = PyTuple_GET_ITEM(ctx, 2);
     c->seeds = PyTuple_GET_ITEM(ctx, 3);
@@ -802,9 +876,18 @@ int columns_of(PyObject *ctx, IntoCols *c) {
     return 1;
 }
 
+/* The decoder's tables made (before a thread without the GIL decodes). */
+void decode_ready(void) {
+    if (!fixed_size[0]) init_sizes();
+}
+
 /* Cut the columns back to `marks` (their sizes before a batch); -1 with an error
  * (the error already set, if any, is kept). */
-int columns_back(const IntoCols *c, const Py_ssize_t *marks) {
+int columns_back(IntoCols *c, const Py_ssize_t *marks) {
+    if (c->bufs != NULL) { /* (shorter: no allocation) */
+        for (int i = 0; i < NUM_COLS; i++) c->bufs[i].len = marks[i];
+        return 0;
+    }
     PyObject *type = NULL, *value = NULL, *tb = NULL;
     PyErr_Fetch(&type, &value, &tb);
     for (int i = 0; i < NUM_COLS; i++) {
@@ -822,22 +905,17 @@ int columns_back(const IntoCols *c, const Py_ssize_t *marks) {
 /* The core of decode_into: one payload appended to the columns.  1 with *out filled,
  * 0 not read (the columns as they were), -1 with an error (the columns as they were). */
 int payload_into(const uint8_t *p, Py_ssize_t len, int with_tokens, uint64_t root, long holder,
-                 const IntoCols *c, IntoBatch *out) {
+                 IntoCols *c, IntoBatch *out) {
     if (!fixed_size[0]) init_sizes();
     Py_ssize_t marks[NUM_COLS];
-    PyObject *cols[NUM_COLS];
-    for (int i = 0; i < NUM_COLS; i++) {
-        cols[i] = c->cols[i];
-        marks[i] = PyByteArray_GET_SIZE(cols[i]);
-    }
+    for (int i = 0; i < NUM_COLS; i++) marks[i] = col_len(c, i);
     Reader r = {p, p + len};
     size_t size;
     out->skipped = 0;
     out->rank = 0;
     if (!read_head(&r, &size, &out->ts, &out->events)) goto none;
     for (size_t i = 0; i < out->events; i++) {
-        int e = event_into(&r, with_tokens, root, holder, cols, c->names, c->learn_name,
-                           c->seeds, c->learn_seed);
+        int e = event_into(&r, with_tokens, root, holder, c);
         if (e < 0) {
             columns_back(c, marks);
             return -1;

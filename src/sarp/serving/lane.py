@@ -20,6 +20,13 @@ an inproc pair before it is used, and without the extension, or with a libzmq it
 cannot find or that fails the check, there is no lane (``Lane.open`` is None) and
 every message goes the subscriber's Python way.  :func:`take_line_python` is the
 reference the C is tested against (tests/test_lane.py).
+
+While the subscriber commits, :class:`Prefetch` takes on the same way from every
+source in line, on a thread of its own without the GIL (``lane_prefetch``), into
+columns of its own: the decoding of the next commit's messages runs on the other core
+while this one's is written.  It learns no name: a (holder, medium) pair or a LoRA
+name the columns have not met leaves its message out of line, for the subscriber.
+:func:`prefetch_python` is its reference.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import zmq
 
 from .. import native
 from ..hashing import checksum
-from .columns import Columns
+from .columns import Columns, NotLearnt
 from .replay import parse_frames, recv_message
 
 log = logging.getLogger("sarp.lane")
@@ -120,6 +127,80 @@ class Lane:
                                   columns.ctx)
 
 
+class Prefetch:
+    """Takes from the sources in line (``lines``: :meth:`Lane.take`'s arguments from the
+    socket on, without count and columns) on a thread of its own: round after round,
+    up to ``count`` messages from each, until each has stopped (dry, out of line) or
+    ``max_events`` were taken, or :meth:`end`.  The sockets are the thread's until then.
+
+    Cost: a thread's start and join; about a microsecond of C per event, off the
+    caller's thread, and a copy of the columns at :meth:`end`.
+
+    >>> native.C is None or Prefetch.start([], 8, 100, Columns()).end(Columns()) == []
+    True
+    """
+
+    def __init__(self, handle, lines: list[tuple]) -> None:
+        self._handle, self._lines = handle, lines
+
+    @classmethod
+    def start(cls, lines: list[tuple], count: int, max_events: int,
+              columns: Columns) -> Prefetch | None:
+        """Start it, with the names and LoRA seeds ``columns`` have learnt (None: the
+        columns forget them at their next take, so not now)."""
+        learnt = columns.learnt()
+        if learnt is None:
+            return None
+        pairs, seeds = learnt
+        handle = native.C.lane_prefetch(
+            [(sock.underlying, expected, floor, slack, tokens, root or 0,
+              columns.holder_number(holder), rank, rank_fixed)
+             for sock, expected, floor, slack, tokens, root, holder, rank, rank_fixed in lines],
+            count, max_events, pairs, seeds)
+        return cls(handle, lines)
+
+    def end(self, columns: Columns, wait: bool = False) -> list[tuple[int, int, int, Taken]]:
+        """Stop it (``wait``: let it finish first) and append what it took to
+        ``columns``: per take, in the order taken, ``(line, expected, first row,
+        take_line's answer)``."""
+        first = len(columns)
+        takes = native.C.lane_prefetch_end(self._handle, columns.ctx, wait)
+        out, expected = [], [line[1] for line in self._lines]
+        for j, rows, taken in takes:
+            out.append((j, expected[j], first, taken))
+            expected[j] += len(taken[1])
+            first += rows
+        return out
+
+    def drop(self) -> None:
+        """Stop it and drop what it took (those messages are lost: a gap)."""
+        native.C.lane_prefetch_end(self._handle, None, False)
+
+
+def prefetch_python(lines: list[tuple], count: int, max_events: int,
+                    columns: Columns) -> list[tuple[int, int, int, Taken]]:
+    """The reference of :class:`Prefetch`, run to its end at once: the same takes,
+    decoded with only what ``columns`` have learnt, appended to them."""
+    scratch = columns.copy(learning=False)
+    out, expected = [], [line[1] for line in lines]
+    floors = [line[2] for line in lines]
+    done, events = [False] * len(lines), 0
+    while not all(done) and events < max_events:
+        for j, (sock, _, _, slack, *rest) in enumerate(lines):
+            if done[j]:
+                continue
+            first = len(scratch)
+            got = take_line_python(sock, count, expected[j], floors[j], slack, *rest, scratch)
+            done[j] = got[0] != TAKEN_ALL
+            if got[1] or got[0] == NOT_IN_LINE:
+                out.append((j, expected[j], len(columns) + first, got))
+                events += got[3]
+            expected[j] += len(got[1])
+            floors[j] = got[2][-1] - slack if got[2] else floors[j]
+    columns.extend(scratch)
+    return out
+
+
 def take_line_python(sock: zmq.Socket, count: int, expected: int, ts_floor: float,
                      slack: float, tokens: bool, root: int | None, holder: str,
                      rank: int | None, rank_fixed: bool, columns: Columns) -> Taken:
@@ -145,7 +226,11 @@ def take_line_python(sock: zmq.Socket, count: int, expected: int, ts_floor: floa
         got = None
         if parsed is not None and parsed[0] == expected + k:
             mark = columns.mark()
-            got = columns.add(parsed[1], holder, root, tokens=tokens)
+            try:
+                got = columns.add(parsed[1], holder, root, tokens=tokens)
+            except NotLearnt:  # (a prefetch's columns, learning nothing)
+                columns.rollback(mark)
+                got = None
             if got is not None and (got[0] < ts_floor or not (
                     got[1] is None or got[1] == rank if rank_fixed else got[1] == rank)):
                 columns.rollback(mark)

@@ -61,8 +61,9 @@ from .applier import Applier, holder_name
 from .early import close_engines, zmq_context
 from .events import BadEvent, Batch, decode
 from .hashcheck import HashCheck
-from .lane import DRY, Lane
-from .replay import TS_SLACK_S, Job, ReplayJobs, fault_log, frame_digest, parse_frames, recv_message
+from .inline import InLine
+from .lane import Lane
+from .replay import TS_SLACK_S, Job, ReplayJobs, fault_log, frame_digest, parse_frames
 from .sources import (
     Fingerprint,
     FingerprintFile,
@@ -80,13 +81,12 @@ MAX_BATCH_MS = 20.0  # ... and how long the first of them may wait for the commi
 MAX_CATCH_UP_MS = 80.0  # ... doubled up to this while the sockets never run dry,
 BEHIND_S = 1.0  # ... and this at once for a batch published longer ago than this;
 COMMIT_WAIT_MS = 5.0  # ... and how long it waits for more once the sockets ran dry
-ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 MAX_FRAME_BYTES = 64 << 20  # a frame over this is never received (vLLM's are KiB to MiB)
 POLL_MESSAGES = 65_536  # live messages one poll takes at most before the jobs' turn
 STORE_RETRY_S, MAX_STORE_RETRY_S = 0.25, 5.0  # ... and after a failed write to the index
 
 
-class Subscriber(ReplayJobs):
+class Subscriber(InLine, ReplayJobs):
     """Apply the KV events of ``sources`` to ``index``; see the module docstring.
 
     ``replay_idle_timeout_s`` is how long a replay may go without delivering a
@@ -159,6 +159,7 @@ class Subscriber(ReplayJobs):
         self._queued_since: float | None = None
         self._committed_at = time.monotonic()  # when the last commit ended
         self._batch_ms = MAX_BATCH_MS  # the wait now allowed (longer while catching up)
+        self._behind = False  # the last prefetch stopped with messages still in line
         self._on_commit = on_commit  # called with the fingerprints of each commit's batches
         self._queued_fps: list[Fingerprint] = []
         self._lane = Lane.open()  # live messages in line taken in C (None: one by one)
@@ -361,59 +362,6 @@ class Subscriber(ReplayJobs):
         self._check_liveness()
         return applied
 
-    def _round(self, sock: zmq.Socket, key: str) -> tuple[int, int, bool]:
-        """A source's turn: up to ``ROUND_MESSAGES`` of its live messages, those next in
-        line in one C call (:mod:`.lane`); (batches applied, messages taken, whether
-        more may be waiting)."""
-        applied = taken = 0
-        while taken < ROUND_MESSAGES:
-            status, got, frames = self._in_line(sock, key, ROUND_MESSAGES - taken)
-            applied, taken = applied + got, taken + got
-            if got:
-                self._maybe_flush()
-            if status == DRY:
-                return applied, taken, False
-            if frames is None:
-                if taken == ROUND_MESSAGES:
-                    break
-                try:
-                    frames = recv_message(sock.recv)
-                except zmq.Again:
-                    return applied, taken, False
-            taken += 1
-            applied += self._on_message(key, frames)
-            self._maybe_flush()
-            if key in self._jobs:
-                return applied, taken, False  # its live stream waits for the replay
-        return applied, taken, True
-
-    def _in_line(self, sock: zmq.Socket, key: str, count: int) -> tuple[int | None, int, list]:
-        """The source's live messages next in line, decoded into the commit's columns
-        by the lane: (its status, or None when it was not asked; batches queued; the
-        frames of the message after them, or None)."""
-        source, fp = self.sources[key], self.state.get(key)
-        expected = 0 if fp is None else fp.seq + 1
-        live_last = self._live_last.get(key)
-        if self._lane is None or not self.applier.takes_columns or (
-                live_last is not None and expected <= live_last) or self._hashes_unchecked(key):
-            return None, 0, None
-        rank = self._rank(key)
-        holder, first = holder_name(source.name, rank), len(self.applier.columns)
-        status, digests, stamps, events, skipped, frames = self._lane.take(
-            sock, count, expected, -float("inf") if fp is None else fp.ts - TS_SLACK_S,
-            TS_SLACK_S, source.model is not None, source.root, holder, rank,
-            source.dp_rank is not None, self.applier.columns)
-        if digests:
-            last = expected + len(digests) - 1
-            self._heard[key] = time.monotonic()
-            self._gone.discard(key)
-            self._live_last[key] = last
-            self._drop_ahead(key, last)
-            self.applier.taken(self.stats[key].applied, first, len(digests), holder,
-                               source.root, events, skipped)
-            self._queued(key, expected, digests, stamps, None)
-        return status, len(digests), frames
-
     def _rank(self, key: str) -> int | None:
         """The rank a source's batches go under: its own, or the one the last named."""
         own = self.sources[key].dp_rank
@@ -448,6 +396,7 @@ class Subscriber(ReplayJobs):
         The fingerprints of those batches (``subscriber.json``) are written in the same
         transaction (:class:`~sarp.serving.sources.FingerprintFile`).
         """
+        self._behind = False
         if not self._dirty and not self.applier.pending_ops:
             return False
         committed = {**self._committed, **self._dirty}
@@ -470,10 +419,12 @@ class Subscriber(ReplayJobs):
             # Messages kept coming for that long without the sockets running dry: we
             # are behind, and a bigger batch catches up faster (more of what one
             # engine stores and another evicts meets inside it, never written).
-            self.flush()
+            self._behind = self._flush_taking(MAX_BATCH_OPS)
             self._batch_ms = min(2 * self._batch_ms, MAX_CATCH_UP_MS)
-        elif self.applier.pending_ops >= MAX_BATCH_OPS:
-            self.flush()
+        elif self._behind or self.applier.pending_ops >= MAX_BATCH_OPS:
+            # (behind: the prefetch stopped with messages still in line, so what it
+            # took is the next commit, written while it takes the one after)
+            self._behind = self._flush_taking(MAX_BATCH_OPS)
 
     def start_catch_up(self) -> int:
         """Start proving each engine's continuity from its replay buffer (as jobs that
@@ -618,9 +569,11 @@ class Subscriber(ReplayJobs):
         if self._queued_since is None:
             self._queued_since = time.monotonic()
         ts = min((t for t in stamps if t), default=0.0)  # (0: a batch without its time)
-        if ts and time.time() - ts > BEHIND_S:
+        if ts and time.time() - ts > BEHIND_S and not (self._lane and self.prefetching):
             # Published that long ago (by the engine's clock: a skewed one only moves
-            # this choice): we are behind, so batch for throughput from now on.
+            # this choice): we are behind, so batch for throughput from now on.  (With
+            # a prefetch, the first commit comes soon and the next ones follow while
+            # it is behind: the lane's decoding waits for none of them.)
             self._batch_ms = MAX_CATCH_UP_MS
 
     def summary(self) -> dict[str, dict]:
