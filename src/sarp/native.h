@@ -80,6 +80,7 @@ int columns_of(PyObject *ctx, IntoCols *c);
 int columns_back(IntoCols *c, const Py_ssize_t *marks);
 Py_ssize_t col_len(const IntoCols *c, int col);
 void decode_ready(void);
+void colbuf_free(ColBuf *b);
 int payload_into(const uint8_t *p, Py_ssize_t len, int with_tokens, uint64_t root, long holder,
                  IntoCols *c, IntoBatch *out);
 PyObject *sarp_lane_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -10,8 +10,10 @@
  * decodes the payload itself.  So the answer is always the Python decoder's.
  */
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE /* mremap */
 #include <Python.h>
 #include <math.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -407,10 +409,14 @@ static int col_resize(IntoCols *c, int col, Py_ssize_t n) {
     if (c->bufs == NULL) return PyByteArray_Resize(c->cols[col], n);
     ColBuf *b = &c->bufs[col];
     if (n > b->cap) {
-        Py_ssize_t cap = b->cap < 4096 ? 4096 : b->cap;
+        /* mapped, not malloc'd: what a prefetch took goes back to the system at its end
+         * (a thread's malloc arena would keep a backlog's megabytes until a trim) */
+        Py_ssize_t cap = b->cap < 65536 ? 65536 : b->cap;
         while (cap < n) cap *= 2;
-        uint8_t *p = realloc(b->p, (size_t)cap);
-        if (p == NULL) {
+        void *p = b->p == NULL ? mmap(NULL, (size_t)cap, PROT_READ | PROT_WRITE,
+                                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                               : mremap(b->p, (size_t)b->cap, (size_t)cap, MREMAP_MAYMOVE);
+        if (p == MAP_FAILED) {
             c->nomem = 1;
             return -1;
         }
@@ -419,6 +425,11 @@ static int col_resize(IntoCols *c, int col, Py_ssize_t n) {
     }
     b->len = n;
     return 0;
+}
+
+void colbuf_free(ColBuf *b) {
+    if (b->p != NULL) munmap(b->p, (size_t)b->cap);
+    *b = (ColBuf){0};
 }
 
 /* Past the value at `r` (the field `f` of the event): as skip, or, with a sink and at

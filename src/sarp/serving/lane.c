@@ -413,7 +413,7 @@ static void *prefetch_run(void *arg) {
 
 static void prefetch_free(Prefetch *pf) {
     for (Py_ssize_t i = 0; i < pf->ntakes; i++) take_free(&pf->takes[i]);
-    for (int i = 0; i < INTO_COLS; i++) free(pf->bufs[i].p);
+    for (int i = 0; i < INTO_COLS; i++) colbuf_free(&pf->bufs[i]);
     for (Py_ssize_t i = 0; i < pf->known.npairs; i++) free((void *)pf->known.pairs[i].medium);
     for (Py_ssize_t i = 0; i < pf->known.nseeds; i++) free((void *)pf->known.seeds[i].name);
     free(pf->known.pairs);
@@ -622,9 +622,6 @@ PyObject *sarp_lane_prefetch_end(PyObject *self, PyObject *const *args, Py_ssize
     /* what it held goes now (the capsule keeps only the ended mark) */
     for (Py_ssize_t i = 0; i < pf->ntakes; i++) take_free(&pf->takes[i]);
     pf->ntakes = 0;
-    for (int i = 0; i < INTO_COLS; i++) {
-        free(pf->bufs[i].p);
-        pf->bufs[i] = (ColBuf){0};
-    }
+    for (int i = 0; i < INTO_COLS; i++) colbuf_free(&pf->bufs[i]);
     return out;
 }
