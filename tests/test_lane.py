@@ -354,3 +354,55 @@ def test_a_prefetch_dropped_or_stopped_leaves_the_columns_as_they_were():
         b.close(linger=0)
     finally:
         context.term()
+
+
+def test_a_prefetch_of_long_chains_beside_python_work_takes_what_its_reference_takes():
+    """Stores of 150 to 300 blocks (the decoder's repeat check leaves its stack for
+    the heap) decoded by the prefetch's thread while this one allocates Python
+    objects: a Python allocation on that thread (it holds no GIL) would corrupt the
+    heap they share; the columns end as the reference's."""
+    rng = random.Random(9)
+    streams = []
+    for _ in range(4):
+        frames = []
+        for seq in range(60):
+            hashes = [rng.getrandbits(63) for _ in range(rng.randint(150, 300))]
+            payload = encode_batch([("stored", hashes, None, "GPU")], ts=100.0 + seq,
+                                   dp_rank=0, style="vllm-0.11")
+            frames.append([b"kv", seq.to_bytes(8, "big"), payload])
+        streams.append(frames)
+    learnt = Columns()
+    for k in range(4):
+        learnt.add(msgpack.packb([1.0, [["BlockStored", [1], None, [], 16, None, "GPU"]]]),
+                   f"e{k}#0", None, tokens=False)
+    learnt.take()
+    context = zmq.Context()
+    results = []
+    try:
+        for n, c_thread in enumerate((True, False)):
+            pairs, columns = [], learnt.copy()
+            for k in range(4):
+                a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+                a.bind(f"inproc://long-{n}-{k}")
+                b.connect(f"inproc://long-{n}-{k}")
+                for frames in streams[k]:
+                    a.send_multipart(frames)
+                pairs.append((a, b))
+            lines = [(b, 0, float("-inf"), 1.0, False, None, f"e{k}#0", 0, True)
+                     for k, (_, b) in enumerate(pairs)]
+            if c_thread:
+                prefetch = lane.Prefetch.start(lines, 8, 1 << 20, columns)
+                churn = [[{"k": i, "v": [i] * 8} for i in range(2000)] for _ in range(50)]
+                del churn
+                got = prefetch.end(columns, wait=True)
+            else:
+                got = lane.prefetch_python(lines, 8, 1 << 20, columns)
+            taken = columns.take()
+            results.append((got, {f: getattr(taken, f).tolist() for f in FIELDS}))
+            for a, b in pairs:
+                a.close(linger=0)
+                b.close(linger=0)
+    finally:
+        context.term()
+    assert results[0] == results[1]
+    assert sum(len(t[3][1]) for t in results[0][0]) == 240  # every message, in line

@@ -227,17 +227,18 @@ static PyObject *read_hashes(Reader *r) {
 }
 
 /* Whether `hashes` repeat a value, or hold `parent` (hashing.repeats): one pass
- * through an open-addressing set. */
+ * through an open-addressing set (malloc's, not PyMem's: lane.c's prefetch decodes
+ * without the GIL). */
 static int chain_fault(const uint64_t *hashes, size_t n, int has_parent, uint64_t parent) {
     size_t slots = 16;
     while (slots < 2 * (n + 1)) slots *= 2;
     uint64_t small_keys[256];
     uint8_t small_used[256];
-    uint64_t *keys = slots <= 256 ? small_keys : PyMem_Malloc(slots * 8);
-    uint8_t *used = slots <= 256 ? small_used : PyMem_Malloc(slots);
+    uint64_t *keys = slots <= 256 ? small_keys : malloc(slots * 8);
+    uint8_t *used = slots <= 256 ? small_used : malloc(slots);
     if (keys == NULL || used == NULL) {
-        if (keys != small_keys) PyMem_Free(keys);
-        if (used != small_used) PyMem_Free(used);
+        if (keys != small_keys) free(keys);
+        if (used != small_used) free(used);
         return 1; /* let Python decide */
     }
     memset(used, 0, slots);
@@ -252,8 +253,8 @@ static int chain_fault(const uint64_t *hashes, size_t n, int has_parent, uint64_
         used[at] = 1;
         keys[at] = h;
     }
-    if (keys != small_keys) PyMem_Free(keys);
-    if (used != small_used) PyMem_Free(used);
+    if (keys != small_keys) free(keys);
+    if (used != small_used) free(used);
     return fault;
 }
 
