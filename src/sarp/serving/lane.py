@@ -136,7 +136,7 @@ class Prefetch:
     Cost: a thread's start and join; about a microsecond of C per event, off the
     caller's thread, and a copy of the columns at :meth:`end`.
 
-    >>> native.C is None or Prefetch.start([], 8, 100, Columns()).end(Columns()) == []
+    >>> Lane.open() is None or Prefetch.start([], 8, 100, Columns()).end(Columns()) == []
     True
     """
 
