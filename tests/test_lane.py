@@ -233,7 +233,7 @@ def test_a_write_that_fails_while_the_prefetch_takes_drops_what_it_took_and_prov
                 return real_flush(state)
 
             sub.applier.flush = flush
-            lane.Prefetch.start = staticmethod(start)
+            monkeypatch.setattr(lane.Prefetch, "start", staticmethod(start))
             time.sleep(0.3)
             for i, chain in enumerate(chains(11, 900)):
                 engines[i % 3].serve(chain)
@@ -249,7 +249,6 @@ def test_a_write_that_fails_while_the_prefetch_takes_drops_what_it_took_and_prov
             assert index.check() == []
             sub.close()
     finally:
-        lane.Prefetch.start = real_start
         for e in engines:
             e.publisher.close()
 
@@ -406,3 +405,48 @@ def test_a_prefetch_of_long_chains_beside_python_work_takes_what_its_reference_t
         context.term()
     assert results[0] == results[1]
     assert sum(len(t[3][1]) for t in results[0][0]) == 240  # every message, in line
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_a_prefetch_that_fails_stops_nothing_and_its_messages_are_proven_again(
+        tmp_path, monkeypatch, where):
+    """A prefetch with no thread to start (the commit goes alone), or one whose end
+    runs out of memory after it took messages (they are lost: a gap the engines'
+    buffers fill): counted, and the index ends as the engines hold their blocks."""
+    monkeypatch.setattr(subscriber, "MAX_BATCH_OPS", 64)  # commits within the backlog
+    real_end = lane.Prefetch.end
+
+    def start(*args):
+        raise OSError("no thread (injected)")
+
+    def end(self, columns, wait=False):
+        real_end(self, Columns(), wait)  # taken, then lost
+        raise MemoryError("injected")
+
+    if where == "start":
+        monkeypatch.setattr(lane.Prefetch, "start", staticmethod(start))
+    else:
+        monkeypatch.setattr(lane.Prefetch, "end", end)
+    engines = [engine(f"e{k}", capacity=300) for k in range(3)]
+    try:
+        with sarp.open(tmp_path / "ix", durability="nosync") as index:
+            sub = Subscriber(index, [Source(e.name, e.publisher.endpoint,
+                                            e.publisher.replay_endpoint) for e in engines])
+            time.sleep(0.3)
+            for i, chain in enumerate(chains(13, 600)):
+                engines[i % 3].serve(chain)
+            time.sleep(0.5)  # queued
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(
+                    sub.last_seq.get(e.name, -1) >= e.publisher.next_seq - 1
+                    and held(index, e.holder) == set(e.cache) for e in engines):
+                sub.poll(20)
+            assert sub.prefetch_failures >= 1 and sub.prefetched == 0
+            for e in engines:
+                assert held(index, e.holder) == set(e.cache), e.name
+            if where == "end":
+                assert sum(s["gaps"] for s in sub.summary().values()) >= 1
+            sub.close()
+    finally:
+        for e in engines:
+            e.publisher.close()

@@ -12,7 +12,7 @@ import zmq
 
 from .applier import holder_name
 from .lane import DRY, TAKEN_ALL, Prefetch
-from .replay import TS_SLACK_S, recv_message
+from .replay import TS_SLACK_S, fault_log, recv_message
 
 ROUND_MESSAGES = 8  # messages taken from one source before the next one's turn
 
@@ -23,6 +23,7 @@ class InLine:
 
     prefetching = True  # a prefetch while a backlog's commit is written (False: never)
     prefetched = 0  # batches a prefetch took
+    prefetch_failures = 0  # prefetches that could not start, or lost what they took
 
     def _round(self, sock: zmq.Socket, key: str) -> tuple[int, int, bool]:
         """A source's turn: up to ``ROUND_MESSAGES`` of its live messages, those next in
@@ -97,8 +98,12 @@ class InLine:
         ``_store_failed``)."""
         lines = [line for sock, key in self._subs.items() if key not in self._jobs
                  and (line := self._line(sock, key)) is not None] if self.prefetching else []
-        prefetch = Prefetch.start(lines, ROUND_MESSAGES, max_events,
-                                  self.applier.columns) if lines else None
+        prefetch = None
+        try:
+            prefetch = Prefetch.start(lines, ROUND_MESSAGES, max_events,
+                                      self.applier.columns) if lines else None
+        except (OSError, MemoryError) as exc:  # no thread, no memory: the commit alone
+            self._prefetch_failed(exc)
         try:
             self.flush()
         except BaseException:
@@ -108,7 +113,11 @@ class InLine:
         if prefetch is None:
             return False
         keys = [self._subs[line[0]] for line in lines]
-        taken = prefetch.end(self.applier.columns)
+        try:
+            taken = prefetch.end(self.applier.columns)
+        except MemoryError as exc:  # what it took is lost: a gap, which a replay proves
+            self._prefetch_failed(exc)
+            return False
         last = {}
         for j, expected, first, got in taken:
             self._took(keys[j], expected, lines[j][6], first, got)
@@ -118,3 +127,8 @@ class InLine:
             if got[5] is not None:
                 self._on_message(keys[j], got[5])
         return TAKEN_ALL in last.values()
+
+    def _prefetch_failed(self, exc: Exception) -> None:
+        self.prefetch_failures += 1
+        fault_log.warn("prefetch", "failed", f"sarp: a prefetch failed ({exc!r}); its "
+                       "messages are taken again after the commit, or replayed")
