@@ -206,6 +206,20 @@ def test_the_subscriber_with_the_lane_keeps_what_it_keeps_without(tmp_path, monk
     assert with_lane["gaps"] >= 1
 
 
+def _flood_and_follow(sub: Subscriber, index, engines: list, seed: int, n: int) -> None:
+    """``n`` requests over the engines, queued before the subscriber reads, then polled
+    until it has every batch and the index holds each engine's cache (60 s at most)."""
+    time.sleep(0.3)
+    for i, chain in enumerate(chains(seed, n)):
+        engines[i % len(engines)].serve(chain)
+    time.sleep(0.5)  # queued
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+            sub.last_seq.get(e.name, -1) >= e.publisher.next_seq - 1
+            and held(index, e.holder) == set(e.cache) for e in engines):
+        sub.poll(20)
+
+
 def test_a_write_that_fails_while_the_prefetch_takes_drops_what_it_took_and_proves_again(
         tmp_path, monkeypatch):
     """A commit fails (the store's error) with a prefetch taking the next messages:
@@ -234,15 +248,7 @@ def test_a_write_that_fails_while_the_prefetch_takes_drops_what_it_took_and_prov
 
             sub.applier.flush = flush
             monkeypatch.setattr(lane.Prefetch, "start", staticmethod(start))
-            time.sleep(0.3)
-            for i, chain in enumerate(chains(11, 900)):
-                engines[i % 3].serve(chain)
-            time.sleep(0.5)  # queued
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(
-                    sub.last_seq.get(e.name, -1) >= e.publisher.next_seq - 1
-                    and held(index, e.holder) == set(e.cache) for e in engines):
-                sub.poll(20)
+            _flood_and_follow(sub, index, engines, 11, 900)
             assert failed and failed[0] > 0 and sub.store_errors == 1
             for e in engines:
                 assert held(index, e.holder) == set(e.cache), e.name
@@ -432,15 +438,7 @@ def test_a_prefetch_that_fails_stops_nothing_and_its_messages_are_proven_again(
         with sarp.open(tmp_path / "ix", durability="nosync") as index:
             sub = Subscriber(index, [Source(e.name, e.publisher.endpoint,
                                             e.publisher.replay_endpoint) for e in engines])
-            time.sleep(0.3)
-            for i, chain in enumerate(chains(13, 600)):
-                engines[i % 3].serve(chain)
-            time.sleep(0.5)  # queued
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(
-                    sub.last_seq.get(e.name, -1) >= e.publisher.next_seq - 1
-                    and held(index, e.holder) == set(e.cache) for e in engines):
-                sub.poll(20)
+            _flood_and_follow(sub, index, engines, 13, 600)
             assert sub.prefetch_failures >= 1 and sub.prefetched == 0
             for e in engines:
                 assert held(index, e.holder) == set(e.cache), e.name

@@ -676,21 +676,30 @@ static void *col_grow(IntoCols *c, int col, Py_ssize_t n) {
     return col_bytes(c, col) + at;
 }
 
+/* An optional str field (absent or nil: *s NULL): 1, 0 when it holds anything else. */
+static int opt_str_raw(const uint8_t *at, const uint8_t *end, const uint8_t **s, size_t *n) {
+    *s = NULL;
+    *n = 0;
+    if (at == NULL || *at == 0xC0) return 1;
+    Reader f = {at, end};
+    return read_str(&f, s, n) == 1;
+}
+
+/* Is the learnt `name` (UTF-8, NULL for none) the field's `s` (NULL for none)? */
+static int same_str(const char *name, size_t name_len, const uint8_t *s, size_t n) {
+    return s == NULL ? name == NULL : name != NULL && name_len == n && memcmp(name, s, n) == 0;
+}
+
 /* Without the GIL: the name index of (holder, medium) learnt before (1; 0 unknown,
  * or a medium sarp refuses, or not a str). */
 static int known_name(const Known *k, long holder, const uint8_t *at, const uint8_t *end,
                       int32_t *out) {
-    const uint8_t *s = NULL;
-    size_t n = 0;
-    if (at != NULL && *at != 0xC0) {
-        Reader f = {at, end};
-        if (read_str(&f, &s, &n) != 1) return 0;
-    }
+    const uint8_t *s;
+    size_t n;
+    if (!opt_str_raw(at, end, &s, &n)) return 0;
     for (Py_ssize_t i = 0; i < k->npairs; i++) {
         const KnownPair *p = &k->pairs[i];
-        if (p->holder == holder && (s == NULL ? p->medium == NULL
-                                              : p->medium != NULL && p->medium_len == n
-                                                    && memcmp(p->medium, s, n) == 0)) {
+        if (p->holder == holder && same_str(p->medium, p->medium_len, s, n)) {
             *out = p->index;
             return p->index >= 0;
         }
@@ -700,17 +709,12 @@ static int known_name(const Known *k, long holder, const uint8_t *at, const uint
 
 /* Without the GIL: a LoRA name's seed learnt before (1; 0 unknown or not a str). */
 static int known_seed(const Known *k, const uint8_t *at, const uint8_t *end, uint64_t *out) {
-    const uint8_t *s = NULL;
-    size_t n = 0;
-    if (at != NULL && *at != 0xC0) {
-        Reader f = {at, end};
-        if (read_str(&f, &s, &n) != 1) return 0;
-    }
+    const uint8_t *s;
+    size_t n;
+    if (!opt_str_raw(at, end, &s, &n)) return 0;
     for (Py_ssize_t i = 0; i < k->nseeds; i++) {
-        const KnownSeed *e = &k->seeds[i];
-        if (s == NULL ? e->name == NULL
-                      : e->name != NULL && e->name_len == n && memcmp(e->name, s, n) == 0) {
-            *out = e->seed;
+        if (same_str(k->seeds[i].name, k->seeds[i].name_len, s, n)) {
+            *out = k->seeds[i].seed;
             return 1;
         }
     }
