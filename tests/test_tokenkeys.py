@@ -169,3 +169,35 @@ def test_resolve_aliases_of_a_large_batch_is_its_contract():
     assert np.frombuffer(first, np.uint8).tolist() == want[4]  # the aliases to write
     assert 0 < sum(want[4]) < sum(f for f, k in zip(want[1], kinds_blocks, strict=True) if k)
     assert sum(want[2]) > 1000 and sum(want[1]) > 10000  # stores made, blocks resolved
+
+
+def test_resolve_aliases_remembers_nothing_from_the_call_before():
+    """The C table's slots are kept from call to call: a call after a large one finds
+    none of the aliases the large one made, and the large one again gives what it gave."""
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}")
+    rng = np.random.default_rng(5)
+    root = tokenkeys.model_root("llama")
+    n = 40_000  # stores of 8 blocks: the table doubles from 1024 slots to 128 Ki
+    hashes = rng.integers(1, 1 << 40, size=n).astype(np.uint64)
+    tokens = rng.integers(0, 1 << 17, size=16 * n).astype(np.uint32)
+    ops = n // 8
+    none = np.zeros(0, np.uint64)
+
+    def stores():
+        return native.C.resolve_aliases(
+            np.zeros(ops, np.uint8), np.full(ops, root, np.uint64), np.full(ops, 8, np.int64),
+            hashes, np.zeros(ops, np.uint64), np.zeros(ops, np.uint8), tokens,
+            np.full(ops, 128, np.int64), np.full(ops, 16, np.int64),
+            np.full(ops, tokenkeys.lora_seed(None), np.uint64), none, none, none)
+
+    first = stores()
+    assert np.frombuffer(first[1], np.uint8).all() and np.frombuffer(first[2], np.uint8).all()
+    asked = hashes[::97].copy()  # removals (kind 1) of blocks the call before made
+    _, found, *_ = native.C.resolve_aliases(
+        np.ones(1, np.uint8), np.full(1, root, np.uint64), np.full(1, asked.size, np.int64),
+        asked, np.zeros(1, np.uint64), np.zeros(1, np.uint8), np.zeros(0, np.uint32),
+        np.zeros(1, np.int64), np.zeros(1, np.int64),
+        np.full(1, tokenkeys.lora_seed(None), np.uint64), none, none, none)
+    assert not np.frombuffer(found, np.uint8).any()
+    assert stores() == first

@@ -8,6 +8,8 @@
 #define PY_SSIZE_T_CLEAN
 #include "native.h"
 
+#include <sys/mman.h>
+
 /* token_keys(data, width, block_size, seed, parent) -> (keys, locals) as uint64 bytes.
  * width 4: data are tokens (u32, machine order), hashed block by block under `seed`;
  * width 8: data are local hashes already (block_size and seed unused).  Each key
@@ -60,61 +62,123 @@ PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t narg
  * and those a batch's stores make, first writer kept.  It grows with its entries
  * (at most half full), not with the blocks a batch names: a batch of 400,000 blocks
  * names about 50,000 distinct ones, and a table sized for all of them (32 MB) cost
- * more in page faults and cache misses than every probe of it. */
+ * more in page faults and cache misses than every probe of it.
+ *
+ * Its slots outlive the call (`kept`, up to KEEP_SLOTS of them): fresh zeroed memory
+ * per call cost a page fault per 4 kB, and as a probe reads a slot before its write,
+ * a TLB shootdown of the other core too (18% of serve's writer during a backlog).  A
+ * slot is used when its `used` is the call's generation, so a call clears nothing. */
 typedef struct {
     uint64_t root, hash, key;
-    int used;
+    uint32_t used; /* the generation that filled it */
 } Alias;
 
 typedef struct {
     Alias *slots;
     size_t mask, count;
+    uint32_t gen;
 } AliasTable;
 
-static size_t alias_slot(const Alias *slots, size_t mask, uint64_t root, uint64_t hash) {
+enum { KEEP_SLOTS = 1 << 19 }; /* 16 MB: a bigger table is the call's own, freed after */
+static Alias *kept;            /* (only with the GIL: every call holds it throughout) */
+static size_t kept_cap;
+static uint32_t kept_gen;
+
+/* `cap` zeroed slots, their pages mapped writable now (MAP_POPULATE): calloc's or
+ * malloc and memset's (which the compiler turns into calloc) fault later. */
+static Alias *slots_new(size_t cap) {
+    void *p = mmap(NULL, cap * sizeof(Alias), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void slots_free(Alias *slots, size_t cap) {
+    if (slots != NULL) munmap(slots, cap * sizeof(Alias));
+}
+
+static size_t alias_slot(const AliasTable *t, uint64_t root, uint64_t hash) {
     uint64_t h = (hash ^ (root * 0x9E3779B97F4A7C15ull)) * 0xff51afd7ed558ccdull;
-    size_t at = (size_t)(h ^ (h >> 32)) & mask;
-    while (slots[at].used && (slots[at].root != root || slots[at].hash != hash)) {
-        at = (at + 1) & mask;
+    size_t at = (size_t)(h ^ (h >> 32)) & t->mask;
+    const Alias *slots = t->slots;
+    while (slots[at].used == t->gen && (slots[at].root != root || slots[at].hash != hash)) {
+        at = (at + 1) & t->mask;
     }
     return at;
 }
 
-static int alias_init(AliasTable *t, size_t entries) {
-    size_t cap = 1024;
-    while (cap < 2 * entries) cap <<= 1;
-    t->slots = PyMem_Calloc(cap, sizeof(Alias));
-    if (t->slots == NULL) return -1;
+/* `cap` empty slots for `t` (a power of two): the kept ones under a new generation,
+ * else new zeroed memory (kept when at most KEEP_SLOTS).  0, or -1 (no memory). */
+static int alias_slots(AliasTable *t, size_t cap) {
+    if (cap > kept_cap) {
+        Alias *slots = slots_new(cap);
+        if (slots == NULL) return -1;
+        if (cap <= KEEP_SLOTS) {
+            slots_free(kept, kept_cap);
+            kept = slots, kept_cap = cap, kept_gen = 0;
+        } else {
+            t->slots = slots, t->gen = 1;
+        }
+    }
+    if (cap <= kept_cap) {
+        if (++kept_gen == 0) { /* after 2^32 calls: clear once and start again */
+            memset(kept, 0, kept_cap * sizeof(Alias));
+            kept_gen = 1;
+        }
+        t->slots = kept, t->gen = kept_gen;
+    }
     t->mask = cap - 1;
     t->count = 0;
     return 0;
 }
 
+static void alias_done(AliasTable *t) {
+    if (t->slots != kept) slots_free(t->slots, t->mask + 1);
+    t->slots = NULL;
+}
+
+static int alias_init(AliasTable *t, size_t entries) {
+    size_t cap = 1024;
+    while (cap < 2 * entries) cap <<= 1;
+    return alias_slots(t, cap);
+}
+
 /* 1 added, 0 there already (the first writer kept), -1 no memory. */
 static int alias_add(AliasTable *t, uint64_t root, uint64_t hash, uint64_t key) {
-    if (2 * (t->count + 1) > t->mask + 1) {
-        size_t cap = 2 * (t->mask + 1);
-        Alias *slots = PyMem_Calloc(cap, sizeof(Alias));
-        if (slots == NULL) return -1;
+    if (2 * (t->count + 1) > t->mask + 1) { /* doubled: its entries set aside, put back */
+        Alias *live = malloc((t->count + 1) * sizeof(Alias));
+        if (live == NULL) return -1;
+        size_t n = 0;
         for (size_t i = 0; i <= t->mask; i++) {
-            const Alias *a = &t->slots[i];
-            if (a->used) slots[alias_slot(slots, cap - 1, a->root, a->hash)] = *a;
+            if (t->slots[i].used == t->gen) live[n++] = t->slots[i];
         }
-        PyMem_Free(t->slots);
-        t->slots = slots;
-        t->mask = cap - 1;
+        AliasTable old = *t;
+        int was_kept = old.slots == kept; /* (freed by alias_slots if it grows them) */
+        if (alias_slots(t, 2 * (old.mask + 1)) < 0) {
+            *t = old;
+            free(live);
+            return -1;
+        }
+        if (!was_kept) slots_free(old.slots, old.mask + 1);
+        for (size_t i = 0; i < n; i++) {
+            Alias *a = &t->slots[alias_slot(t, live[i].root, live[i].hash)];
+            *a = live[i];
+            a->used = t->gen;
+        }
+        t->count = n;
+        free(live);
     }
-    Alias *a = &t->slots[alias_slot(t->slots, t->mask, root, hash)];
-    if (a->used) return 0;
-    *a = (Alias){root, hash, key, 1};
+    Alias *a = &t->slots[alias_slot(t, root, hash)];
+    if (a->used == t->gen) return 0;
+    *a = (Alias){root, hash, key, t->gen};
     t->count++;
     return 1;
 }
 
 static int alias_get(const AliasTable *t, uint64_t root, uint64_t hash, uint64_t *key) {
-    const Alias *a = &t->slots[alias_slot(t->slots, t->mask, root, hash)];
-    if (a->used) *key = a->key;
-    return a->used;
+    const Alias *a = &t->slots[alias_slot(t, root, hash)];
+    if (a->used != t->gen) return 0;
+    *key = a->key;
+    return 1;
 }
 
 /* One buffer argument, checked for its item size. */
@@ -158,7 +222,7 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     int got = 0;
     PyObject *out = NULL, *keys = NULL, *found = NULL, *made = NULL, *parent_keys = NULL;
     PyObject *first = NULL;
-    AliasTable t = {NULL, 0, 0};
+    AliasTable t = {NULL, 0, 0, 0};
     for (; got < 13; got++) {
         if (take(args[got], &v[got], items[got], names[got]) < 0) goto done;
     }
@@ -264,7 +328,7 @@ done:
     Py_XDECREF(made);
     Py_XDECREF(parent_keys);
     Py_XDECREF(first);
-    PyMem_Free(t.slots);
+    alias_done(&t);
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
     return out;
 }
