@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sarp import native, tokenkeys
+from sarp import aliases, native, tokenkeys
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "dynamo_local_hashes.json").read_text())
 PATHS = ["c", "python"] if native.AVAILABLE else ["python"]
@@ -173,7 +173,8 @@ def test_resolve_aliases_of_a_large_batch_is_its_contract():
 
 def test_resolve_aliases_remembers_nothing_from_the_call_before():
     """The C table's slots are kept from call to call: a call after a large one finds
-    none of the aliases the large one made, and the large one again gives what it gave."""
+    none of the aliases the large one made, and the large one again gives what it gave,
+    before and after the kept slots are handed back."""
     if not native.AVAILABLE:
         pytest.skip(f"sarp._native {native.WHY}")
     rng = np.random.default_rng(5)
@@ -201,3 +202,26 @@ def test_resolve_aliases_remembers_nothing_from_the_call_before():
         np.full(1, tokenkeys.lora_seed(None), np.uint64), none, none, none)
     assert not np.frombuffer(found, np.uint8).any()
     assert stores() == first
+    assert aliases.release() >= 128 * 1024 * 24  # handed back (serve's idle trim) ...
+    assert aliases.release() == 0
+    assert stores() == first  # ... and mapped again by the next call
+
+
+def test_serves_idle_trim_hands_back_the_kept_table():
+    if not native.AVAILABLE:
+        pytest.skip(f"sarp._native {native.WHY}")
+    from sarp.serving import serve
+
+    def one_store():  # of one block, its tokens given
+        none = np.zeros(0, np.uint64)
+        native.C.resolve_aliases(
+            np.zeros(1, np.uint8), np.ones(1, np.uint64), np.ones(1, np.int64),
+            np.full(1, 7, np.uint64), np.zeros(1, np.uint64), np.zeros(1, np.uint8),
+            np.arange(16, dtype=np.uint32), np.full(1, 16, np.int64), np.full(1, 16, np.int64),
+            np.zeros(1, np.uint64), none, none, none)
+
+    one_store()
+    assert aliases.release() > 0 and aliases.release() == 0  # a call keeps its table
+    one_store()
+    serve._trim_malloc()
+    assert aliases.release() == 0  # serve's idle trim handed it back

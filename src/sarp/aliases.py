@@ -246,6 +246,20 @@ def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, t
             np.frombuffer(first, bool))
 
 
+def release() -> int:
+    """Hand back the table ``resolve_aliases`` keeps from batch to batch (in C; the
+    next batch maps it again); its bytes.  serve calls it once idle.  Cost: an munmap.
+
+    >>> release() >= 0
+    True
+    """
+    c = native.C
+    if c is None:
+        native.ran_python("resolve_aliases")
+        return 0  # (the reference keeps nothing between batches)
+    return c.resolve_aliases_release()
+
+
 def _read(w: WriteTxn, roots: np.ndarray, hashes: np.ndarray
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stored aliases of ``(roots, hashes)`` (each pair read once): their roots,

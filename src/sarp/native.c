@@ -10,7 +10,7 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 33
+#define ABI_VERSION 34
 
 unsigned long long sarp_calls[CALL_KINDS];
 
@@ -76,6 +76,9 @@ static PyMethodDef methods[] = {
      "token_keys(data, width, block_size, seed, parent): see sarp.tokenkeys"},
     {"resolve_aliases", (PyCFunction)(void (*)(void))sarp_resolve_aliases, METH_FASTCALL,
      "resolve_aliases(...): a batch's engine hashes resolved to token keys (sarp.aliases)"},
+    {"resolve_aliases_release", sarp_resolve_aliases_release, METH_NOARGS,
+     "resolve_aliases_release(): the bytes of the table resolve_aliases keeps, handed back "
+     "(sarp.aliases.release)"},
     {"find", (PyCFunction)(void (*)(void))sarp_find, METH_FASTCALL,
      "find(out, query, keys, segs[, added, added_segs, gone]): Directory.lookup_many"},
     {"predict", (PyCFunction)(void (*)(void))sarp_predict, METH_FASTCALL,

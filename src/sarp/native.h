@@ -27,6 +27,7 @@ PyObject *sarp_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t na
 PyObject *sarp_decode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_token_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *sarp_resolve_aliases_release(PyObject *self, PyObject *unused);
 PyObject *sarp_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_predict(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *sarp_read_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -79,7 +79,8 @@ typedef struct {
     uint32_t gen;
 } AliasTable;
 
-enum { KEEP_SLOTS = 1 << 19 }; /* 16 MB: a bigger table is the call's own, freed after */
+enum { KEEP_SLOTS = 1 << 19 }; /* 16 MB: a bigger table is the call's own, freed after;
+                                   resolve_aliases_release hands them back when idle */
 static Alias *kept;            /* (only with the GIL: every call holds it throughout) */
 static size_t kept_cap;
 static uint32_t kept_gen;
@@ -179,6 +180,15 @@ static int alias_get(const AliasTable *t, uint64_t root, uint64_t hash, uint64_t
     if (a->used != t->gen) return 0;
     *key = a->key;
     return 1;
+}
+
+/* resolve_aliases_release() -> bytes the kept slots held, handed back (serve calls it
+ * once idle, with malloc_trim: the next batch maps them again). */
+PyObject *sarp_resolve_aliases_release(PyObject *self, PyObject *unused) {
+    size_t bytes = kept_cap * sizeof(Alias);
+    slots_free(kept, kept_cap);
+    kept = NULL, kept_cap = 0, kept_gen = 0;
+    return PyLong_FromSize_t(bytes);
 }
 
 /* One buffer argument, checked for its item size. */

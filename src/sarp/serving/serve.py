@@ -532,9 +532,13 @@ def _registry(status_dir: Path, subscriber: Subscriber, index, registered: set[s
 def _trim_malloc() -> None:
     """Hand freed heap memory back to the system (glibc's ``malloc_trim``): a backlog's
     messages pass through libzmq's I/O thread, whose malloc arena kept 45 MB after a
-    Mooncake drain, freed but resident.  Cost: a walk of the free lists, about a
-    millisecond; nothing where the C library has no such call."""
+    Mooncake drain, freed but resident.  And the table the aliases' resolution keeps
+    between batches (:func:`sarp.aliases.release`, a few MB).  Cost: a walk of the free
+    lists, about a millisecond; nothing where the C library has no such call."""
     global _libc
+    from .. import aliases  # (imported by the index already)
+
+    aliases.release()
     if _libc is None:
         try:
             _libc = ctypes.CDLL("libc.so.6")
