@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sarp
-from sarp import native
+from sarp import native, tokenkeys
 from sarp.bench import conformance as cf
 from sarp.serving.applier import Applier, ApplyStats
 from sarp.serving.columns import FIELDS, Columns
@@ -69,14 +69,21 @@ def _payloads(seed: int, count: int) -> list[bytes]:
 
 
 def _rows(cols: Columns) -> list[tuple]:
-    """Every row with its name spelled out, its hashes and its tokens."""
+    """Every row with its name spelled out, its hashes and its blocks' local hashes."""
     t = cols.take()
-    starts, tstarts = t.starts, np.cumsum(t.token_count) - t.token_count
+    tokened = np.where(t.token_count != 0, t.size, 0)
+    starts, lstarts = t.starts, np.cumsum(tokened) - tokened
+    assert t.locals.size == tokened.sum()
     return [(*(int(getattr(t, f)[i]) for f in FIELDS[:9] if f != "name"),
              t.names[int(t.name[i])],
              t.hashes[starts[i] : starts[i] + t.size[i]].tolist(),
-             t.tokens[tstarts[i] : tstarts[i] + t.token_count[i]].tolist())
+             t.locals[lstarts[i] : lstarts[i] + tokened[i]].tolist())
             for i in range(t.kind.size)]
+
+
+def _locals(ids: list[int]) -> list[int]:
+    """The local hashes of blocks of 16 token ids (no LoRA)."""
+    return tokenkeys.token_keys(ids, 16, parent=0)[1].tolist()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -114,7 +121,7 @@ def _int_as(value: int, form: int) -> bytes:
 
 def _tokens_both_ways(payload: bytes) -> list[int]:
     """The one event of ``payload`` added by C and by the Python reference: both take
-    it and hold the same rows; its token ids as the columns hold them."""
+    it and hold the same rows; its blocks' local hashes as the columns hold them."""
     c_cols, py_cols = Columns(), Columns()
     with native.forced("c"):
         got = c_cols.add(payload, "e#0", ROOT, tokens=True)
@@ -158,7 +165,7 @@ def test_token_ids_in_any_int_form_are_read_as_msgpack_reads_them(seed):
         packed = msgpack.packb([1.0, [event]])
         assert packed.endswith(b"\x91\xce\xff\xff\xff\xfe")
         got = _tokens_both_ways(packed[:-6] + head + body)
-        assert got == ([] if case % 4 == 3 else ids)
+        assert got == ([] if case % 4 == 3 else _locals(ids))
 
 
 def test_token_ids_twice_in_a_map_the_last_counts_as_in_the_reference():
@@ -174,7 +181,8 @@ def test_token_ids_twice_in_a_map_the_last_counts_as_in_the_reference():
             event = bytes([0x80 | len(items)]) + b"".join(
                 msgpack.packb(k) + msgpack.packb(v) for k, v in items)
             got = _tokens_both_ways(msgpack.packb([1.0, [0]])[:-1] + event)
-            assert got == (last if kind == "BlockStored" and last in (good, other) else [])
+            assert got == (_locals(last) if kind == "BlockStored" and last in (good, other)
+                           else [])
 
 
 def _stream(seed: int) -> list[tuple[int, bytes]]:

@@ -26,13 +26,14 @@ to its own block).
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
 from . import native
 from .errors import ParentNotFoundError
 from .store import WriteTxn
-from .tokenkeys import lora_seed, token_keys
+from .tokenkeys import chain_locals, lora_seed, token_keys
 from .writeset import Plan
 
 ENGINE_KINDS = ("insert_engine", "remove_engine")
@@ -216,12 +217,13 @@ def _in_c(w: WriteTxn, ops: list[tuple]):
 
 
 def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, tokens,
-             token_counts, block_sizes, seeds):
+             token_counts, block_sizes, seeds, given_locals: bool = False):
     """``resolve_aliases`` of operations given as columns, with the stored aliases they
     may need (parents, blocks without tokens) read first, and then those of the
     removals the batch's own stores did not resolve: ``(keys, found, made,
     parent_keys, first)`` as arrays (``first``: the blocks whose alias is new, neither
-    read nor made by an earlier store of the batch).
+    read nor made by an earlier store of the batch).  ``given_locals``: ``tokens`` are
+    the blocks' local hashes (the columns').
 
     A removal mostly names blocks a store of the same batch made, whose alias is the
     one stored (a function of its hash), so on a local store only the rest are read.
@@ -233,7 +235,8 @@ def _resolve(w: WriteTxn, is_store, roots, sizes, hashes, parents, has_parent, t
                    np.concatenate([hashes[need], parents[has_parent]]))
     keys, found, made, parent_keys, first = native.C.resolve_aliases(
         is_store.astype(np.uint8) ^ 1, roots, sizes, hashes, parents,
-        has_parent.astype(np.uint8), tokens, token_counts, block_sizes, seeds, *stored)
+        has_parent.astype(np.uint8), tokens, token_counts, block_sizes, seeds, *stored,
+        given_locals)
     keys, found = np.frombuffer(keys, np.uint64), np.frombuffer(found, bool)
     left = np.flatnonzero(np.repeat(~is_store, sizes) & ~found)  # removals unresolved
     if left.size and local:
@@ -315,8 +318,8 @@ def pack_columns(w: WriteTxn, packer, cols) -> tuple[Plan, list[tuple[int, Excep
         in_eng = np.repeat(eng, cols.size)
         k, found, m, pk, first = _resolve(
             w, is_store[eng], cols.root[eng], cols.size[eng], cols.hashes[in_eng],
-            cols.parent[eng], has_parent[eng], cols.tokens, cols.token_count[eng],
-            cols.block_size[eng], cols.seed[eng])
+            cols.parent[eng], has_parent[eng], cols.locals, cols.token_count[eng],
+            cols.block_size[eng], cols.seed[eng], given_locals=True)
         keys, parent_keys = cols.hashes.copy(), cols.parent.copy()
         keys[in_eng] = k
         parent_keys[eng] = pk
@@ -355,7 +358,8 @@ def _columns_in_python(w: WriteTxn, packer, cols):
     """:func:`pack_columns` without the extension: the rows as operations, through
     :func:`pack`."""
     ops, starts = [], cols.starts.tolist()
-    token_starts = (np.cumsum(cols.token_count) - cols.token_count).tolist()
+    tokened = np.where(cols.token_count != 0, cols.size, 0)
+    local_starts = (np.cumsum(tokened) - tokened).tolist()
     for i in range(cols.kind.size):
         chain = cols.hashes[starts[i] : starts[i] + int(cols.size[i])]
         name, root = cols.names[int(cols.name[i])], int(cols.root[i])
@@ -366,9 +370,9 @@ def _columns_in_python(w: WriteTxn, packer, cols):
         elif not root:
             ops.append(("insert", chain, parent, name, None))
         else:
-            t, at = int(cols.token_count[i]), token_starts[i]
+            t, at = int(tokened[i]), local_starts[i]
             ops.append(("insert_engine", chain, parent, name, root,
-                        cols.tokens[at : at + t] if t else None,
+                        Locals(cols.locals[at : at + t]) if t else None,
                         int(cols.block_size[i]) or None, cols.loras.get(int(cols.seed[i]))))
     plan, failed = pack(w, packer, ops)
     plan.removed_per_op = np.asarray(plan.removed_per_op, np.int64)
@@ -461,10 +465,12 @@ class _Batch:
             if not found[0]:
                 return False
             parent_key = int(key[0])
-        if _has_tokens(hashes, tokens, block_size):
+        chain = root if parent_key is None else parent_key
+        if type(tokens) is Locals and _has_tokens(hashes, tokens, block_size):
+            keys = chain_locals(tokens.hashes[: hashes.size], parent=chain)
+        elif _has_tokens(hashes, tokens, block_size):
             keys, _ = token_keys(tokens[: hashes.size * block_size], block_size,
-                                 parent=root if parent_key is None else parent_key,
-                                 lora_name=lora)
+                                 parent=chain, lora_name=lora)
         else:
             keys, found = self._resolve(root, hashes, n)
             if not found.all():
@@ -611,6 +617,14 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     return values[keep]
 
 
-def _has_tokens(hashes: np.ndarray, tokens: np.ndarray | None, block_size: int | None) -> bool:
+class Locals(NamedTuple):
+    """A store's blocks by their local hashes (the columns' decoder hashed the tokens)."""
+    hashes: np.ndarray
+
+
+def _has_tokens(hashes: np.ndarray, tokens: np.ndarray | Locals | None,
+                block_size: int | None) -> bool:
     """Did a store carry the tokens of all its blocks?"""
+    if type(tokens) is Locals:
+        return tokens.hashes.size >= hashes.size
     return tokens is not None and bool(block_size) and tokens.size >= hashes.size * block_size

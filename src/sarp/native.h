@@ -40,7 +40,7 @@ PyObject *sarp_heads(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 /* serving/events.c: decode_into's core, for serving/lane.c too.  The commit's
  * columns (serving/columns.py) and what learns their names; a payload appended to
  * them: 1 read (*out filled), 0 not read, -1 error; the columns as they were unless 1. */
-#define INTO_COLS 11
+#define INTO_COLS 12
 /* Without the GIL (serving/lane.c's prefetch) the columns are C's own, and the names
  * and LoRA seeds are those learnt before it began: a pair or a name not among them
  * leaves the payload unread (0), for Python to learn. */

@@ -137,10 +137,13 @@ static void alias_done(AliasTable *t) {
     t->slots = NULL;
 }
 
-static int alias_init(AliasTable *t, size_t entries) {
-    size_t cap = 1024;
+/* Slots for `entries` aliases, or as many of the kept ones as `most` aliases could
+ * fill: a batch like the last one then doubles none (a doubling puts each alias again). */
+static int alias_init(AliasTable *t, size_t entries, size_t most) {
+    size_t cap = 1024, enough = 1024;
     while (cap < 2 * entries) cap <<= 1;
-    return alias_slots(t, cap);
+    while (enough < 2 * most && enough < kept_cap) enough <<= 1;
+    return alias_slots(t, cap > enough ? cap : enough);
 }
 
 /* 1 added, 0 there already (the first writer kept), -1 no memory. */
@@ -205,7 +208,7 @@ static int take(PyObject *obj, Py_buffer *view, Py_ssize_t item, const char *nam
 
 /* resolve_aliases(kinds, roots, sizes, hashes, parents, has_parent, tokens,
  *                 token_counts, block_sizes, seeds, stored_roots, stored_hashes,
- *                 stored_keys) -> (keys, found, made, parent_keys, first)
+ *                 stored_keys[, locals]) -> (keys, found, made, parent_keys, first)
  * sarp/aliases.py's _Batch in one call: a batch's engine-hash operations, in order
  * (kinds u8: 0 a store, 1 a removal; per operation roots u64, sizes i64, parents u64,
  * has_parent u8, token_counts i64 (the tokens a store carries for all its blocks, or
@@ -217,14 +220,19 @@ static int take(PyObject *obj, Py_buffer *view, Py_ssize_t item, const char *nam
  * hashes resolve through the stored aliases and every store made.  Out, aligned with
  * the hashes: keys (u64), found (u8) and first (u8: a store's block whose alias is
  * new, neither stored nor made by an earlier store: the aliases to write); per
- * operation: made (u8), parent_keys (u64). */
+ * operation: made (u8), parent_keys (u64).  With `locals` true, `tokens` holds the
+ * blocks' local hashes instead (u64, one per block of a store with token_counts > 0:
+ * the columns' decoder took them, serving/columns.py), and only the chain is left. */
 PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     sarp_calls[CALL_RESOLVE_ALIASES]++;
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "resolve_aliases: 13 buffers");
+    if (nargs != 13 && nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "resolve_aliases: 13 buffers[, locals]");
         return NULL;
     }
-    static const Py_ssize_t items[13] = {1, 8, 8, 8, 8, 1, 4, 8, 8, 8, 8, 8, 8};
+    int given = nargs == 14 ? PyObject_IsTrue(args[13]) : 0;
+    if (given < 0) return NULL;
+    Py_ssize_t items[13] = {1, 8, 8, 8, 8, 1, 4, 8, 8, 8, 8, 8, 8};
+    items[6] = given ? 8 : 4;
     static const char *names[13] = {"kinds", "roots", "sizes", "hashes", "parents",
                                     "has_parent", "tokens", "token_counts", "block_sizes",
                                     "seeds", "stored_roots", "stored_hashes", "stored_keys"};
@@ -243,14 +251,14 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     const uint64_t *s_keys = v[12].buf;
     const uint8_t *tokens = v[6].buf;
     Py_ssize_t ops = v[0].len, total = v[3].len / 8, stored = v[10].len / 8;
-    Py_ssize_t token_total = v[6].len / 4;
+    Py_ssize_t token_total = v[6].len / items[6];
     if (v[1].len / 8 != ops || v[2].len / 8 != ops || v[4].len / 8 != ops || v[5].len != ops
         || v[7].len / 8 != ops || v[8].len / 8 != ops || v[9].len / 8 != ops
         || v[11].len / 8 != stored || v[12].len / 8 != stored) {
         PyErr_SetString(PyExc_ValueError, "resolve_aliases: per-operation arrays differ");
         goto done;
     }
-    Py_ssize_t sum = 0, token_sum = 0;
+    Py_ssize_t sum = 0, token_sum = 0, store_blocks = 0;
     for (Py_ssize_t i = 0; i < ops; i++) {
         if (sizes[i] < 0 || token_counts[i] < 0
             || (token_counts[i] && (kinds[i] != 0 || block_sizes[i] <= 0
@@ -259,13 +267,14 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
             goto done;
         }
         sum += sizes[i];
-        token_sum += token_counts[i];
+        store_blocks += kinds[i] == 0 ? sizes[i] : 0;
+        token_sum += given ? (token_counts[i] ? sizes[i] : 0) : token_counts[i];
     }
     if (sum != total || token_sum != token_total) {
         PyErr_SetString(PyExc_ValueError, "resolve_aliases: sizes do not add up");
         goto done;
     }
-    if (alias_init(&t, (size_t)stored) < 0) {
+    if (alias_init(&t, (size_t)stored, (size_t)(stored + store_blocks)) < 0) {
         PyErr_NoMemory();
         goto done;
     }
@@ -291,7 +300,9 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     memset(fst, 0, (size_t)total);
     memset(k, 0, 8 * (size_t)total);
     Py_ssize_t at = 0, token_at = 0;
-    for (Py_ssize_t i = 0; i < ops; at += sizes[i], token_at += token_counts[i], i++) {
+    for (Py_ssize_t i = 0; i < ops;
+         at += sizes[i], token_at += given ? (token_counts[i] ? sizes[i] : 0) : token_counts[i],
+         i++) {
         m[i] = 0;
         pk[i] = 0;
         if (kinds[i] != 0) continue;  /* removals: after every store */
@@ -300,7 +311,13 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
             if (!alias_get(&t, root, parents[i], &chain)) continue;  /* an orphan */
             pk[i] = chain;
         }
-        if (token_counts[i]) {
+        if (token_counts[i] && given) {
+            const uint8_t *p = tokens + 8 * token_at;
+            for (Py_ssize_t b = 0; b < sizes[i]; b++, p += 8) {
+                chain = XXH3_64bits_withSeed(p, 8, chain);
+                k[at + b] = chain;
+            }
+        } else if (token_counts[i]) {
             Py_ssize_t stride = 4 * block_sizes[i];
             const uint8_t *p = tokens + 4 * token_at;
             for (Py_ssize_t b = 0; b < sizes[i]; b++, p += stride) {

@@ -6,9 +6,11 @@ One row per store or removal: its kind (0 store, 1 removal), its stored holder n
 (an index into :attr:`Columns.names`: ``holder`` and medium), its model root (0: keyed
 by the engine's hashes), its block count (its hashes in ``hashes``, in row order),
 its parent, and, for a store keyed by tokens that carries the tokens of all its
-blocks, their count (in ``tokens``), the block size and the LoRA seed
-(:func:`sarp.tokenkeys.lora_seed`).  Events of another KV cache group are read and
-counted, not kept (as :class:`sarp.serving.applier.Applier` skips them).
+blocks, their count, the block size, the LoRA seed (:func:`sarp.tokenkeys.lora_seed`)
+and each block's local hash (in ``locals``: the first step of its key, an xxh3 of its
+tokens, taken as the events are decoded; the tokens themselves are not kept).  Events
+of another KV cache group are read and counted, not kept (as
+:class:`sarp.serving.applier.Applier` skips them).
 
 A batch the columns do not take (a clear, a malformed event, a medium sarp refuses,
 anything the C decoder leaves to Python) leaves them as they were, and goes the
@@ -24,13 +26,14 @@ import numpy as np
 
 from .. import native
 from ..holders import holder_name, split_name
-from ..tokenkeys import lora_seed
+from ..tokenkeys import lora_seed, token_keys
 from .events import BadEvent, Removed, Stored, decode, tier_of
 
 FIELDS = ("kind", "name", "root", "size", "parent", "has_parent", "token_count",
-          "block_size", "seed", "hashes", "tokens")  # decode_into's order
+          "block_size", "seed", "hashes", "locals")  # decode_into's order (and, after
+# them, its own column: the token ids of the store it reads, hashed and dropped)
 DTYPES = (np.uint8, np.int32, np.uint64, np.int64, np.uint64, np.uint8, np.int64, np.int64,
-          np.uint64, np.uint64, np.uint32)
+          np.uint64, np.uint64, np.uint64)
 LEARNED = 4096  # (holder, medium) pairs and LoRA names remembered, at most
 
 
@@ -52,7 +55,7 @@ class Taken:
     block_size: np.ndarray
     seed: np.ndarray
     hashes: np.ndarray
-    tokens: np.ndarray
+    locals: np.ndarray  # per block of a store keyed by tokens: tokenkeys' local hash
     names: list[str]
     loras: dict[int, str | None]  # seed -> LoRA name
 
@@ -69,8 +72,9 @@ class Taken:
 class Columns:
     """The columns of the next commit; see the module docstring.
 
-    Cost: about a microsecond of C per event and a copy of its hashes (and tokens);
-    a Python call only for a (holder, medium) pair or a LoRA name not seen before.
+    Cost: about a microsecond of C per event and a copy of its hashes (and an xxh3 of
+    each block's tokens); a Python call only for a (holder, medium) pair or a LoRA name
+    not seen before.
 
     >>> import msgpack
     >>> cols = Columns()
@@ -83,7 +87,7 @@ class Columns:
     """
 
     def __init__(self) -> None:
-        self._cols = [bytearray() for _ in FIELDS]
+        self._cols = [bytearray() for _ in FIELDS] + [bytearray()]  # (+ decode_into's)
         self._holders: dict[str, int] = {}
         self._holder_list: list[str] = []
         self._pairs: dict[tuple[int, str | None], int | None] = {}  # (holder, medium sent)
@@ -180,7 +184,9 @@ class Columns:
                 t, size = event.token_ids, event.block_size
                 if root and t is not None and size and t.size >= n * size:
                     row[6:9] = [n * size, size, self._learn_seed(event.lora_name)]
-                    self._cols[10] += np.ascontiguousarray(t[: n * size], np.uint32).tobytes()
+                    _, local = token_keys(t[: n * size], size, parent=0,
+                                          lora_name=event.lora_name)
+                    self._cols[10] += local.tobytes()
             for col, value, dtype in zip(self._cols, row, DTYPES, strict=False):
                 col += np.array([value], dtype).tobytes()
             self._cols[9] += np.ascontiguousarray(event.block_hashes, np.uint64).tobytes()
@@ -229,7 +235,7 @@ class Columns:
 
         Cost: one copy of the columns.
         """
-        arrays = [np.frombuffer(bytes(c), d) for c, d in zip(self._cols, DTYPES, strict=True)]
+        arrays = [np.frombuffer(bytes(c), d) for c, d in zip(self._cols, DTYPES, strict=False)]
         for c in self._cols:
             c.clear()
         taken = Taken(*arrays, names=list(self.names),

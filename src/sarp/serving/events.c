@@ -390,10 +390,12 @@ typedef struct {
     size_t count;
 } TokenSink;
 
+/* (COL_TOKENS is the decoder's own: a store's token ids while it is read, hashed into
+ * COL_LOCALS, one u64 per block, and dropped; it is left empty after every event) */
 enum { COL_KIND, COL_NAME, COL_ROOT, COL_SIZE, COL_PARENT, COL_HAS_PARENT, COL_TOKEN_COUNT,
-       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_TOKENS };
+       COL_BLOCK_SIZE, COL_SEED, COL_HASHES, COL_LOCALS, COL_TOKENS };
 #define NUM_COLS INTO_COLS
-static const Py_ssize_t COL_ITEM[NUM_COLS] = {1, 4, 8, 8, 8, 1, 8, 8, 8, 8, 4};
+static const Py_ssize_t COL_ITEM[NUM_COLS] = {1, 4, 8, 8, 8, 1, 8, 8, 8, 8, 8, 4};
 
 /* Column `col`'s size in bytes, its bytes, and its size set to `n` bytes (0, or -1:
  * out of memory; with the GIL, the exception set): a bytearray's, or C's own (when
@@ -836,11 +838,18 @@ static int event_into(Reader *r, int with_tokens, uint64_t root, long holder, In
             if (seeded <= 0) return seeded;
         }
     }
-    /* the ids of the blocks taken stay; the rest (a partial block, or all) go */
-    if (reading != NULL
-        && col_resize(c, COL_TOKENS, sink.start + (Py_ssize_t)tokens_taken * 4) < 0) {
-        return -1;
+    /* the blocks' local hashes (xxh3-64 of each one's ids, as LE u32s, under the LoRA
+     * seed: tokenkeys' first step, here on the decoding core) stay; the ids go */
+    if (tokens_taken) {
+        uint64_t *locals = col_grow(c, COL_LOCALS, (Py_ssize_t)nh);
+        if (locals == NULL) return -1;
+        const uint8_t *p = col_bytes(c, COL_TOKENS) + sink.start;
+        size_t stride = 4 * (size_t)block_size;
+        for (size_t b = 0; b < nh; b++, p += stride) {
+            locals[b] = XXH3_64bits_withSeed(p, stride, seed);
+        }
     }
+    if (reading != NULL && col_resize(c, COL_TOKENS, sink.start) < 0) return -1;
     uint8_t *k = col_grow(c, COL_KIND, 1);
     int32_t *nm = col_grow(c, COL_NAME, 1);
     uint64_t *rt = col_grow(c, COL_ROOT, 1);
