@@ -537,17 +537,25 @@ def test_sources_with_a_backlog_are_drained_in_turns(index):
                 e.serve([rng.getrandbits(63) for _ in range(4)])
         time.sleep(0.5)  # everything waits in the SUB sockets
         order: list[str] = []
-        handle, took = sub._on_message, sub._took
+        handle, taken = sub._on_message, sub.applier.taken
+
+        one_by_one = []
 
         def record(key, frames):
             order.append(key)
-            return handle(key, frames)
+            one_by_one.append(key)
+            try:
+                return handle(key, frames)
+            finally:
+                one_by_one.pop()
 
-        def record_took(key, expected, holder, first, got):  # (the C lane, the prefetch)
-            order.extend([key] * len(got[1]))
-            return took(key, expected, holder, first, got)
+        def record_taken(stats, first, batches, *rest):  # (the C lane, the prefetch)
+            if not one_by_one:
+                order.extend([next(k for k, s in sub.stats.items() if s.applied is stats)]
+                             * batches)
+            return taken(stats, first, batches, *rest)
 
-        sub._on_message, sub._took = record, record_took
+        sub._on_message, sub.applier.taken = record, record_taken
         deadline = time.monotonic() + 30
         while len(order) < 400 and time.monotonic() < deadline:
             sub.poll(100)

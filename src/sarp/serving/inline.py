@@ -77,16 +77,23 @@ class InLine:
     def _took(self, key: str, expected: int, holder: str, first: int, got: tuple) -> None:
         """Queue what the lane took of the source (``got``: its answer), in the
         columns from row ``first`` on."""
-        _, digests, stamps, events, skipped, _ = got
-        if digests:
-            last = expected + len(digests) - 1
-            self._heard[key] = time.monotonic()
-            self._gone.discard(key)
-            self._live_last[key] = last
-            self._drop_ahead(key, last)
-            self.applier.taken(self.stats[key].applied, first, len(digests), holder,
-                               self.sources[key].root, events, skipped)
-            self._queued(key, expected, digests, stamps, None)
+        if got[1]:
+            self._count_took(key, holder, first, got)
+            self._queue_took(key, expected, got[1], got[2])
+
+    def _count_took(self, key: str, holder: str, first: int, got: tuple) -> None:
+        """The applier's count of a take (in row order: its rows begin at ``first``)."""
+        self.applier.taken(self.stats[key].applied, first, len(got[1]), holder,
+                           self.sources[key].root, got[3], got[4])
+
+    def _queue_took(self, key: str, expected: int, digests: list, stamps: list) -> None:
+        """The source's batches ``expected`` on (their digests and stamps) queued."""
+        last = expected + len(digests) - 1
+        self._heard[key] = time.monotonic()
+        self._gone.discard(key)
+        self._live_last[key] = last
+        self._drop_ahead(key, last)
+        self._queued(key, expected, digests, stamps, None)
 
     def _flush_taking(self, max_events: int) -> bool:
         """:meth:`flush`, while a :class:`~.lane.Prefetch` takes the next commit's
@@ -118,11 +125,17 @@ class InLine:
         except MemoryError as exc:  # what it took is lost: a gap, which a replay proves
             self._prefetch_failed(exc)
             return False
-        last = {}
-        for j, expected, first, got in taken:
-            self._took(keys[j], expected, lines[j][6], first, got)
+        last, queued = {}, {}  # (a source's takes follow each other in its sequence:
+        for j, expected, first, got in taken:  # each one's queued once, for them all)
+            if got[1]:
+                self._count_took(keys[j], lines[j][6], first, got)
+                digests, stamps = queued.setdefault(j, (expected, [], []))[1:]
+                digests += got[1]
+                stamps += got[2]
             self.prefetched += len(got[1])
             last[j] = got[0]
+        for j, (expected, digests, stamps) in queued.items():
+            self._queue_took(keys[j], expected, digests, stamps)
         for j, _, _, got in taken:
             if got[5] is not None:
                 self._on_message(keys[j], got[5])
