@@ -24,14 +24,14 @@ static int bound[RAW_ENGINES];
 
 /* lmdb_bind(engine, addresses) -> None: mdb_get, mdb_put, mdb_del, mdb_cursor_open,
  * mdb_cursor_close, mdb_cursor_get, mdb_cursor_put, mdb_cursor_del, mdb_txn_id,
- * mdb_txn_env, mdb_dbi_open, mdb_txn_begin and mdb_txn_abort of one engine, as
- * integers. */
+ * mdb_txn_env, mdb_dbi_open, mdb_txn_begin, mdb_txn_abort and mdb_set_compare of one
+ * engine, as integers. */
 PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != RAW_CALLS) {
         PyErr_SetString(PyExc_TypeError, "lmdb_bind(engine, (get, put, del, cursor_open, "
                                          "cursor_close, cursor_get, cursor_put, cursor_del, "
                                          "txn_id, txn_env, dbi_open, txn_begin, "
-                                         "txn_abort))");
+                                         "txn_abort, set_compare))");
         return NULL;
     }
     long engine = PyLong_AsLong(args[0]);
@@ -63,6 +63,7 @@ PyObject *sarp_lmdb_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     memcpy(&a->dbi_open, &at[10], sizeof(void *));
     memcpy(&a->txn_begin, &at[11], sizeof(void *));
     memcpy(&a->txn_abort, &at[12], sizeof(void *));
+    memcpy(&a->set_compare, &at[13], sizeof(void *));
     bound[engine] = 1;
     Py_RETURN_NONE;
 }
@@ -103,6 +104,22 @@ static PyObject *get_answer(const RawApi *api, void *txn, unsigned dbi, PyObject
     return Py_BuildValue("(iy#)", rc, (const char *)v.data, (Py_ssize_t)v.size);
 }
 
+/* The order of 8-byte big-endian keys (`blocks` and `segments`) as unsigned integers:
+ * memcmp's order, LMDB's default, with a load and a compare for its call; other sizes
+ * as LMDB's own (mdb_cmp_memn).  Readers elsewhere keep the default: the same order. */
+static int be64_cmp(const RawVal *a, const RawVal *b) {
+    if (a->size == 8 && b->size == 8) {
+        uint64_t x, y;
+        memcpy(&x, a->data, 8);
+        memcpy(&y, b->data, 8);
+        x = __builtin_bswap64(x), y = __builtin_bswap64(y);
+        return x < y ? -1 : x > y;
+    }
+    size_t n = a->size < b->size ? a->size : b->size;
+    int d = memcmp(a->data, b->data, n);
+    return d ? d : (a->size < b->size ? -1 : a->size > b->size);
+}
+
 int raw_of(PyObject *spec, RawTxn *out) {
     memset(out, 0, sizeof(*out));
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 7) {
@@ -117,7 +134,11 @@ int raw_of(PyObject *spec, RawTxn *out) {
     unsigned *dbi[4] = {&out->blocks, &out->segments, &out->meta, &out->log};
     for (int i = 0; i < 4; i++) *dbi[i] = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(spec, 2 + i));
     out->raise_for = PyTuple_GET_ITEM(spec, 6);
-    return PyErr_Occurred() ? -1 : 0;
+    if (PyErr_Occurred()) return -1;
+    /* (a refusal, EINVAL for a dbi not open here, leaves LMDB's compare: the same order) */
+    out->api->set_compare(out->txn, out->blocks, be64_cmp);
+    out->api->set_compare(out->txn, out->segments, be64_cmp);
+    return 0;
 }
 
 int raw_failed(const RawTxn *r, int rc) {

@@ -63,7 +63,7 @@ _ENV_HANDLE, _ENV_ENGINE = 64, 72
 _ENGINES = {(0, 9): (0, "mdb09_"), (1, 0): (1, "mdb10_")}  # (major, minor): number, prefix
 _CALLS = ("get", "put", "del", "cursor_open", "cursor_close", "cursor_get", "cursor_put",
           "cursor_del", "txn_id", "txn_env", "dbi_open", "txn_begin",
-          "txn_abort")  # lmdb_bind's order
+          "txn_abort", "set_compare")  # lmdb_bind's order
 KEY_EXISTS = -30799  # MDB_KEYEXIST
 _ERRORS = {-30799: lmdb.KeyExistsError, -30798: lmdb.NotFoundError,
            -30797: lmdb.PageNotFoundError, -30796: lmdb.CorruptedError,

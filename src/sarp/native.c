@@ -10,7 +10,7 @@
 #include "native.h"
 
 /* native.py refuses a build whose ABI differs (a stale .so from another checkout) */
-#define ABI_VERSION 34
+#define ABI_VERSION 35
 
 unsigned long long sarp_calls[CALL_KINDS];
 

@@ -91,7 +91,7 @@ PyObject *sarp_lane_prefetch_end(PyObject *self, PyObject *const *args, Py_ssize
 /* lmdb_env.c: liblmdb's calls of an engine py-lmdb bundles (sarp/lmdb_env.py binds
  * them), on a write transaction of py-lmdb's; the GIL held. */
 #define RAW_ENGINES 2 /* LMDB 0.9 and 1.0 */
-#define RAW_CALLS 13
+#define RAW_CALLS 14
 #define RAW_NOOVERWRITE 0x10
 #define RAW_KEYEXIST (-30799)
 #define RAW_NOTFOUND (-30798)
@@ -115,6 +115,7 @@ typedef struct {
     int (*dbi_open)(void *txn, const char *name, unsigned flags, unsigned *dbi);
     int (*txn_begin)(void *env, void *parent, unsigned flags, void **txn);
     void (*txn_abort)(void *txn);
+    int (*set_compare)(void *txn, unsigned dbi, int (*cmp)(const RawVal *, const RawVal *));
 } RawApi;
 typedef struct {
     const RawApi *api;

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
-ABI = 34  # native.c's ABI_VERSION
+ABI = 35  # native.c's ABI_VERSION
 # in the order of _native.calls(); "conn" counts requests a C connection answered, and
 # its Python runs the connections the reference serves (taken, or handed over);
 # "lmdb_pack" counts pack_batch calls on liblmdb's own calls (and its Python the ones
