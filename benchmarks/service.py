@@ -76,6 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "llama"
 QUEUE_SETTLE_S = 0.2  # the queued drain: publishing ends, this, then the service goes on
 VALKEY = None  # --sarp-valkey: the server sarp's indexes are namespaces of
+SARP_HTTP_WORKERS: int | None = None  # --sarp-http-workers (None: serve's default)
 
 
 class _Tape:
@@ -130,7 +131,9 @@ class Service:
         if self.kind == "sarp":
             cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", self.index,
                    "--durability", "nosync", "--http", f"127.0.0.1:{self.port}"]
-            # --http-workers: serve's default (the usable cores less one)
+            # --http-workers: serve's default (the usable cores less one), or the run's
+            if SARP_HTTP_WORKERS is not None:
+                cmd += ["--http-workers", str(SARP_HTTP_WORKERS)]
             if VALKEY is not None:  # a restart takes over the killed writer's lease
                 cmd += ["--lease-s", "2", "--wait-for-lease-s", "30"]
         else:
@@ -633,6 +636,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sarp-valkey", action="store_true",
                     help="sarp's index on a Valkey server the run starts (serve on Valkey)")
+    ap.add_argument("--sarp-http-workers", type=int, default=None,
+                    help="sarp serve's --http-workers (default: serve's own default; 0: "
+                    "HTTP on a thread of serve's own)")
     ap.add_argument("--plot", type=Path, default=None,
                     help="draw the rate sweep and the ratios here (.png)")
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
@@ -649,6 +655,8 @@ def main() -> int:
     # again and again, and from an editable install with PYTHONDONTWRITEBYTECODE set
     # (as on these machines) each start would compile ~60 modules first (about 0.1 s)
     compileall.compile_dir(Path(sarp.__file__).parent, quiet=1)
+    global SARP_HTTP_WORKERS
+    SARP_HTTP_WORKERS = args.sarp_http_workers
     if args.sarp_valkey:
         from sarp.bench.valkey_server import ValkeyServer
 
@@ -685,7 +693,9 @@ def run(args) -> int:
     from sarp.serving.workers import default_workers
 
     out: dict = {"trace": args.trace, "requests": args.requests, "engines": args.engines,
-                 "batches": len(stream), "sarp_http_workers": default_workers(),
+                 "batches": len(stream),
+                 "sarp_http_workers": default_workers() if args.sarp_http_workers is None
+                 else args.sarp_http_workers,
                  "runs": runs, "median": {}, "ratio": {}}
     for metric in next(iter(runs.values()))[0]:
         if metric == "sweep":

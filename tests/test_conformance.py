@@ -114,3 +114,57 @@ def test_sarp_answers_every_rfc_query_as_dynamos_indexer_does(tmp_path, dynamo):
         for e in engines:
             e.publisher.close()
         context.term()
+
+
+def test_http_on_serve_s_own_thread_answers_as_its_workers_do_while_engines_publish(tmp_path):
+    """``--http-workers 0`` (HTTP on a thread of serve's own, matching on the writer's
+    memory between its commits) against a serve with a worker process, fed by the same
+    engines: while they publish, 4 clients asking the thread get every answer (none
+    refused, none failed); once both have applied everything, every ``/query`` and
+    ``/query_by_hash`` gets the same answer from both."""
+    import threading
+
+    chat = _requests("mooncake_conversation.jsonl", 500)
+    asked = cf.queries(chat, 600, seed=5)
+    context = zmq.Context()
+    engines = cf.engines(context)
+    try:
+        with Serve(tmp_path / "own", [], workers=0) as own, \
+                Serve(tmp_path / "ix", [], workers=1) as worker:
+            urls = [f"http://127.0.0.1:{s.port}" for s in (own, worker)]
+            for s in (own, worker):
+                s.wait_ready()
+            for url in urls:
+                for body in cf.registrations(engines):
+                    assert cf.post(url, "/register", body)[0] == 201
+            for e in engines:
+                e.publisher.wait_subscribers(2)
+            statuses: list[int] = []
+            stop = threading.Event()
+
+            def client(k: int) -> None:
+                mine = asked[k::4]
+                while not stop.is_set():
+                    for path, body in mine:
+                        statuses.append(cf.post(urls[0], path, body)[0])
+                        if stop.is_set():
+                            break
+
+            clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+            for c in clients:
+                c.start()
+            try:
+                cf.drive(engines, chat)
+                cf.wait_for_markers(urls, engines)
+            finally:
+                stop.set()
+                for c in clients:
+                    c.join(60)
+            assert len(statuses) > 100 and set(statuses) <= {200, 404}, sorted(set(statuses))
+            differences, counts = cf.compare(urls[0], urls[1], asked)
+            assert counts["with_hits"] > 200, counts
+            assert differences == [], (len(differences), differences[:2])
+    finally:
+        for e in engines:
+            e.publisher.close()
+        context.term()

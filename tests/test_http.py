@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,15 +29,17 @@ def match(port: int, payload: object) -> tuple[int, dict]:
     return call(port, "POST", "/v1/match", json.dumps(payload).encode())
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    """sarp serve --http with one engine (DP rank 0) that stored a few chains."""
+@pytest.fixture(scope="module", params=["2", "0"], ids=["workers", "in-process"])
+def service(tmp_path_factory, request):
+    """sarp serve --http with one engine (DP rank 0) that stored a few chains: with 2
+    worker processes, and with HTTP on a thread of serve's own (``--http-workers 0``:
+    the same answers, from the writer's index)."""
     folder = tmp_path_factory.mktemp("http")
     pub = EnginePublisher(zmq.Context.instance())
     port = free_port()
     cmd = [sys.executable, "-m", "sarp.cli", "serve", "--index", str(folder / "ix"),
            "--durability", "nosync", "--source", f"eng={pub.endpoint},{pub.replay_endpoint}",
-           "--http", f"127.0.0.1:{port}", "--http-workers", "2", "--hash-scheme",
+           "--http", f"127.0.0.1:{port}", "--http-workers", request.param, "--hash-scheme",
            "vllm-sha256-cbor", "--hash-seed", "0", "--block-size", "16"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     tokens = list(range(100, 164))
@@ -61,7 +64,7 @@ def service(tmp_path_factory):
         else:
             proc.kill()
             raise AssertionError(f"sarp serve --http never got ready: {proc.stderr.read()}")
-        yield {"port": port, "tokens": tokens, "proc": proc}
+        yield {"port": port, "tokens": tokens, "proc": proc, "workers": int(request.param)}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -292,6 +295,13 @@ def _healthz_pid(conn: http.client.HTTPConnection) -> int:
 def test_a_pool_of_keepalive_connections_is_spread_evenly_over_the_workers(service):
     # A gateway's connection pool: with SO_REUSEPORT's hash, 8 connections landed 7 on
     # one of two workers in one run of 5; dealt in turn they land 4 and 4.
+    if not service["workers"]:  # one process: every connection is answered by serve
+        assert {_healthz_pid(http.client.HTTPConnection("127.0.0.1", service["port"],
+                                                        timeout=10))
+                for _ in range(8)} == {service["proc"].pid}
+        pid = service["proc"].pid  # no zygote, no worker: no child at all
+        assert Path(f"/proc/{pid}/task/{pid}/children").read_text().split() == []
+        return
     conns = [http.client.HTTPConnection("127.0.0.1", service["port"], timeout=10)
              for _ in range(8)]
     try:

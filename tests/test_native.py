@@ -376,8 +376,57 @@ def test_a_whole_query_in_c_is_the_general_path_s_and_never_ahead_of_the_store(t
         stack.callback(ours.send, None)  # (first: the writer stops, however this ends)
         _answer_beside_a_writer(stack.enter_context(sarp.open(tmp_path / "ix", readonly=True)),
                                 ours, rng, chains, root, models, media, raw)
-    with sarp.open(tmp_path / "ix") as index:
-        assert rfc.reading_of(index.reading()) is None  # a writer's: the general path
+    with sarp.open(tmp_path / "ix") as index:  # the writer's own (serve's HTTP thread)
+        _answer_on_the_writer(index, rng, chains, root, models, raw)
+
+
+def _answer_on_the_writer(index, rng, chains, root, models, raw: bool) -> None:
+    """rfc_query on the writer's own index: after each commit C answers as the general
+    path does (the writer's memory is current once its commit is in it); while the
+    writer's memory lock is held (a commit going into memory) or its memory is behind
+    the store, C leaves the query to the general path."""
+    import threading
+
+    from sarp.tokenkeys import token_keys
+
+    reading = rfc.reading_of(index.reading())
+    assert reading is not None
+    if not raw:
+        reading = (*reading[:-1], None)
+    for step in range(30):
+        chain = chains[rng.integers(len(chains))]
+        keys = token_keys(chain, 4, parent=root)[0]
+        hi = int(rng.integers(1, 13))
+        if rng.random() < 0.7:
+            index.insert(keys[:hi], holder=f"e{rng.integers(5)}")
+        else:
+            index.remove(keys[hi - 1:], holder=f"e{rng.integers(5)}")
+        body = orjson.dumps({"token_ids": chain[: int(rng.integers(4, 49))].tolist(),
+                             "model_name": "m"})
+        with native.Tally() as t:
+            got = rfc.answer_now(body, models, reading)
+        assert t.c("rfc_query") == 1 and got == _rfc_general(index, body, models), step
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another thread in the memory lock, as the writer's _apply is
+        with reading[0]:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        assert rfc.answer_now(body, models, reading) is None
+    finally:
+        release.set()
+        holder.join()
+    assert rfc.answer_now(body, models, reading) == got
+    memory = index.reading().memory
+    memory.watermark -= 1  # memory behind the store: the general path's
+    assert rfc.answer_now(body, models, reading) is None
+    memory.watermark += 1
+    assert rfc.answer_now(body, models, reading) == got
 
 
 def _answer_beside_a_writer(reader, ours, rng, chains, root, models, media, raw) -> None:

@@ -89,7 +89,9 @@ static int at_reserve(AliasTable *t, size_t more) {
         PyErr_NoMemory();
         return -1;
     }
+    GilTurn turn = {0, 0}; /* (a rehash of a million slots takes milliseconds) */
     for (size_t i = 0; i <= old.mask; i++) {
+        gil_turn(&turn);
         if (old.used[i] != LIVE) continue;
         int found;
         size_t j = at_find(t, old.roots[i], old.hashes[i], &found);
@@ -199,7 +201,9 @@ static PyObject *at_put(AliasTable *t, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     const uint64_t *h = c.b[1].buf, *k = c.b[2].buf;
+    GilTurn turn = {0, 0};
     for (Py_ssize_t i = 0; i < c.n; i++) {
+        gil_turn(&turn);
         uint64_t root = cols_root(&c, i);
         int hit;
         size_t s = at_find(t, root, h[i], &hit);

@@ -184,9 +184,11 @@ def _serve_parser(sub) -> None:
                        "connection is closed)")
     serve.add_argument("--http-idle-timeout-s", type=ac.seconds, default=30.0,
                        help="a keep-alive connection with nothing asked is closed after this")
-    serve.add_argument("--http-workers", type=ac.count, default=None,
-                       help="HTTP worker processes, each with a readonly open of the index "
-                       "(default: the usable cores less one, the writer's, from 1 to 8)")
+    serve.add_argument("--http-workers", type=ac.count_from(0), default=None,
+                       help="HTTP worker processes, each with a readonly open of the index; "
+                       "0: HTTP on a thread of serve's own, from the writer's index (one "
+                       "process, the least memory; a folder index only) (default: the "
+                       "usable cores less one, the writer's, from 1 to 8)")
     serve.add_argument("--hash-scheme", default=VLLM_DEFAULT_SCHEME,
                        choices=["vllm-sha256", "vllm-sha256-cbor", "vllm-xxhash",
                                 "vllm-xxhash-cbor", "sglang", "xxh3"],
@@ -287,7 +289,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .errors import IndexLockedError, SarpError
 
     zygote = None
-    if args.http:  # (--http-workers is a count: 1 or more)
+    if args.http:  # (--http-workers is a count: 0, HTTP in process, or more)
         # The HTTP workers' zygote, forked before serve's own imports (ZeroMQ, the
         # decoder, the dealer): it imports the HTTP stack meanwhile, and a restart's
         # workers answer sooner (docs/performance.md).  run() stops it, whatever fails.

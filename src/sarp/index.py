@@ -134,11 +134,11 @@ class Index:
         check_int("snapshot_every_changes", snapshot_every_changes, 1, 1 << 62)
         started = time.perf_counter()
         self.path = path if is_url(path) else Path(path)
-        self._memory = Memory.empty()
+        self._lock = threading.RLock()
+        self._memory = Memory.empty(self._lock if readonly else threading.RLock())
         self._packer = Packer(segment_blocks, self.path, self._memory)
         self.snapshot_every_changes = snapshot_every_changes
         self._progress = progress
-        self._lock = threading.RLock()
         self._counters = Counters()
         self._match_observers: list[Callable[[np.ndarray], None]] = []
         self.readonly = readonly
@@ -397,8 +397,8 @@ class Index:
             return plan, refused
 
     def _apply(self, plan: Plan) -> None:
-        """Bring memory up to date with a committed write."""
-        self._memory.apply(plan)
+        """Bring memory up to date with a committed write (under ``Memory.lock``)."""
+        self._memory.apply(plan, self._live_store())
         self._counters.changes_since_snapshot += len(plan.segments)
 
     def _maybe_snapshot(self) -> None:

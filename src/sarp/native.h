@@ -13,6 +13,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #ifndef XXH_INLINE_ALL
 #define XXH_INLINE_ALL
@@ -291,6 +292,37 @@ static inline PyObject *be_key(uint64_t v) {
     uint8_t be[8];
     be8(v, be);
     return PyBytes_FromStringAndSize((const char *)be, 8);
+}
+
+/* A long C call of the writer's (the packer, the aliases' resolution and table) lets a
+ * thread that waits for the GIL run, at most every GIL_TURN_NS: serve's HTTP thread,
+ * which answers from memory the writer changes only between its calls (Index._apply),
+ * then waits for no more than Python's switch interval and this, where it waited for
+ * a whole commit.  Call gil_turn between two steps that leave no Python object half
+ * made; the thread it lets in may read, never change, what the call reads.  Cost: a
+ * counter per step, a clock read every 64, a release and an acquire per turn. */
+#define GIL_TURN_NS 1000000
+typedef struct {
+    uint64_t last_ns;
+    unsigned steps;
+} GilTurn;
+
+static inline uint64_t mono_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static inline void gil_turn(GilTurn *t) {
+    if ((++t->steps & 63) != 0) return;
+    uint64_t now = mono_ns();
+    if (t->last_ns == 0) {
+        t->last_ns = now;
+    } else if (now - t->last_ns >= GIL_TURN_NS) {
+        Py_BEGIN_ALLOW_THREADS
+        Py_END_ALLOW_THREADS
+        t->last_ns = mono_ns();
+    }
 }
 
 #endif

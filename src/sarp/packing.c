@@ -740,6 +740,7 @@ typedef struct {
     RawTxn raw;
     Py_ssize_t new_blocks, removed_blocks;
     PyObject *empty; /* b"" */
+    GilTurn turn;    /* (native.h: a waiting thread's turns, between operations) */
 } Batch;
 
 enum { OP_DONE = 0, OP_NO_PARENT = 1, OP_TO_PYTHON = 2, OP_ERROR = -1 };
@@ -1650,6 +1651,7 @@ static int apply_pending(Batch *b, int dead) {
     sort_writes(w, w + cap, n);
     for (size_t i = 0; i < n; i++) {
         int r;
+        gil_turn(&b->turn);
         switch (w[i].action) {
         case W_PUT_NEW:
             r = cur_put(b, w[i].key, w[i].v, 0);
@@ -1735,6 +1737,7 @@ static PyObject *flush(Batch *b, int *conflict) {
     for (Py_ssize_t x = 0; x < b->nsegs; x++) {
         Seg *s = b->segs[x];
         PyObject *entry;
+        gil_turn(&b->turn);
         if (!s->nh) { /* the record, and its blocks' entries (WriteTxn.delete_segment) */
             if (delete_key(b, s->id, CB_SEGMENTS_DB) < 0) goto fail;
             for (Py_ssize_t i = 0; !b->deferred && i < s->n; i++) {
@@ -1946,6 +1949,7 @@ PyObject *sarp_pack_batch(PyObject *self, PyObject *const *args, Py_ssize_t narg
         Py_ssize_t n;
         Py_buffer buf;
         buf.obj = NULL;
+        gil_turn(&b.turn);
         if (columns) {
             n = sizes[i];
             if (kinds[i] > 1 || n < 0 || at + n > nhashes || name_at[i] < 0

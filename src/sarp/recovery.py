@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -51,18 +52,24 @@ class Memory:
     watermark: int = 0  # the log sequence this memory reflects
     holders_seen: tuple[int, int] = (0, 0)  # names_version as of the names' last load
     ahead: tuple | None = None  # (query, segment ids) of the last read_ahead, not yet read
+    # held while memory changes, and by matches in C (rfc.reading_of): a reader's index
+    # lock (its catch-up changes memory under it); a writer's own, taken only in apply
+    # and resync, so that serve's /query on a thread beside the writer waits for no write
+    lock: threading.RLock | None = None
 
     @classmethod
-    def empty(cls) -> Memory:
+    def empty(cls, lock: threading.RLock | None = None) -> Memory:
         return cls(Directory.from_entries(np.empty(0, np.uint64), np.empty(0, np.uint32)),
-                   HolderSegments(), Holders())
+                   HolderSegments(), Holders(), lock=lock or threading.RLock())
 
     def nbytes(self) -> int:
         """The directory's arrays and the holders' bitmaps, exactly."""
         return self.directory.nbytes() + self.filters.nbytes()
 
-    def apply(self, plan) -> None:
-        """Bring memory up to date with a committed write's :class:`sarp.writeset.Plan`.
+    def apply(self, plan, store=None) -> None:
+        """Bring memory up to date with a committed write's :class:`sarp.writeset.Plan`,
+        under :attr:`lock`; given the writer's ``store`` read in place, the watermark
+        too, to the log's counter (matches in C check it against their read's).
 
         A plan names each segment once, so its changes go in kinds, whatever their
         order: the segments deleted, the new ones, then the filters' rows.
@@ -71,6 +78,12 @@ class Memory:
         and per new one (one call for them all past ``ADD_MANY_FROM``), one bitmap
         difference per holder for the deleted, and a bitmap operation per holder row.
         """
+        with self.lock:
+            self._apply(plan)
+            if store is not None and store.capabilities.local_reads:
+                self.watermark = store.counter("next_seq")
+
+    def _apply(self, plan) -> None:
         self.holders.learn(plan.holder_names)  # new, or ids reused
         directory, filters, segments = self.directory, self.filters, plan.segments
         gone = [(seg_id, first) for seg_id, first, held, _ in segments if held is None]
@@ -153,7 +166,7 @@ def drop_damaged_holders(store: Store, packer, memory: Memory) -> None:
         return plan
 
     plan = store.write(repair)
-    memory.apply(plan)
+    memory.apply(plan, store)
     memory.holders.damaged = []
     log.error("sarp: cleared %d blocks of holders %s, whose names are damaged, and forgot "
               "the names", plan.removed_blocks, ids)
@@ -337,7 +350,7 @@ def resync(store: Store, memory: Memory, counters) -> None:
     (``store.maybe_applied``): memory from the store again (names, then the snapshot and
     the log after it, or a rebuild), so that the next write plans from what is stored,
     not from what memory believes.  Cost: a reader's reload."""
-    with store.read() as r:
+    with memory.lock, store.read() as r:
         memory.load_holders(r)
         if not reload(store, r, memory, r.counter("next_seq"), counters):
             rebuild(r, memory)  # a snapshot newer than this read: not ours to trust

@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include "native.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 /* token_keys(data, width, block_size, seed, parent) -> (keys, locals) as uint64 bytes.
@@ -81,9 +82,10 @@ typedef struct {
 
 enum { KEEP_SLOTS = 1 << 19 }; /* 16 MB: a bigger table is the call's own, freed after;
                                    resolve_aliases_release hands them back when idle */
-static Alias *kept;            /* (only with the GIL: every call holds it throughout) */
+static Alias *kept;            /* (under kept_lock, taken without the GIL) */
 static size_t kept_cap;
 static uint32_t kept_gen;
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* `cap` zeroed slots, their pages mapped writable now (MAP_POPULATE): calloc's or
  * malloc and memset's (which the compiler turns into calloc) fault later. */
@@ -188,9 +190,14 @@ static int alias_get(const AliasTable *t, uint64_t root, uint64_t hash, uint64_t
 /* resolve_aliases_release() -> bytes the kept slots held, handed back (serve calls it
  * once idle, with malloc_trim: the next batch maps them again). */
 PyObject *sarp_resolve_aliases_release(PyObject *self, PyObject *unused) {
-    size_t bytes = kept_cap * sizeof(Alias);
+    size_t bytes;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&kept_lock);
+    bytes = kept_cap * sizeof(Alias);
     slots_free(kept, kept_cap);
     kept = NULL, kept_cap = 0, kept_gen = 0;
+    pthread_mutex_unlock(&kept_lock);
+    Py_END_ALLOW_THREADS
     return PyLong_FromSize_t(bytes);
 }
 
@@ -274,16 +281,6 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "resolve_aliases: sizes do not add up");
         goto done;
     }
-    if (alias_init(&t, (size_t)stored, (size_t)(stored + store_blocks)) < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t j = 0; j < stored; j++) {
-        if (alias_add(&t, s_roots[j], s_hashes[j], s_keys[j]) < 0) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
     keys = PyBytes_FromStringAndSize(NULL, 8 * total);
     found = PyBytes_FromStringAndSize(NULL, total);
     made = PyBytes_FromStringAndSize(NULL, ops);
@@ -296,6 +293,21 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
     uint8_t *f = (uint8_t *)PyBytes_AS_STRING(found), *m = (uint8_t *)PyBytes_AS_STRING(made);
     uint64_t *pk = (uint64_t *)PyBytes_AS_STRING(parent_keys);
     uint8_t *fst = (uint8_t *)PyBytes_AS_STRING(first);
+    /* the rest reads the buffers and writes these, no Python object: without the GIL
+     * (serve's HTTP thread answers meanwhile), the kept slots under their lock */
+    int no_memory = 0;
+    PyThreadState *state = PyEval_SaveThread();
+    pthread_mutex_lock(&kept_lock);
+    if (alias_init(&t, (size_t)stored, (size_t)(stored + store_blocks)) < 0) {
+        no_memory = 1;
+        goto unlock;
+    }
+    for (Py_ssize_t j = 0; j < stored; j++) {
+        if (alias_add(&t, s_roots[j], s_hashes[j], s_keys[j]) < 0) {
+            no_memory = 1;
+            goto unlock;
+        }
+    }
     memset(f, 0, (size_t)total);
     memset(fst, 0, (size_t)total);
     memset(k, 0, 8 * (size_t)total);
@@ -335,8 +347,8 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
             f[at + b] = 1;
             int added = alias_add(&t, root, hashes[at + b], k[at + b]);
             if (added < 0) {
-                PyErr_NoMemory();
-                goto done;
+                no_memory = 1;
+                goto unlock;
             }
             fst[at + b] = (uint8_t)added;
         }
@@ -348,6 +360,14 @@ PyObject *sarp_resolve_aliases(PyObject *self, PyObject *const *args, Py_ssize_t
             f[at + b] = (uint8_t)alias_get(&t, roots[i], hashes[at + b], &k[at + b]);
         }
     }
+unlock:
+    alias_done(&t);
+    pthread_mutex_unlock(&kept_lock);
+    PyEval_RestoreThread(state);
+    if (no_memory) {
+        PyErr_NoMemory();
+        goto done;
+    }
     out = Py_BuildValue("(OOOOO)", keys, found, made, parent_keys, first);
 done:
     Py_XDECREF(keys);
@@ -355,7 +375,6 @@ done:
     Py_XDECREF(made);
     Py_XDECREF(parent_keys);
     Py_XDECREF(first);
-    alias_done(&t);
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
     return out;
 }

@@ -23,7 +23,8 @@ Endpoints:
 Queries are answered by worker processes, each with its own ``readonly=True`` open
 of the index and its own HTTP server (:mod:`sarp.serving.wire`).  Processes, not
 threads, because ingestion and matching are both CPU work in Python: in one process
-they would take turns on the GIL, and a burst of queries would stall ingestion.
+they would take turns on the GIL, and a burst of queries would stall ingestion
+(``--http-workers 0`` chooses that, for half the memory: :mod:`sarp.serving.inprocess`).
 serve's process owns the listening socket and deals each accepted connection to the
 workers in turn (its file descriptor passed over a Unix socket pair,
 :mod:`sarp.serving.workers`): a gateway's pool of 8 keep-alive connections lands 4
@@ -292,7 +293,7 @@ def worker_main(config: HttpConfig, channel: socket.socket, heartbeats=None,
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     index = sarp.open_shards(config.index_path) if config.sharded else sarp.open(
         config.index_path, readonly=True)
-    chores = [] if heartbeats is None else [lambda: _heartbeat(heartbeats, slot)]
+    chores = [] if heartbeats is None else [lambda: stamping(heartbeats, slot)]
     try:
         wire.run(make_server(index, config), channel, chores)
     finally:
@@ -331,6 +332,8 @@ class _Metrics:
         return object.__getattribute__(self, name)
 
 
+_METERS = _Metrics()  # one per process: a thread of serve's restarted keeps them
+
 _PID = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
@@ -340,7 +343,8 @@ def _pid() -> int:
     return _PID[0]
 
 
-async def _heartbeat(heartbeats, slot: int) -> None:
+async def stamping(heartbeats, slot: int) -> None:
+    """A worker's chore: its slot of ``heartbeats`` stamped every ``HEARTBEAT_S``."""
     while True:
         heartbeats[slot] = time.monotonic()
         await asyncio.sleep(HEARTBEAT_S)
@@ -350,7 +354,7 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     """One worker's routes and bounds (see the module docstring)."""
     from .router import score_many, score_match
 
-    meters = _Metrics()
+    meters = _METERS
     path = Path(config.status_dir or config.index_path)
     models = rfc.Models(read_status, path, STATUS_FILE)
 
@@ -367,6 +371,9 @@ def make_server(index, config: HttpConfig) -> wire.Server:
     # a /query answered in one C call when it can be (rfc.answer_now), from what the
     # index's match reads (Index.reading())
     reading = None if remote or config.sharded else rfc.reading_of(index.reading())
+    # on a thread of serve's own (in_process): the writer's index, whose memory C reads
+    # between its commits
+    beside_writer = reading is not None and not index.readonly
 
     def refuse(field: str, message: str, status: int = 400, close: bool = False
                ) -> wire.Response:
@@ -430,8 +437,15 @@ def make_server(index, config: HttpConfig) -> wire.Server:
             return beside(match_answer, body, started)
         return match_answer(body, started)
 
+    def answer_now(body: bytes) -> bytes | None:
+        got = rfc.answer_now(body, models.get(), reading)
+        if got is None and beside_writer:  # the writer's commit going into memory?
+            with reading[0]:  # (its memory lock, held for a few ms: wait it out)
+                got = rfc.answer_now(body, models.get(), reading)
+        return got
+
     def rfc_answer(body: bytes, by_hash: bool) -> bytes | wire.Response:
-        if not by_hash and (got := rfc.answer_now(body, models.get(), reading)) is not None:
+        if not by_hash and (got := answer_now(body)) is not None:
             next(answered)
             return got  # answered in one C call
         try:

@@ -252,19 +252,23 @@ EMPTY = {"scores": {}, "frequencies": [], "instances": {}}
 
 
 def reading_of(reading) -> tuple | None:
-    """What :func:`answer_now` reads of an index (``Index.reading()``): a readonly
-    one on LMDB (its lock; its environment's ``begin`` and the keyword arguments naming
-    the segments' and the meta tables, as ``LmdbReadTxn`` reads them; the store, memory
-    and match observers; and what C reads those tables with in read transactions of
-    its own, ``LmdbStore.raw_reads``, or None: then through ``begin``); None for any
-    other (Valkey, a writer): the general path's.
+    """What :func:`answer_now` reads of an index (``Index.reading()``) on LMDB: the lock
+    that guards its memory (a reader's lock; a writer's memory lock, held only while a
+    commit's changes go into memory, so that serve's ``/query`` on a thread beside its
+    writer waits for no write); its environment's ``begin`` and the keyword arguments
+    naming the segments' and the meta tables, as ``LmdbReadTxn`` reads them; the store,
+    memory and match observers; and what C reads those tables with in read
+    transactions of its own, ``LmdbStore.raw_reads``, or None: then through ``begin``.
+    None for any other (Valkey): the general path's.  C answers only when the memory is
+    current with its read (the log's counter is the memory's watermark), for a writer
+    as for a reader.
     """
     store = reading.store
     env = getattr(store, "env", None)  # (an LmdbStore's)
-    if not reading.readonly or store.capabilities.prefetch or env is None:
+    if store.capabilities.prefetch or env is None:
         return None
-    return (reading.lock, env.begin, {"db": store.segments_db}, {"db": store.meta_db}, store,
-            reading.memory, reading.observers, store.raw_reads())
+    return (reading.memory.lock, env.begin, {"db": store.segments_db}, {"db": store.meta_db},
+            store, reading.memory, reading.observers, store.raw_reads())
 
 
 def answer_now(body: bytes, models: dict[tuple[str, str], Model],

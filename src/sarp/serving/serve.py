@@ -154,8 +154,13 @@ def run(args: argparse.Namespace, zygote=None) -> int:
 
             if args.http_workers is None:
                 args.http_workers = default_workers()
-            if args.http_workers < 1:
-                raise ValueError(f"--http-workers {args.http_workers}: pass 1 or more")
+            if args.http_workers < 0:
+                raise ValueError(f"--http-workers {args.http_workers}: pass 0 (HTTP on a "
+                                 "thread of serve's own) or more (worker processes)")
+            if args.http_workers == 0 and ("://" in str(args.index)
+                                           or getattr(args, "shard", None) is not None):
+                raise ValueError("--http-workers 0 answers from serve's own index, a folder's; "
+                                 "on Valkey or with --shard, pass 1 or more")
             host, port = parse_address(args.http)
             args.http_token = access_token(args.http, args.http_token_file,
                                            args.http_allow_unauthenticated)
@@ -163,7 +168,7 @@ def run(args: argparse.Namespace, zygote=None) -> int:
             zygote = zygote or start_zygote(args.http_workers)
             # listen before the index opens: a port in use stops serve, nothing changed
             early = getattr(args, "early", None)
-            dealer = ConnectionDealer(host, port, args.http_workers, zygote.heartbeats,
+            dealer = ConnectionDealer(host, port, max(1, args.http_workers), zygote.heartbeats,
                                       early.answers if early is not None else None)
         return _signalled(args, sources, dealer, zygote)
     finally:
@@ -234,7 +239,7 @@ def _run(args, sources: list[Source], dealer, zygote, stop: dict, on_valkey: boo
             write_status(Path(status_dir), None, caught_up=False, started=time.time(),
                          engines=sources)
             # the workers open the index and answer while the subscriber is built
-            service = _start_http(args, dealer, zygote, status_dir)
+            service = _start_http(args, dealer, zygote, status_dir, index)
         try:  # built once the workers are asked for (they start meanwhile)
             early = getattr(args, "early", None)  # the engines' sockets, connected early
             adopt = {} if early is None else early.take_engines(args.max_frame_bytes)
@@ -561,7 +566,7 @@ def _report(subscriber: Subscriber) -> None:
                  dict(s["applied"]["bad_events"]) or "none")
 
 
-def _start_http(args, dealer, zygote, status_dir: str):
+def _start_http(args, dealer, zygote, status_dir: str, index):
     from .workers import HttpConfig, HttpService
 
     host, port = dealer.listener.getsockname()[:2]
@@ -570,6 +575,7 @@ def _start_http(args, dealer, zygote, status_dir: str):
                         token=args.http_token, request_timeout_s=args.http_request_timeout_s,
                         idle_timeout_s=args.http_idle_timeout_s,
                         sharded=getattr(args, "shard", None) is not None)
-    service = HttpService(dealer, config, zygote)
-    log.info("HTTP on %s:%d with %d worker processes", host, port, len(service.procs))
+    service = HttpService(dealer, config, zygote, index)
+    log.info("HTTP on %s:%d %s", host, port, "on a thread of serve's own" if zygote.in_process
+             else f"with {len(service.procs)} worker processes")
     return service

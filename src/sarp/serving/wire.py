@@ -550,20 +550,22 @@ def import_loop() -> None:
     import uvloop  # noqa: F401
 
 
-def run(server: Server, channel: socket.socket, chores: list[Callable[[], Awaitable]]) -> None:
+def run(server: Server, channel: socket.socket, chores: list[Callable[[], Awaitable]],
+        signals: bool = True) -> None:
     """Serve the connections that serve's dealer passes over ``channel`` (file
     descriptors, ``SCM_RIGHTS``) on uvloop, with ``chores`` (coroutine functions)
-    beside; until SIGTERM or SIGINT, or serve closes its end."""
+    beside; until serve closes its end, or (``signals``: a worker process's main
+    thread) SIGTERM or SIGINT."""
     import uvloop
 
-    uvloop.run(_serve_dealt(server, channel, chores))
+    uvloop.run(_serve_dealt(server, channel, chores, signals))
 
 
 async def _serve_dealt(server: Server, channel: socket.socket,
-                       chores: list[Callable[[], Awaitable]]) -> None:
+                       chores: list[Callable[[], Awaitable]], signals: bool) -> None:
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT) if signals else ():
         loop.add_signal_handler(signum, done.set)
     every_s = min(1.0, server.request_timeout_s / 4, server.idle_timeout_s / 4)
     tasks = [loop.create_task(server.sweep(every_s))] + [

@@ -268,6 +268,8 @@ class Zygote:
     False
     """
 
+    in_process = False
+
     def __init__(self, close_in_child: list[socket.socket], heartbeats,
                  metrics_dir: str | None = None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -392,7 +394,10 @@ def default_workers(cores: int | None = None) -> int:
     writer keeps busy while engines publish, from 1 to :data:`MAX_DEFAULT_WORKERS`.
     More workers than the cores left only queue behind each other and the writer:
     on 2 cores one worker answered ``/query`` with a lower p99 than two on both
-    traces (docs/performance.md, "one worker per core left").
+    traces (docs/performance.md, "one worker per core left").  0 (HTTP on a thread of
+    serve's own, :class:`InProcess`) is the operator's to choose: half the memory, as
+    many answers when idle, but a match waits for the writer's turns on the GIL while
+    engines publish (docs/performance.md, "HTTP in serve's own process").
 
     >>> default_workers(2), default_workers(1), default_workers(16)
     (1, 1, 8)
@@ -401,10 +406,15 @@ def default_workers(cores: int | None = None) -> int:
     return max(1, min(MAX_DEFAULT_WORKERS, cores - 1))
 
 
-def start_zygote(workers: int) -> Zygote:
+def start_zygote(workers: int):
     """serve's zygote for ``workers`` HTTP workers, forked now: with a new metrics
-    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer).
+    folder, and the workers' :class:`Heartbeats` in it (hand them to the dealer); for
+    0 workers, an :class:`InProcess`, forked nothing.
     Cost: a fork, and about 50 ms of imports in the zygote, beside serve."""
+    if workers == 0:
+        from .inprocess import InProcess
+
+        return InProcess()
     metrics_dir = tempfile.mkdtemp(prefix="sarp-metrics-")
     beats = Heartbeats(os.path.join(metrics_dir, "heartbeats"), workers)
     return Zygote([], beats, metrics_dir=metrics_dir)
@@ -515,13 +525,15 @@ class HttpService:
     STARTUP_S = 30.0  # a new worker's first stamp may take this long (imports, the open)
 
     def __init__(self, dealer: ConnectionDealer, config: HttpConfig,
-                 zygote: Zygote | None = None) -> None:
+                 zygote=None, index=None) -> None:
         import multiprocessing
 
         self.dealer, self.config, self.zygote = dealer, config, zygote
+        self.index = index  # (an InProcess's thread answers from it: serve's own)
         self._ctx = multiprocessing.get_context("spawn")
         self.procs = [self._spawn(k, end) for k, end in enumerate(dealer.worker_ends)]
         self._last_start = [time.monotonic()] * len(self.procs)
+        self._stalled = [False] * len(self.procs)  # (a thread's, said once)
         self.restarts = 0
         self.hung = 0  # workers killed for missing their heartbeat
         dealer.start()
@@ -530,6 +542,10 @@ class HttpService:
         """Worker ``k``: forked by the zygote, or (the zygote gone) a fresh interpreter
         (serve has threads and an open index now: it must not fork itself)."""
         self.dealer.heartbeats[k] = 0.0
+        if self.zygote is not None and self.zygote.in_process:
+            from .inprocess import HttpThread
+
+            return HttpThread(self.config, end, self.dealer.heartbeats, k, self.index)
         if self.zygote is not None:
             try:
                 return _Forked(self.zygote.fork_worker(self.config, end, k))
@@ -550,6 +566,15 @@ class HttpService:
         for k, proc in enumerate(self.procs):
             beat = self.dealer.heartbeats[k]  # 0 until its loop runs
             stamp = beat if beat > 0 else self._last_start[k] + self.STARTUP_S
+            if not getattr(proc, "killable", True) and proc.is_alive():
+                stalled = now - stamp > HUNG_S  # said once a stall, not replaced
+                if stalled and not self._stalled[k]:
+                    log.error("sarp: serve's HTTP thread has not answered for %.0f s; it "
+                              "cannot be replaced in this process: restart serve, or run "
+                              "--http-workers 1 or more", now - stamp)
+                    self.hung += 1
+                self._stalled[k] = stalled
+                continue
             if proc.is_alive() and now - stamp > HUNG_S:
                 log.error("sarp: HTTP worker %d (pid %s) has not answered for %.0f s; "
                           "killing it", k, proc.pid, now - self.dealer.heartbeats[k])
@@ -562,7 +587,8 @@ class HttpService:
                       k, proc.pid, "unknown" if proc.exitcode is None else proc.exitcode)
             from .http import mark_worker_dead
 
-            mark_worker_dead(proc.pid, self.config.metrics_dir)
+            if proc.pid != os.getpid():  # (a thread's metrics are serve's, which goes on)
+                mark_worker_dead(proc.pid, self.config.metrics_dir)
             end = self.dealer.renew(k)
             self.procs[k] = self._spawn(k, end)
             end.close()
