@@ -45,7 +45,8 @@ QUIET_SNAPSHOT_S = 2.0  # ... and after any change, once the last is this old
 # (snapshot_every_changes, 200,000) let 0.3-0.4 s pile up (140,068 changes: 0.22 s);
 # a snapshot costs a pass over the directory, so at most an entry's work per change.
 BUSY_SNAPSHOT_CHANGES = 50_000
-TRIM_EVERY_S = 1.0  # freed heap memory handed back at most this often (_trim_malloc)
+TRIM_EVERY_S = 1.0  # freed heap memory handed back at most this often (_trim_malloc) ...
+TRIM_AFTER_BATCHES = 1_000  # ... or at once after a backlog of this many batches
 # Python's collector looks for cycles in the young objects after every YOUNG_OBJECTS
 # allocations net (700 by default): the subscriber's loop makes a few dozen short-lived
 # objects per event, and almost no cycles.
@@ -322,8 +323,8 @@ def _follow(args, index, subscriber: Subscriber, stop: dict, path: Path | None,
             if now - last_report >= args.report_every_s:
                 _report(subscriber)
                 last_report = now
-            if busy_since_trim and not applied and now - last_trim >= TRIM_EVERY_S:
-                _trim_malloc()  # at the first idle poll after work, at most every 1 s
+            if _trim_due(busy_since_trim, applied, now - last_trim):
+                _trim_malloc()
                 last_trim, busy_since_trim = now, 0
     finally:
         try:
@@ -532,6 +533,18 @@ def _registry(status_dir: Path, subscriber: Subscriber, index, registered: set[s
                                 "field": "instance_id"})
     if changed:
         save_sources(index, list(subscriber.sources.values()), registered)
+
+
+def _trim_due(batches_since: int, applied: int, since_s: float) -> bool:
+    """Whether serve's loop hands freed memory back now: at the first idle poll after
+    work, at most every ``TRIM_EVERY_S``, but at once after a backlog
+    (``TRIM_AFTER_BATCHES``: its messages' memory, freed, is most of serve's then).
+
+    >>> _trim_due(5, 0, 2.0), _trim_due(5, 0, 0.3), _trim_due(5_000, 0, 0.3), _trim_due(5, 3, 9)
+    (True, False, True, False)
+    """
+    return bool(batches_since) and not applied and (
+        since_s >= TRIM_EVERY_S or batches_since >= TRIM_AFTER_BATCHES)
 
 
 def _trim_malloc() -> None:
