@@ -46,12 +46,10 @@ test: $(STAMP) $(DYNAMO)/.installed
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
 
-# serve under every fault at once (docs/design.md, "Faults"), on LMDB, then on Valkey, then
-# on LMDB with HTTP on serve's own thread (--http-workers 0)
+# serve under every fault at once (docs/design.md, "Faults"), on LMDB, then on Valkey
 soak: $(STAMP)
 	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --json bench-results/soak-lmdb.json
 	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --valkey --json bench-results/soak-valkey.json
-	$(BIN)/python -m sarp.bench.soak --seconds $(SOAK_S) --http-workers 0 --json bench-results/soak-lmdb-in-process.json
 
 # dist/: the sdist, and a manylinux wheel with sarp._native inside (auditwheel checks it
 # links nothing beyond glibc, and tags it): `pip install dist/sarp-*.whl` needs no compiler
