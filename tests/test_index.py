@@ -404,3 +404,29 @@ def test_meta_of_blocks_another_holder_stored_first(tmp_path):
         assert m.meta[("w0", "GPU")].tolist() == [10, 11, 12, 13, 14, 15]
         assert m.meta[("w1", "GPU")].tolist() == [21, 22, 23, 24, 25, 26, 27, 28]
         assert ix.check() == []
+
+
+def test_a_writer_changes_memory_only_under_its_memory_lock(tmp_path):
+    """A writer's memory (what serve's HTTP thread reads in C between commits) changes
+    only under ``Memory.lock``: a commit's changes and the watermark after it, and a
+    snapshot's merge of the directory, wait while another thread holds it; the write
+    itself does not (the commit is on disk meanwhile)."""
+    import threading
+
+    with sarp.open(tmp_path / "ix") as ix:
+        ix.insert([1, 2, 3], holder="w0")
+        memory = ix.reading().memory
+        for work in (lambda: ix.insert([4, 5], parent=3, holder="w0"),
+                     lambda: ix.insert([6], holder="w1"), ix.snapshot):
+            before = (memory.watermark, len(memory.directory), memory.directory.keys.size)
+            done = threading.Event()
+            with memory.lock:
+                t = threading.Thread(target=lambda w=work: (w(), done.set()))
+                t.start()
+                assert not done.wait(0.3)  # waiting for the lock ...
+                assert (memory.watermark, len(memory.directory),
+                        memory.directory.keys.size) == before  # ... memory as it was
+            t.join(10)
+            assert done.is_set()
+        assert memory.watermark == ix.reading().store.counter("next_seq") > 0
+        assert ix.match([1, 2, 3, 4, 5]).num_blocks == 5

@@ -502,7 +502,7 @@ class Index:
         with self._lock:
             store = self._writable_store("snapshot")
             watermark = store.counter("next_seq")
-            size = store.save_snapshot(watermark, self._memory.directory, self._memory.filters)
+            size = store.save_snapshot(watermark, *self._memory.compacted())
             if trim:
                 store.trim_log(watermark)
                 store.release_dead_readers()  # so the pages the trim freed can be reused

@@ -62,6 +62,14 @@ class Memory:
         return cls(Directory.from_entries(np.empty(0, np.uint64), np.empty(0, np.uint32)),
                    HolderSegments(), Holders(), lock=lock or threading.RLock())
 
+    def compacted(self) -> tuple[Directory, HolderSegments]:
+        """The directory, its changes merged into its arrays under :attr:`lock` (a change
+        of memory, which a match in C must not see half done), and the filters: what a
+        snapshot writes.  Cost: ``Directory.compact``."""
+        with self.lock:
+            self.directory.compact()
+        return self.directory, self.filters
+
     def nbytes(self) -> int:
         """The directory's arrays and the holders' bitmaps, exactly."""
         return self.directory.nbytes() + self.filters.nbytes()
