@@ -421,7 +421,7 @@ def test_a_writer_changes_memory_only_under_its_memory_lock(tmp_path):
             before = (memory.watermark, len(memory.directory), memory.directory.keys.size)
             done = threading.Event()
             with memory.lock:
-                t = threading.Thread(target=lambda w=work: (w(), done.set()))
+                t = threading.Thread(target=lambda w=work, d=done: (w(), d.set()))
                 t.start()
                 assert not done.wait(0.3)  # waiting for the lock ...
                 assert (memory.watermark, len(memory.directory),
