@@ -480,8 +480,9 @@ def _parse_outcome(body: bytes):
 
 
 def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
-    """Bodies that begin with block_hashes skip Python ints (sarp._native.u64_array); on
-    any body, valid or not, the outcome is the general parse's, 400 messages included."""
+    """Bodies that begin with block_hashes or token_ids skip Python ints
+    (sarp._native.u64_array); on any body, valid or not, the outcome is the general
+    parse's, 400 messages included."""
     import random
 
     import sarp.serving.http as http_mod
@@ -493,10 +494,13 @@ def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
     ints = [0, 1, -1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 2**64, -(2**63) - 1, 10**30]
     pieces = ["1.0", "1e5", "true", "null", '"7"', "01", "-0", "+1", "-", "[1]", "", " "]
     bodies = []
-    for _ in range(3000):
+    for k in range(4000):
         items = [str(rng.choice(ints) if rng.random() < 0.3 else rng.getrandbits(64)
                      * rng.choice([1, 1, -1]) // rng.choice([1, 1, 2**rng.randint(0, 63)]))
                  for _ in range(rng.randint(0, 12))]
+        if k >= 3000:  # token ids: mostly in range (u32), some just past it
+            items = [str(rng.choice([0, 1, 2**32 - 1, 2**32, -1]) if rng.random() < 0.05
+                         else rng.randrange(1 << 32)) for _ in range(rng.randint(0, 40))]
         if rng.random() < 0.2 and items:
             items[rng.randrange(len(items))] = rng.choice(pieces)
         sep = rng.choice([",", ", ", " ,", ",\n", "\t,\r"])
@@ -505,18 +509,20 @@ def test_the_fast_block_hashes_parse_answers_as_the_general_one(monkeypatch):
                            ', "block_hashes": [5]', ', "block_hashes": []', ', "x": 1',
                            ', "block\\u005fhashes": []', ', "token_ids": [1]', ',', ' "a"'])
         head = rng.choice(['{"block_hashes":', ' { "block_hashes" : ', '{"block_size": 16, '
-                           '"block_hashes": '])
+                           '"block_hashes": ']) if k < 3000 else rng.choice(
+            ['{"token_ids":', ' { "token_ids" : ', '{"block_size": 4, "token_ids": '])
         bodies.append((head + array + tail + rng.choice(["}", " }", "}x", ""])).encode())
-    fast_taken = 0
+    fast_taken = [0, 0]  # block hashes, token ids
     with native.Tally() as tally:
-        for body in bodies:
+        for k, body in enumerate(bodies):
             with native.forced("python"):
                 expected = _parse_outcome(body)
             with native.forced("c"):
-                fast_taken += http_mod._with_fast_block_hashes(body) is not None
+                field = b"block_hashes" if k < 3000 else b"token_ids"
+                fast_taken[k >= 3000] += http_mod._with_fast_block_hashes(body, field) is not None
                 assert _parse_outcome(body) == expected, body
-    assert fast_taken > 100  # the fast path was exercised, not only refused
-    assert tally.c("u64_array") >= fast_taken and tally.python("u64_array") >= len(bodies)
+    assert min(fast_taken) > 100  # the fast paths were exercised, not only refused
+    assert tally.c("u64_array") >= sum(fast_taken) and tally.python("u64_array") >= len(bodies)
 
 
 def _digits(rng, count: int) -> str:
