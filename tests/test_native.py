@@ -380,12 +380,32 @@ def test_a_whole_query_in_c_is_the_general_path_s_and_never_ahead_of_the_store(t
         _answer_on_the_writer(index, rng, chains, root, models, raw)
 
 
+def _refused_while_held(lock, body: bytes, models, reading) -> None:
+    """rfc_query leaves ``body`` to the general path while another thread holds ``lock``."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        assert rfc.answer_now(body, models, reading) is None
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def _answer_on_the_writer(index, rng, chains, root, models, raw: bool) -> None:
     """rfc_query on the writer's own index: after each commit C answers as the general
     path does (the writer's memory is current once its commit is in it); while the
     writer's memory lock is held (a commit going into memory) or its memory is behind
     the store, C leaves the query to the general path."""
-    import threading
 
     from sarp.tokenkeys import token_keys
 
@@ -406,21 +426,7 @@ def _answer_on_the_writer(index, rng, chains, root, models, raw: bool) -> None:
         with native.Tally() as t:
             got = rfc.answer_now(body, models, reading)
         assert t.c("rfc_query") == 1 and got == _rfc_general(index, body, models), step
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # another thread in the memory lock, as the writer's _apply is
-        with reading[0]:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
-        assert rfc.answer_now(body, models, reading) is None
-    finally:
-        release.set()
-        holder.join()
+    _refused_while_held(reading[0], body, models, reading)  # as in the writer's _apply
     assert rfc.answer_now(body, models, reading) == got
     memory = index.reading().memory
     memory.watermark -= 1  # memory behind the store: the general path's
@@ -431,7 +437,6 @@ def _answer_on_the_writer(index, rng, chains, root, models, raw: bool) -> None:
 
 def _answer_beside_a_writer(reader, ours, rng, chains, root, models, media, raw) -> None:
     """The test above, its writer at the other end of ``ours``."""
-    import threading
 
     import lmdb
 
@@ -476,22 +481,7 @@ def _answer_beside_a_writer(reader, ours, rng, chains, root, models, media, raw)
                   {**other, "routing_group": "b"}, {**other, "token_ids": [1, 2, 3]},
                   {"model_name": "m", **other}):
         assert rfc.answer_now(orjson.dumps(asked), models, reading) is None, asked
-    held = threading.Event()
-    done = threading.Event()
-
-    def hold() -> None:
-        with reader._lock:  # the parse thread, matching
-            held.set()
-            done.wait(10)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    try:
-        assert held.wait(10)
-        assert rfc.answer_now(body, models, reading) is None
-    finally:
-        done.set()
-        thread.join(10)
+    _refused_while_held(reader._lock, body, models, reading)  # the parse thread, matching
     assert rfc.answer_now(body, models, reading) is not None
     reader.observe_matches(lambda query: None)
     assert rfc.answer_now(body, models, reading) is None

@@ -53,8 +53,9 @@ class Memory:
     holders_seen: tuple[int, int] = (0, 0)  # names_version as of the names' last load
     ahead: tuple | None = None  # (query, segment ids) of the last read_ahead, not yet read
     # held while memory changes, and by matches in C (rfc.reading_of): a reader's index
-    # lock (its catch-up changes memory under it); a writer's own, taken only in apply
-    # and resync, so that serve's /query on a thread beside the writer waits for no write
+    # lock (its catch-up changes memory under it); a writer's own, taken only in apply,
+    # compacted and resync, so that serve's /query on a thread beside the writer waits
+    # for no write
     lock: threading.RLock | None = None
 
     @classmethod
